@@ -1,0 +1,125 @@
+package tollgate
+
+import (
+	"sync/atomic"
+	"time"
+)
+
+// BreakerSettings configures the circuit breaker in front of a Limiter's
+// store. Zero fields mean their defaults.
+type BreakerSettings struct {
+	// Failures is the number of consecutive store failures that open the
+	// breaker. While open, decisions skip the store and follow the failure
+	// policy at once. The default is 3.
+	Failures int
+	// Cooldown is how long the breaker stays open before it lets one call
+	// through to probe the store: success closes it, failure opens it for
+	// another Cooldown. The default is 500ms, so decisions return to the
+	// store within about a second of its recovery.
+	Cooldown time.Duration
+}
+
+// BreakerState is the state of a circuit breaker.
+type BreakerState int32
+
+const (
+	// BreakerClosed means calls go to the store.
+	BreakerClosed BreakerState = iota
+	// BreakerOpen means calls skip the store.
+	BreakerOpen
+	// BreakerHalfOpen means one call is probing the store; the others skip it.
+	BreakerHalfOpen
+)
+
+// String returns "closed", "open" or "half-open".
+func (s BreakerState) String() string {
+	switch s {
+	case BreakerClosed:
+		return "closed"
+	case BreakerOpen:
+		return "open"
+	case BreakerHalfOpen:
+		return "half-open"
+	}
+	return "unknown"
+}
+
+// breaker is a lock-free circuit breaker: a closed breaker costs one atomic
+// load per call, and an open one a clock read.
+type breaker struct {
+	failures int32
+	cooldown time.Duration
+
+	state    atomic.Int32 // BreakerState
+	failed   atomic.Int32 // consecutive failures while closed
+	openedAt atomic.Int64 // UnixNano of the last opening
+}
+
+func newBreaker(s BreakerSettings) *breaker {
+	b := &breaker{failures: int32(s.Failures), cooldown: s.Cooldown}
+	if b.failures < 1 {
+		b.failures = 3
+	}
+	if b.cooldown <= 0 {
+		b.cooldown = 500 * time.Millisecond
+	}
+	return b
+}
+
+// allow reports whether a call may go to the store, and whether that call
+// is the probe. When the cooldown has passed, exactly one caller probes.
+func (b *breaker) allow() (ok, probe bool) {
+	switch BreakerState(b.state.Load()) {
+	case BreakerClosed:
+		return true, false
+	case BreakerOpen:
+		if time.Now().UnixNano()-b.openedAt.Load() < int64(b.cooldown) {
+			return false, false
+		}
+		ok = b.state.CompareAndSwap(int32(BreakerOpen), int32(BreakerHalfOpen))
+		return ok, ok
+	}
+	return false, false
+}
+
+// success records a call the store answered.
+func (b *breaker) success() {
+	if b.failed.Load() != 0 {
+		b.failed.Store(0)
+	}
+	if BreakerState(b.state.Load()) == BreakerHalfOpen {
+		b.state.Store(int32(BreakerClosed))
+	}
+}
+
+// failure records a store failure.
+func (b *breaker) failure() {
+	switch BreakerState(b.state.Load()) {
+	case BreakerHalfOpen:
+		b.open()
+	case BreakerClosed:
+		if b.failed.Add(1) >= b.failures {
+			// The time first, so that no caller sees an open breaker with
+			// a stale opening time and probes at once.
+			b.openedAt.Store(time.Now().UnixNano())
+			b.state.CompareAndSwap(int32(BreakerClosed), int32(BreakerOpen))
+		}
+	}
+}
+
+// abandon ends a probe that told nothing, such as one cancelled by its
+// caller: the breaker opens again with its cooldown already over, so the
+// next call probes. Only the probe may call it.
+func (b *breaker) abandon() {
+	b.state.CompareAndSwap(int32(BreakerHalfOpen), int32(BreakerOpen))
+}
+
+// current returns the state, for logs and tests.
+func (b *breaker) current() BreakerState {
+	return BreakerState(b.state.Load())
+}
+
+func (b *breaker) open() {
+	b.openedAt.Store(time.Now().UnixNano())
+	b.state.Store(int32(BreakerOpen))
+}

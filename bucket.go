@@ -1,0 +1,120 @@
+package tollgate
+
+import "math"
+
+// MicroTokens is the number of micro-tokens in one token. Buckets count in
+// micro-tokens so that fractional refills are whole numbers, exact in Go
+// and in Lua (see docs/adr/0001-token-representation.md).
+const MicroTokens = 1_000_000
+
+// TokenBucket is the state of one plan's bucket and the arithmetic that
+// refills and drains it. It does no I/O and reads no clock: every method
+// takes the time, in microseconds since the Unix epoch (the unit of Redis
+// TIME). MemoryStore applies it under a lock; scripts/token_bucket.lua
+// repeats the same arithmetic inside Redis, and a test keeps the two equal.
+//
+// A TokenBucket is a value; methods return a new state and never modify
+// their receiver.
+type TokenBucket struct {
+	// Tokens is the number of micro-tokens held at Stamp, 0 to the plan's
+	// Capacity × MicroTokens.
+	Tokens int64
+
+	// Stamp is the time of the last refill, in microseconds. It may lag the
+	// time of the refill by less than the time one micro-token takes to
+	// accrue: that fraction is carried to the next refill, not lost. It never
+	// moves backwards.
+	Stamp int64
+}
+
+// FullBucket returns a bucket holding p.Capacity tokens at now, the state of
+// a key that has not been seen or whose bucket expired.
+func FullBucket(p Plan, now int64) TokenBucket {
+	return TokenBucket{Tokens: p.Capacity * MicroTokens, Stamp: now}
+}
+
+// Refill returns the bucket as of now: the tokens accrued at p.Rate since
+// Stamp are added, up to p.Capacity. A now before Stamp refills nothing and
+// leaves Stamp where it is, so a clock that steps back cannot mint tokens.
+func (b TokenBucket) Refill(p Plan, now int64) TokenBucket {
+	full := p.Capacity * MicroTokens
+	if now <= b.Stamp {
+		b.Tokens = min(b.Tokens, full)
+		return b
+	}
+	if b.Tokens >= full {
+		return TokenBucket{Tokens: full, Stamp: now}
+	}
+	// Rate in tokens per second is also micro-tokens per microsecond. The
+	// explicit float64 conversions forbid fused multiply-add, which Lua
+	// cannot do, so Go and Lua round identically on every platform.
+	gain := float64(float64(now-b.Stamp) * p.Rate)
+	if float64(float64(b.Tokens)+gain) >= float64(full) {
+		return TokenBucket{Tokens: full, Stamp: now}
+	}
+	whole := math.Floor(gain)
+	carry := math.Floor((gain - whole) / p.Rate) // microseconds not yet worth a micro-token
+	return TokenBucket{Tokens: b.Tokens + int64(whole), Stamp: now - int64(carry)}
+}
+
+// Take refills the bucket to now and takes cost tokens from it if it holds
+// them. It returns the new state and whether the tokens were taken; when
+// they were not, the state is only refilled. A cost of 0 takes nothing and
+// always succeeds.
+func (b TokenBucket) Take(p Plan, now, cost int64) (TokenBucket, bool) {
+	one := [1]TokenBucket{b}
+	ok := TakeAll([]Plan{p}, one[:], now, cost)
+	return one[0], ok
+}
+
+// TakeAll is Take for chained plans, all or nothing: it refills every
+// bucket to now, and takes cost tokens from each only if each holds them.
+// buckets[i] is the bucket of plans[i] and is updated in place.
+func TakeAll(plans []Plan, buckets []TokenBucket, now, cost int64) bool {
+	need := cost * MicroTokens
+	ok := true
+	for i, p := range plans {
+		buckets[i] = buckets[i].Refill(p, now)
+		ok = ok && buckets[i].Tokens >= need
+	}
+	if ok {
+		for i := range buckets {
+			buckets[i].Tokens -= need
+		}
+	}
+	return ok
+}
+
+// Remaining is the number of whole tokens in the bucket as last refilled.
+func (b TokenBucket) Remaining() int64 {
+	return b.Tokens / MicroTokens
+}
+
+// ReadyAt returns the time, in microseconds, at which a bucket refilled to
+// now will hold cost tokens, assuming nothing else takes from it. It is now
+// when the tokens are already there. cost must not exceed p.Capacity.
+func (b TokenBucket) ReadyAt(p Plan, now, cost int64) int64 {
+	b = b.Refill(p, now)
+	deficit := cost*MicroTokens - b.Tokens
+	if deficit <= 0 {
+		return now
+	}
+	return max(now, b.Stamp+accrualMicros(deficit, p.Rate))
+}
+
+// FullAt returns the time, in microseconds, at which a bucket refilled to
+// now will be full again, assuming nothing takes from it.
+func (b TokenBucket) FullAt(p Plan, now int64) int64 {
+	return b.ReadyAt(p, now, p.Capacity)
+}
+
+// accrualMicros returns the fewest whole microseconds in which deficit
+// micro-tokens accrue at rate, as Refill computes accrual: the smallest w
+// with floor(w × rate) >= deficit.
+func accrualMicros(deficit int64, rate float64) int64 {
+	w := math.Ceil(float64(deficit) / rate)
+	if math.Floor(float64(w*rate)) < float64(deficit) {
+		w++
+	}
+	return int64(w)
+}

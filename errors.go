@@ -1,0 +1,51 @@
+package tollgate
+
+import "errors"
+
+// Errors returned by tollgate. They are wrapped with detail, so match them
+// with errors.Is. No error text ever contains a caller's key: keys may be
+// personal data.
+var (
+	// ErrInvalidKey means a key is empty or longer than MaxKeyLen bytes.
+	ErrInvalidKey = errors.New("tollgate: invalid key")
+
+	// ErrUnknownPlan means a plan name was not given to New.
+	ErrUnknownPlan = errors.New("tollgate: unknown plan")
+
+	// ErrInvalidPlan means a Plan breaks the rules documented on Plan, or a
+	// plan name appears twice.
+	ErrInvalidPlan = errors.New("tollgate: invalid plan")
+
+	// ErrInvalidCost means a cost is below 1 (0 for a Store read), or above
+	// the capacity of one of the plans it is charged to, so that it could
+	// never be allowed.
+	ErrInvalidCost = errors.New("tollgate: invalid cost")
+
+	// ErrInvalidOption means an option given to a constructor is unusable,
+	// such as a Redis key prefix that contains a brace.
+	ErrInvalidOption = errors.New("tollgate: invalid option")
+
+	// ErrStoreUnavailable means the store could not decide: it failed, or
+	// the circuit breaker is open. Limiter returns it only under
+	// FailClosed; the other policies decide without the store.
+	ErrStoreUnavailable = errors.New("tollgate: store unavailable")
+
+	// ErrBadReply means Redis answered the script with a reply of the
+	// wrong shape. It counts as a store failure.
+	ErrBadReply = errors.New("tollgate: unexpected reply from Redis")
+
+	// ErrWaitExceedsDeadline means Wait would have to wait past the
+	// context's deadline, so it returned at once.
+	ErrWaitExceedsDeadline = errors.New("tollgate: wait would exceed context deadline")
+)
+
+// isCallerError reports whether err is the caller's fault (bad input or
+// bad configuration) rather than a store failure. Such errors reach the
+// caller under every failure policy and never trip the breaker.
+func isCallerError(err error) bool {
+	return errors.Is(err, ErrInvalidKey) ||
+		errors.Is(err, ErrUnknownPlan) ||
+		errors.Is(err, ErrInvalidPlan) ||
+		errors.Is(err, ErrInvalidCost) ||
+		errors.Is(err, ErrInvalidOption)
+}

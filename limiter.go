@@ -1,0 +1,350 @@
+// Package tollgate is a distributed token-bucket rate limiter for Go services
+// that run as many instances. Every instance shares one bucket per key and
+// plan, kept in Redis and updated by one atomic Lua script per decision, with
+// Redis TIME as the only clock. A local MemoryStore serves single instances
+// and decides for a while when Redis is down.
+//
+// A Limiter holds named plans (a capacity and a refill rate). One call may
+// chain several plans, for example a burst limit and a daily quota, and then
+// consumes from all of them or from none:
+//
+//	lim, err := tollgate.New(tollgate.NewRedisStore(client), []tollgate.Plan{
+//		{Name: "gold", Capacity: 20, Rate: 10},
+//		{Name: "daily", Capacity: 10_000, Rate: tollgate.Per(10_000, 24*time.Hour)},
+//	})
+//	res, err := lim.Allow(ctx, apiKey, "gold", "daily")
+//	if err == nil && !res.Allowed {
+//		// deny; retry after res.RetryAfter
+//	}
+//
+// Being limited is a Result, not an error. Errors mean bad input or, under
+// FailClosed, an unavailable store.
+package tollgate
+
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync/atomic"
+	"time"
+)
+
+// RateLimiter decides whether a key may proceed. *Limiter implements it;
+// service code and the HTTP middleware depend on it, so tests can stub it.
+type RateLimiter interface {
+	// Allow is AllowN with cost 1.
+	Allow(ctx context.Context, key string, plans ...string) (Result, error)
+	// AllowN takes cost tokens from the bucket of every named plan for key,
+	// or from none of them if any plan lacks the tokens.
+	AllowN(ctx context.Context, key string, cost int64, plans ...string) (Result, error)
+}
+
+// FailurePolicy says how a Limiter decides while its store fails.
+type FailurePolicy int
+
+const (
+	// Fallback lets a local fallback store decide (Source SourceFallback):
+	// each instance then enforces the plans on its own, so the whole fleet
+	// may admit up to one plan's worth per instance. It is the default.
+	Fallback FailurePolicy = iota
+	// FailOpen allows every request (Source SourceFailOpen).
+	FailOpen
+	// FailClosed returns ErrStoreUnavailable.
+	FailClosed
+)
+
+// String returns "fallback", "fail-open" or "fail-closed".
+func (p FailurePolicy) String() string {
+	switch p {
+	case Fallback:
+		return "fallback"
+	case FailOpen:
+		return "fail-open"
+	case FailClosed:
+		return "fail-closed"
+	}
+	return "unknown"
+}
+
+// Option configures a Limiter.
+type Option func(*Limiter)
+
+// WithFailurePolicy sets what a Limiter does while its store fails. The
+// default is Fallback.
+func WithFailurePolicy(p FailurePolicy) Option {
+	return func(l *Limiter) { l.policy = p }
+}
+
+// WithFallback sets the store that decides under the Fallback policy. The
+// default is a NewMemoryStore().
+func WithFallback(s Store) Option {
+	return func(l *Limiter) { l.fallback = s }
+}
+
+// WithBreaker configures the circuit breaker in front of the store. The
+// default is BreakerSettings{}: 3 failures, 500ms cooldown.
+func WithBreaker(s BreakerSettings) Option {
+	return func(l *Limiter) { l.breaker = newBreaker(s) }
+}
+
+// WithLogger sets where a Limiter reports outages: one warning when the
+// store starts failing, one info line with the duration when it recovers.
+// nil discards them. The default is slog.Default().
+func WithLogger(log *slog.Logger) Option {
+	return func(l *Limiter) {
+		if log == nil {
+			log = slog.New(slog.DiscardHandler)
+		}
+		l.log = log
+	}
+}
+
+// Limiter applies named plans to keys through a Store, and decides by its
+// FailurePolicy while the store fails. It is safe for concurrent use.
+type Limiter struct {
+	store    Store
+	fallback Store
+	policy   FailurePolicy
+	breaker  *breaker
+	log      *slog.Logger
+
+	// byName maps a plan name to a one-element slice, so a decision on one
+	// plan builds no slice.
+	byName   map[string][]Plan
+	defaults []Plan
+
+	outageStart atomic.Int64 // UnixNano when the current outage began; 0 when none
+}
+
+var _ RateLimiter = (*Limiter)(nil)
+
+// New returns a Limiter that keeps the buckets of plans in store. Plans are
+// checked here (ErrInvalidPlan), so later calls only look them up by name.
+// A call that names no plan uses plans[0].
+func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
+	if store == nil {
+		return nil, fmt.Errorf("%w: nil store", ErrInvalidOption)
+	}
+	if len(plans) == 0 {
+		return nil, fmt.Errorf("%w: no plans", ErrInvalidPlan)
+	}
+	l := &Limiter{store: store, byName: make(map[string][]Plan, len(plans))}
+	for _, p := range plans {
+		if err := p.validate(); err != nil {
+			return nil, err
+		}
+		if _, dup := l.byName[p.Name]; dup {
+			return nil, fmt.Errorf("%w: name %q appears twice", ErrInvalidPlan, p.Name)
+		}
+		l.byName[p.Name] = []Plan{p}
+	}
+	l.defaults = l.byName[plans[0].Name]
+	for _, o := range opts {
+		o(l)
+	}
+	if l.policy < Fallback || l.policy > FailClosed {
+		return nil, fmt.Errorf("%w: unknown failure policy %d", ErrInvalidOption, l.policy)
+	}
+	if l.breaker == nil {
+		l.breaker = newBreaker(BreakerSettings{})
+	}
+	if l.log == nil {
+		l.log = slog.Default()
+	}
+	if l.policy == Fallback && l.fallback == nil {
+		l.fallback = NewMemoryStore()
+	}
+	return l, nil
+}
+
+// Plan returns the plan named name, and whether there is one.
+func (l *Limiter) Plan(name string) (Plan, bool) {
+	p, ok := l.byName[name]
+	if !ok {
+		return Plan{}, false
+	}
+	return p[0], true
+}
+
+// resolve maps plan names to plans; no names mean the default plan.
+func (l *Limiter) resolve(names []string) ([]Plan, error) {
+	switch len(names) {
+	case 0:
+		return l.defaults, nil
+	case 1:
+		if p, ok := l.byName[names[0]]; ok {
+			return p, nil
+		}
+		return nil, fmt.Errorf("%w: %q", ErrUnknownPlan, names[0])
+	}
+	plans := make([]Plan, len(names))
+	for i, name := range names {
+		p, ok := l.byName[name]
+		if !ok {
+			return nil, fmt.Errorf("%w: %q", ErrUnknownPlan, name)
+		}
+		for _, q := range plans[:i] {
+			if q.Name == name {
+				return nil, fmt.Errorf("%w: %q named twice", ErrUnknownPlan, name)
+			}
+		}
+		plans[i] = p[0]
+	}
+	return plans, nil
+}
+
+// Allow is AllowN with cost 1.
+func (l *Limiter) Allow(ctx context.Context, key string, plans ...string) (Result, error) {
+	return l.AllowN(ctx, key, 1, plans...)
+}
+
+// AllowN takes cost tokens, at least 1, from the bucket of every named plan
+// for key, or from none of them if any plan lacks the tokens; with no plan
+// named, from the first plan given to New. Being denied is a Result with
+// Allowed false, not an error.
+//
+// Errors: ErrInvalidKey, ErrUnknownPlan, ErrInvalidCost (below 1, or above
+// a plan's capacity), the caller's own context error, and, under
+// FailClosed only, ErrStoreUnavailable.
+func (l *Limiter) AllowN(ctx context.Context, key string, cost int64, plans ...string) (Result, error) {
+	return l.decide(ctx, key, cost, 1, plans)
+}
+
+// Peek reports the buckets of key without taking a token. Its Result is
+// always Allowed; Remaining and ResetAfter describe the buckets.
+func (l *Limiter) Peek(ctx context.Context, key string, plans ...string) (Result, error) {
+	return l.decide(ctx, key, 0, 0, plans)
+}
+
+func (l *Limiter) decide(ctx context.Context, key string, cost, minCost int64, names []string) (Result, error) {
+	plans, err := l.resolve(names)
+	if err != nil {
+		return Result{}, err
+	}
+	if err := checkKey(key); err != nil {
+		return Result{}, err
+	}
+	if err := checkCost(cost, minCost, plans); err != nil {
+		return Result{}, err
+	}
+	ok, probe := l.breaker.allow()
+	if !ok {
+		return l.degraded(ctx, key, cost, plans, errBreakerOpen)
+	}
+	r, err := l.store.Take(ctx, key, cost, plans)
+	switch {
+	case err == nil:
+		l.breaker.success()
+		l.recovered()
+		return r, nil
+	case isCallerError(err):
+		if probe {
+			l.breaker.abandon()
+		}
+		return r, err
+	case ctx.Err() != nil:
+		// The caller gave up; that says nothing about the store.
+		if probe {
+			l.breaker.abandon()
+		}
+		if !errors.Is(err, ctx.Err()) {
+			err = ctx.Err()
+		}
+		return Result{}, err
+	}
+	l.breaker.failure()
+	l.failing(err)
+	return l.degraded(ctx, key, cost, plans, err)
+}
+
+var errBreakerOpen = errors.New("circuit breaker open")
+
+// degraded decides by the failure policy, without the store.
+func (l *Limiter) degraded(ctx context.Context, key string, cost int64, plans []Plan, cause error) (Result, error) {
+	switch l.policy {
+	case FailOpen:
+		return failOpenResult(plans), nil
+	case FailClosed:
+		return Result{}, fmt.Errorf("%w: %w", ErrStoreUnavailable, cause)
+	}
+	r, err := l.fallback.Take(ctx, key, cost, plans)
+	if err != nil {
+		return Result{}, fmt.Errorf("%w: fallback store failed too: %w", ErrStoreUnavailable, err)
+	}
+	r.Source = SourceFallback
+	return r, nil
+}
+
+// failing logs the start of an outage, once.
+func (l *Limiter) failing(err error) {
+	if l.outageStart.CompareAndSwap(0, time.Now().UnixNano()) {
+		l.log.Warn("tollgate: store failing; deciding by failure policy until it recovers",
+			"policy", l.policy.String(), "error", err)
+	}
+}
+
+// recovered logs the end of an outage, once.
+func (l *Limiter) recovered() {
+	if l.outageStart.Load() == 0 {
+		return
+	}
+	if start := l.outageStart.Swap(0); start != 0 {
+		l.log.Info("tollgate: store recovered", "outage", time.Duration(time.Now().UnixNano()-start))
+	}
+}
+
+// Reset makes the buckets of key for the named plans full again, in the
+// store and in the fallback store. With no plan named, it resets every plan
+// of the Limiter.
+func (l *Limiter) Reset(ctx context.Context, key string, plans ...string) error {
+	if err := checkKey(key); err != nil {
+		return err
+	}
+	ps, err := l.resolve(plans)
+	if err != nil {
+		return err
+	}
+	if len(plans) == 0 {
+		ps = make([]Plan, 0, len(l.byName))
+		for _, p := range l.byName {
+			ps = append(ps, p[0])
+		}
+	}
+	if l.fallback != nil {
+		if err := l.fallback.Reset(ctx, key, ps); err != nil {
+			return fmt.Errorf("%w: %w", ErrStoreUnavailable, err)
+		}
+	}
+	if err := l.store.Reset(ctx, key, ps); err != nil {
+		if isCallerError(err) || ctx.Err() != nil {
+			return err
+		}
+		return fmt.Errorf("%w: %w", ErrStoreUnavailable, err)
+	}
+	return nil
+}
+
+// Wait takes cost tokens like AllowN, waiting as long as it takes for them.
+// It returns at once, with ErrWaitExceedsDeadline and the denied Result, if
+// ctx's deadline would pass first; it returns ctx's error if ctx ends while
+// waiting. Other clients may take the tokens first; Wait then waits again.
+func (l *Limiter) Wait(ctx context.Context, key string, cost int64, plans ...string) (Result, error) {
+	for {
+		r, err := l.AllowN(ctx, key, cost, plans...)
+		if err != nil || r.Allowed {
+			return r, err
+		}
+		if dl, ok := ctx.Deadline(); ok && time.Until(dl) < r.RetryAfter {
+			return r, ErrWaitExceedsDeadline
+		}
+		t := time.NewTimer(r.RetryAfter)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return r, ctx.Err()
+		case <-t.C:
+		}
+	}
+}

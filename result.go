@@ -1,0 +1,148 @@
+package tollgate
+
+import "time"
+
+// Source tells who made a decision.
+type Source int
+
+const (
+	// SourceStore means the Limiter's store decided: the shared buckets in
+	// Redis, or the MemoryStore when that is the Limiter's store.
+	SourceStore Source = iota
+	// SourceFallback means the store was failing, and the local fallback
+	// store decided (the Fallback policy).
+	SourceFallback
+	// SourceFailOpen means the store was failing, and the request was
+	// allowed without any bucket (the FailOpen policy).
+	SourceFailOpen
+)
+
+// String returns "store", "fallback" or "fail-open".
+func (s Source) String() string {
+	switch s {
+	case SourceStore:
+		return "store"
+	case SourceFallback:
+		return "fallback"
+	case SourceFailOpen:
+		return "fail-open"
+	}
+	return "unknown"
+}
+
+// PlanResult is the state of one plan's bucket after a decision.
+type PlanResult struct {
+	// Plan is the plan's name, for example "gold".
+	Plan string
+	// Limit is the plan's Capacity in tokens, for example 20.
+	Limit int64
+	// Remaining is the number of whole tokens left, for example 19.
+	Remaining int64
+	// RetryAfter is 0 when this plan has the tokens; otherwise the wait
+	// until it would, for example 100ms.
+	RetryAfter time.Duration
+	// ResetAfter is the wait until the bucket is full again, for example
+	// 100ms; 0 when it is full.
+	ResetAfter time.Duration
+}
+
+// Result is the outcome of one decision. Its top-level fields describe the
+// binding plan: when denied, the plan that makes the caller wait longest;
+// when allowed, the plan with the fewest tokens left (the first such plan on
+// a tie).
+type Result struct {
+	// Allowed reports whether the tokens were taken. A read (cost 0) is
+	// always allowed.
+	Allowed bool
+	// Remaining is the number of whole tokens left in the binding plan's
+	// bucket, for example 19.
+	Remaining int64
+	// RetryAfter is 0 when allowed; otherwise the wait until this same
+	// request would pass if nobody else took tokens, for example 250ms.
+	RetryAfter time.Duration
+	// ResetAfter is the wait until the binding plan's bucket is full again,
+	// for example 1.5s.
+	ResetAfter time.Duration
+	// Plan is the binding plan's name, for example "gold".
+	Plan string
+	// Limit is the binding plan's Capacity in tokens, for example 20.
+	Limit int64
+	// Plans holds one PlanResult per plan, in the order asked, when more
+	// than one plan was asked. For a single plan it is nil and the fields
+	// above describe that plan, so the common decision allocates nothing;
+	// PlanResults covers both cases.
+	Plans []PlanResult
+	// Source tells who decided: SourceStore, or, while the store fails,
+	// SourceFallback or SourceFailOpen.
+	Source Source
+}
+
+// PlanResults returns one PlanResult per plan asked, in order. For a single
+// plan it builds the one element from the top-level fields.
+func (r Result) PlanResults() []PlanResult {
+	if r.Plans != nil {
+		return r.Plans
+	}
+	return []PlanResult{r.binding()}
+}
+
+// binding returns the top-level fields as a PlanResult.
+func (r Result) binding() PlanResult {
+	return PlanResult{Plan: r.Plan, Limit: r.Limit, Remaining: r.Remaining, RetryAfter: r.RetryAfter, ResetAfter: r.ResetAfter}
+}
+
+// newResult describes a decision from the buckets after it: buckets[i] is
+// plans[i]'s bucket as refilled to now and, if allowed, drained by cost.
+// Both stores build their results here, so they agree field by field.
+func newResult(plans []Plan, buckets []TokenBucket, now, cost int64, allowed bool) Result {
+	if len(plans) == 1 {
+		r := Result{Allowed: allowed}
+		r.setBinding(planResult(plans[0], buckets[0], now, cost, allowed))
+		return r
+	}
+	r := Result{Allowed: allowed, Plans: make([]PlanResult, len(plans))}
+	bind := 0
+	for i, p := range plans {
+		pr := planResult(p, buckets[i], now, cost, allowed)
+		r.Plans[i] = pr
+		b := r.Plans[bind]
+		if allowed && pr.Remaining < b.Remaining || !allowed && pr.RetryAfter > b.RetryAfter {
+			bind = i
+		}
+	}
+	r.setBinding(r.Plans[bind])
+	return r
+}
+
+func (r *Result) setBinding(pr PlanResult) {
+	r.Plan, r.Limit, r.Remaining, r.RetryAfter, r.ResetAfter = pr.Plan, pr.Limit, pr.Remaining, pr.RetryAfter, pr.ResetAfter
+}
+
+func planResult(p Plan, b TokenBucket, now, cost int64, allowed bool) PlanResult {
+	pr := PlanResult{
+		Plan:       p.Name,
+		Limit:      p.Capacity,
+		Remaining:  b.Remaining(),
+		ResetAfter: micros(b.FullAt(p, now) - now),
+	}
+	if !allowed {
+		pr.RetryAfter = micros(b.ReadyAt(p, now, cost) - now)
+	}
+	return pr
+}
+
+// failOpenResult is the decision of the FailOpen policy: allowed, with every
+// bucket reported full because nothing is known of them.
+func failOpenResult(plans []Plan) Result {
+	buckets := make([]TokenBucket, len(plans))
+	for i, p := range plans {
+		buckets[i] = FullBucket(p, 0)
+	}
+	r := newResult(plans, buckets, 0, 0, true)
+	r.Source = SourceFailOpen
+	return r
+}
+
+func micros(us int64) time.Duration {
+	return time.Duration(us) * time.Microsecond
+}

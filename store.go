@@ -1,0 +1,62 @@
+package tollgate
+
+import (
+	"context"
+	"fmt"
+)
+
+// Store keeps token buckets and decides on them. RedisStore and MemoryStore
+// implement it; a Limiter adds plan names, validation and failure handling
+// on top. Implementations must be safe for concurrent use.
+type Store interface {
+	// Take takes cost tokens from the bucket of every plan for key, or from
+	// none of them if any plan lacks the tokens, in one atomic step. A cost
+	// of 0 reads the buckets without taking anything. Being limited is
+	// reported in the Result, not as an error.
+	Take(ctx context.Context, key string, cost int64, plans []Plan) (Result, error)
+
+	// Reset makes the buckets of the plans for key full again.
+	Reset(ctx context.Context, key string, plans []Plan) error
+}
+
+// checkKey rejects keys no store accepts. The key itself never appears in
+// the error: it may be personal data.
+func checkKey(key string) error {
+	if key == "" {
+		return fmt.Errorf("%w: empty", ErrInvalidKey)
+	}
+	if len(key) > MaxKeyLen {
+		return fmt.Errorf("%w: %d bytes, more than %d", ErrInvalidKey, len(key), MaxKeyLen)
+	}
+	return nil
+}
+
+// checkCost rejects a cost below minCost or above any plan's capacity.
+func checkCost(cost, minCost int64, plans []Plan) error {
+	if cost < minCost {
+		return fmt.Errorf("%w: %d is below %d", ErrInvalidCost, cost, minCost)
+	}
+	for _, p := range plans {
+		if cost > p.Capacity {
+			return fmt.Errorf("%w: %d exceeds the capacity %d of plan %q", ErrInvalidCost, cost, p.Capacity, p.Name)
+		}
+	}
+	return nil
+}
+
+// checkTake validates a Store request: a store takes plans from any caller,
+// so it checks everything its arithmetic relies on.
+func checkTake(key string, cost int64, plans []Plan) error {
+	if err := checkKey(key); err != nil {
+		return err
+	}
+	if len(plans) == 0 {
+		return fmt.Errorf("%w: no plan given", ErrUnknownPlan)
+	}
+	for _, p := range plans {
+		if err := p.validateNumbers(); err != nil {
+			return err
+		}
+	}
+	return checkCost(cost, 0, plans)
+}
