@@ -21,7 +21,6 @@
 // FailClosed, an unavailable store.
 package tollgate
 
-
 import (
 	"context"
 	"errors"

@@ -57,8 +57,13 @@ func WithMaxKeys(n int) MemoryOption {
 // no lock contention left at this count on the machines we measured.
 const maxShards = 64
 
-// evictSample is how many buckets an insertion at the bound examines.
-const evictSample = 16
+// Buckets an insertion examines: a few on every insertion, so that full
+// buckets go without pressure; a larger sample once the shard is at its
+// bound, to pick a good victim.
+const (
+	sweepSample = 4
+	evictSample = 16
+)
 
 // NewMemoryStore returns an empty MemoryStore.
 func NewMemoryStore(opts ...MemoryOption) *MemoryStore {
@@ -150,9 +155,7 @@ func (s *memShard) insert(k memKey, b *memBucket, perCap int, now int64) {
 	var victim memKey
 	victimAt := int64(-1)
 	for ok, e := range s.buckets {
-		// Examine a couple of buckets on every insertion so that full ones
-		// go without pressure, and a sample once the shard is at its bound.
-		if examined >= evictSample || examined >= 2 && len(s.buckets) < perCap {
+		if examined >= evictSample || examined >= sweepSample && len(s.buckets) < perCap {
 			break
 		}
 		examined++

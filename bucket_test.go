@@ -1,0 +1,158 @@
+package tollgate
+
+import (
+	"math"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+const t0 = int64(1_700_000_000_000_000) // µs, an arbitrary epoch for tests
+
+func TestTokenBucketSteps(t *testing.T) {
+	p := Plan{Name: "p", Capacity: 3, Rate: 2} // 2 tokens/s: one every 500ms
+	type step struct {
+		at      int64 // µs after t0
+		cost    int64
+		ok      bool
+		tokens  int64 // micro-tokens after the step
+		readyAt int64 // µs after t0 at which cost tokens are there
+	}
+	tests := []struct {
+		name  string
+		steps []step
+	}{
+		{"burst then deny", []step{
+			{0, 1, true, 2_000_000, 0},
+			{0, 1, true, 1_000_000, 0},
+			{0, 1, true, 0, 0},
+			{0, 1, false, 0, 500_000},
+			{499_999, 1, false, 999_998, 500_000},
+			{500_000, 1, true, 0, 500_000},
+		}},
+		{"refill caps at capacity", []step{
+			{0, 3, true, 0, 0},
+			{10_000_000, 1, true, 2_000_000, 10_000_000},
+		}},
+		{"cost larger than tokens takes nothing", []step{
+			{0, 2, true, 1_000_000, 0},
+			{0, 2, false, 1_000_000, 500_000},
+			{250_000, 2, false, 1_500_000, 500_000},
+			{500_000, 2, true, 0, 500_000},
+		}},
+		{"time going back refills nothing", []step{
+			{1_000_000, 3, true, 0, 1_000_000},
+			{0, 1, false, 0, 1_500_000},
+			{1_250_000, 1, false, 500_000, 1_500_000},
+		}},
+		{"cost 0 reads", []step{
+			{0, 0, true, 3_000_000, 0},
+			{0, 3, true, 0, 0},
+			{100_000, 0, true, 200_000, 100_000},
+		}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			b := FullBucket(p, t0)
+			for i, s := range tt.steps {
+				now := t0 + s.at
+				assert.Equal(t, t0+s.readyAt, b.ReadyAt(p, now, s.cost), "step %d: ReadyAt", i)
+				var ok bool
+				b, ok = b.Take(p, now, s.cost)
+				assert.Equal(t, s.ok, ok, "step %d: Take(%d, %d)", i, s.at, s.cost)
+				assert.Equal(t, s.tokens, b.Tokens, "step %d: tokens", i)
+				assert.LessOrEqual(t, b.Stamp, max(now, t0+1_000_000), "step %d: stamp", i)
+			}
+		})
+	}
+}
+
+func TestTokenBucketStampNeverMovesBack(t *testing.T) {
+	p := Plan{Name: "p", Capacity: 10, Rate: 3}
+	b := TokenBucket{Tokens: 0, Stamp: t0}
+	b = b.Refill(p, t0-5_000_000)
+	assert.Equal(t, TokenBucket{Tokens: 0, Stamp: t0}, b)
+	b = TokenBucket{Tokens: 20_000_000, Stamp: t0} // above capacity, e.g. after the plan shrank
+	assert.Equal(t, int64(10_000_000), b.Refill(p, t0-1).Tokens)
+}
+
+// TestTokenBucketCarry checks that the part of a refill too small to be a
+// micro-token is carried in the stamp, not dropped.
+func TestTokenBucketCarry(t *testing.T) {
+	p := Plan{Name: "p", Capacity: 1, Rate: 0.25} // a quarter micro-token per µs
+	b := TokenBucket{Tokens: 0, Stamp: t0}
+	b = b.Refill(p, t0+3) // 0.75 µtok: nothing whole yet
+	assert.Equal(t, TokenBucket{Tokens: 0, Stamp: t0}, b)
+	b = b.Refill(p, t0+5) // 1.25 µtok: one whole, 1 µs carried
+	assert.Equal(t, TokenBucket{Tokens: 1, Stamp: t0 + 4}, b)
+}
+
+// TestPollingDoesNotStarve polls every millisecond, far faster than the
+// bucket refills, and demands exactly the refill rate: the bug of seed 000,
+// which floored each refill and reset the timestamp, admitted nothing.
+func TestPollingDoesNotStarve(t *testing.T) {
+	for _, rate := range []float64{2, 1.0 / 3, Per(1, 24*3600e9)} {
+		p := Plan{Name: "p", Capacity: 1, Rate: rate}
+		b := TokenBucket{Tokens: 0, Stamp: t0}
+		admitted := int64(0)
+		const polls = 200_000 // 200 s at one poll per ms
+		for i := int64(1); i <= polls; i++ {
+			var ok bool
+			if b, ok = b.Take(p, t0+i*1000, 1); ok {
+				admitted++
+			}
+		}
+		want := int64(math.Floor(rate * polls / 1000))
+		assert.Equal(t, want, admitted, "rate %v", rate)
+	}
+}
+
+// TestMillionOperationsExact drives one bucket through a million requests
+// at irregular intervals and compares the admitted count with the bound
+// capacity + rate × elapsed: never above it, and below it by less than one
+// token plus what the last partial refill holds.
+func TestMillionOperationsExact(t *testing.T) {
+	for _, p := range []Plan{
+		{Name: "int", Capacity: 10, Rate: 100},
+		{Name: "frac", Capacity: 7, Rate: 33.3},
+		{Name: "slow", Capacity: 5, Rate: 0.7},
+	} {
+		b := FullBucket(p, t0)
+		now, admitted := t0, int64(0)
+		x := uint64(88172645463325252)
+		for i := 0; i < 1_000_000; i++ {
+			x ^= x << 13
+			x ^= x >> 7
+			x ^= x << 17
+			now += int64(x % 2000) // 0 to 2 ms, mean 1 ms
+			var ok bool
+			if b, ok = b.Take(p, now, 1); ok {
+				admitted++
+			}
+		}
+		bound := float64(p.Capacity) + p.Rate*float64(now-t0)/1e6
+		left := float64(b.Refill(p, now).Tokens) / MicroTokens
+		assert.LessOrEqual(t, float64(admitted), bound, "plan %s", p.Name)
+		assert.InDelta(t, bound, float64(admitted)+left, 1, "plan %s: admitted %d + left %.6f vs bound %.6f", p.Name, admitted, left, bound)
+	}
+}
+
+func TestTakeAllIsAllOrNothing(t *testing.T) {
+	plans := []Plan{{Name: "burst", Capacity: 5, Rate: 1}, {Name: "daily", Capacity: 2, Rate: 0.001}}
+	buckets := []TokenBucket{FullBucket(plans[0], t0), FullBucket(plans[1], t0)}
+	require.True(t, TakeAll(plans, buckets, t0, 2))
+	assert.Equal(t, []int64{3_000_000, 0}, []int64{buckets[0].Tokens, buckets[1].Tokens})
+	require.False(t, TakeAll(plans, buckets, t0, 1), "daily is empty")
+	assert.Equal(t, int64(3_000_000), buckets[0].Tokens, "burst must not pay for a denied request")
+}
+
+func TestAccrualMicrosIsSmallestSufficient(t *testing.T) {
+	for _, rate := range []float64{1, 3, 0.1, 1.0 / 3, 7.77, 1e-6, 123456.789} {
+		for _, deficit := range []int64{1, 2, 999_999, 1_000_000, 12_345_678} {
+			w := accrualMicros(deficit, rate)
+			assert.GreaterOrEqual(t, math.Floor(float64(w)*rate), float64(deficit), "rate %v deficit %d", rate, deficit)
+			assert.Less(t, math.Floor(float64(w-1)*rate), float64(deficit), "rate %v deficit %d: not smallest", rate, deficit)
+		}
+	}
+}

@@ -1,0 +1,187 @@
+package tollgate
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+func TestMemoryStoreChainIsAllOrNothing(t *testing.T) {
+	ctx := context.Background()
+	now := t0
+	m := newClockedMemoryStore(&now)
+	burst, daily := Plan{Name: "burst", Capacity: 5, Rate: 1}, Plan{Name: "daily", Capacity: 2, Rate: 0.0001}
+	chain := []Plan{burst, daily}
+	for i := 0; i < 2; i++ {
+		r, err := m.Take(ctx, "k", 1, chain)
+		require.NoError(t, err)
+		require.True(t, r.Allowed)
+	}
+	r, err := m.Take(ctx, "k", 1, chain)
+	require.NoError(t, err)
+	assert.False(t, r.Allowed)
+	assert.Equal(t, "daily", r.Plan, "the plan that makes the caller wait is binding")
+	assert.Equal(t, []int64{3, 0}, []int64{r.Plans[0].Remaining, r.Plans[1].Remaining})
+	assert.Equal(t, time.Duration(0), r.Plans[0].RetryAfter)
+	assert.Equal(t, 10_000*time.Second, r.Plans[1].RetryAfter)
+	assert.Equal(t, r.Plans[1].RetryAfter, r.RetryAfter)
+
+	r, err = m.Take(ctx, "k", 1, []Plan{burst})
+	require.NoError(t, err)
+	assert.Equal(t, int64(2), r.Remaining, "the denied chain took nothing from burst")
+}
+
+func TestMemoryStoreBindingPlanWhenAllowed(t *testing.T) {
+	ctx := context.Background()
+	now := t0
+	m := newClockedMemoryStore(&now)
+	a, b := Plan{Name: "a", Capacity: 10, Rate: 1}, Plan{Name: "b", Capacity: 3, Rate: 1}
+	r, err := m.Take(ctx, "k", 1, []Plan{a, b})
+	require.NoError(t, err)
+	assert.Equal(t, "b", r.Plan)
+	assert.Equal(t, int64(2), r.Remaining)
+	assert.Equal(t, int64(3), r.Limit)
+	assert.Equal(t, time.Second, r.ResetAfter)
+}
+
+// TestMemoryStoreConcurrentExact hammers one key from many goroutines on
+// the real clock and checks the admitted count against its bound.
+func TestMemoryStoreConcurrentExact(t *testing.T) {
+	ctx := context.Background()
+	m := NewMemoryStore()
+	p := Plan{Name: "p", Capacity: 50, Rate: 1000}
+	var admitted atomic.Int64
+	start := m.now()
+	var wg sync.WaitGroup
+	for g := 0; g < 16; g++ {
+		wg.Go(func() {
+			for i := 0; i < 5000; i++ {
+				r, err := m.Take(ctx, "hot", 1, []Plan{p})
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				if r.Allowed {
+					admitted.Add(1)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	elapsed := float64(m.now()-start) / 1e6
+	bound := float64(p.Capacity) + p.Rate*elapsed
+	assert.LessOrEqual(t, float64(admitted.Load()), bound)
+	assert.Greater(t, admitted.Load(), p.Capacity, "refills must be admitted too")
+}
+
+func TestMemoryStoreBoundsKeys(t *testing.T) {
+	ctx := context.Background()
+	now := t0
+	m := NewMemoryStore(WithMaxKeys(1000))
+	m.now = func() int64 { return now }
+	p := Plan{Name: "p", Capacity: 10, Rate: 0.001} // nothing refills during the test
+	for i := 0; i < 50_000; i++ {
+		_, err := m.Take(ctx, fmt.Sprint("flood-", i), 1, []Plan{p})
+		require.NoError(t, err)
+	}
+	assert.LessOrEqual(t, m.Len(), 1000)
+	assert.Greater(t, m.Len(), 900, "the bound is used, not undershot")
+}
+
+func TestMemoryStoreDropsFullBuckets(t *testing.T) {
+	ctx := context.Background()
+	now := t0
+	m := newClockedMemoryStore(&now)
+	p := Plan{Name: "p", Capacity: 2, Rate: 1}
+	for i := 0; i < 1000; i++ {
+		_, err := m.Take(ctx, fmt.Sprint("old-", i), 1, []Plan{p})
+		require.NoError(t, err)
+	}
+	require.Equal(t, 1000, m.Len())
+	now += 2_000_000 // every old bucket is full again
+	for i := 0; i < 1000; i++ {
+		_, err := m.Take(ctx, fmt.Sprint("new-", i), 1, []Plan{p})
+		require.NoError(t, err)
+	}
+	assert.Less(t, m.Len(), 1100, "full buckets are dropped as new ones arrive")
+}
+
+// keysInShard returns n keys that land in shard 0 of m.
+func keysInShard(m *MemoryStore, n int) []string {
+	var keys []string
+	for i := 0; len(keys) < n; i++ {
+		if k := fmt.Sprint("k", i); m.shard(k) == &m.shards[0] {
+			keys = append(keys, k)
+		}
+	}
+	return keys
+}
+
+func TestMemoryStoreEvictsClosestToFull(t *testing.T) {
+	ctx := context.Background()
+	now := t0
+	m := NewMemoryStore(WithMaxKeys(2 * maxShards))
+	m.now = func() int64 { return now }
+	require.Equal(t, 2, m.perCap)
+	p := Plan{Name: "p", Capacity: 10, Rate: 1}
+	keys := keysInShard(m, 3)
+	_, err := m.Take(ctx, keys[0], 9, []Plan{p}) // full in 9 s
+	require.NoError(t, err)
+	_, err = m.Take(ctx, keys[1], 1, []Plan{p}) // full in 1 s
+	require.NoError(t, err)
+	_, err = m.Take(ctx, keys[2], 1, []Plan{p}) // no room: one must go
+	require.NoError(t, err)
+	assert.Len(t, m.shards[0].buckets, 2)
+	r, err := m.Take(ctx, keys[0], 0, []Plan{p})
+	require.NoError(t, err)
+	assert.Equal(t, int64(1), r.Remaining, "the emptier bucket stays")
+	r, err = m.Take(ctx, keys[1], 0, []Plan{p})
+	require.NoError(t, err)
+	assert.Equal(t, int64(10), r.Remaining, "the bucket closest to full went")
+}
+
+func TestMemoryStoreNeverEvictsOwnChain(t *testing.T) {
+	ctx := context.Background()
+	now := t0
+	m := NewMemoryStore(WithMaxKeys(maxShards)) // one bucket per shard
+	m.now = func() int64 { return now }
+	require.Equal(t, 1, m.perCap)
+	chain := []Plan{{Name: "a", Capacity: 10, Rate: 1}, {Name: "b", Capacity: 10, Rate: 1}}
+	key := keysInShard(m, 1)[0]
+	_, err := m.Take(ctx, key, 9, chain)
+	require.NoError(t, err)
+	r, err := m.Take(ctx, key, 1, chain)
+	require.NoError(t, err)
+	assert.Equal(t, []int64{0, 0}, []int64{r.Plans[0].Remaining, r.Plans[1].Remaining},
+		"a chain overfills its shard rather than drop its own plans")
+}
+
+func TestMemoryStoreReset(t *testing.T) {
+	ctx := context.Background()
+	m := NewMemoryStore()
+	_, err := m.Take(ctx, "k", 4, []Plan{gold})
+	require.NoError(t, err)
+	require.NoError(t, m.Reset(ctx, "k", []Plan{gold}))
+	r, err := m.Take(ctx, "k", 0, []Plan{gold})
+	require.NoError(t, err)
+	assert.Equal(t, int64(4), r.Remaining)
+	assert.Equal(t, 0, m.Len())
+}
+
+func TestMemoryStoreTakeDoesNotAllocate(t *testing.T) {
+	ctx := context.Background()
+	m := NewMemoryStore()
+	plans := []Plan{{Name: "p", Capacity: 1 << 30, Rate: 1e6}}
+	_, err := m.Take(ctx, "k", 1, plans)
+	require.NoError(t, err)
+	allocs := testing.AllocsPerRun(1000, func() {
+		_, _ = m.Take(ctx, "k", 1, plans)
+	})
+	assert.Equal(t, 0.0, allocs)
+}
