@@ -1,0 +1,96 @@
+package tollgate_test
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/alicebob/miniredis/v2"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/tollgate-go/tollgate"
+)
+
+func ExampleLimiter_Allow() {
+	lim, err := tollgate.New(tollgate.NewMemoryStore(), []tollgate.Plan{
+		{Name: "api", Capacity: 3, Rate: 1}, // bursts of 3, then 1 a second
+	})
+	if err != nil {
+		panic(err)
+	}
+	for i := 0; i < 4; i++ {
+		res, err := lim.Allow(context.Background(), "user-42")
+		if err != nil {
+			panic(err)
+		}
+		fmt.Println(res.Allowed, res.Remaining, res.RetryAfter.Round(100*time.Millisecond))
+	}
+	// Output:
+	// true 2 0s
+	// true 1 0s
+	// true 0 0s
+	// false 0 1s
+}
+
+func ExampleLimiter_Allow_chained() {
+	lim, err := tollgate.New(tollgate.NewMemoryStore(), []tollgate.Plan{
+		{Name: "burst", Capacity: 10, Rate: 5},
+		{Name: "daily", Capacity: 2, Rate: tollgate.Per(2, 24*time.Hour)},
+	})
+	if err != nil {
+		panic(err)
+	}
+	for i := 0; i < 3; i++ {
+		res, err := lim.Allow(context.Background(), "user-42", "burst", "daily")
+		if err != nil {
+			panic(err)
+		}
+		fmt.Printf("allowed=%v binding=%s burst=%d daily=%d\n",
+			res.Allowed, res.Plan, res.Plans[0].Remaining, res.Plans[1].Remaining)
+	}
+	// Output:
+	// allowed=true binding=daily burst=9 daily=1
+	// allowed=true binding=daily burst=8 daily=0
+	// allowed=false binding=daily burst=8 daily=0
+}
+
+func ExampleNewRedisStore() {
+	mr, err := miniredis.Run() // in a service: your Redis
+	if err != nil {
+		panic(err)
+	}
+	defer mr.Close()
+	client := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	defer client.Close()
+
+	store := tollgate.NewRedisStore(client)
+	lim, err := tollgate.New(store, []tollgate.Plan{{Name: "gold", Capacity: 2, Rate: 1}})
+	if err != nil {
+		panic(err)
+	}
+	res, err := lim.Allow(context.Background(), "user:42", "gold")
+	if err != nil {
+		panic(err)
+	}
+	fmt.Println(res.Allowed, res.Remaining, res.Source)
+	fmt.Println(store.Key("user:42", "gold"))
+	// Output:
+	// true 1 store
+	// tollgate:{user:42}:gold
+}
+
+func ExampleLimiter_Wait() {
+	lim, err := tollgate.New(tollgate.NewMemoryStore(), []tollgate.Plan{{Name: "jobs", Capacity: 1, Rate: 20}})
+	if err != nil {
+		panic(err)
+	}
+	ctx := context.Background()
+	start := time.Now()
+	for i := 0; i < 3; i++ { // one now, then one every 50ms
+		if _, err := lim.Wait(ctx, "worker", 1); err != nil {
+			panic(err)
+		}
+	}
+	fmt.Println("waited at least 100ms:", time.Since(start) >= 99*time.Millisecond)
+	// Output: waited at least 100ms: true
+}
