@@ -30,7 +30,7 @@ func failFast(addr string) *redis.Options {
 		ReadTimeout:           100 * time.Millisecond,
 		WriteTimeout:          100 * time.Millisecond,
 		PoolTimeout:           100 * time.Millisecond,
-		DialerRetries:         1, // go-redis dials 5 times, 100 ms apart, by default
+		DialerRetries:         1,  // go-redis dials 5 times, 100 ms apart, by default
 		MaxRetries:            -1, // no retries: the failure policy is the retry
 		ContextTimeoutEnabled: true,
 	}
@@ -346,4 +346,3 @@ func TestRealRedisForeignType(t *testing.T) {
 	require.NoError(t, err)
 	assert.InDelta(t, float64(500*time.Millisecond), float64(ttl), float64(5*time.Millisecond))
 }
-
