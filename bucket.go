@@ -94,18 +94,22 @@ func (b TokenBucket) Remaining() int64 {
 // now will hold cost tokens, assuming nothing else takes from it. It is now
 // when the tokens are already there. cost must not exceed p.Capacity.
 func (b TokenBucket) ReadyAt(p Plan, now, cost int64) int64 {
-	b = b.Refill(p, now)
-	deficit := cost*MicroTokens - b.Tokens
-	if deficit <= 0 {
-		return now
-	}
-	return max(now, b.Stamp+accrualMicros(deficit, p.Rate))
+	return b.Refill(p, now).readyAt(p, now, cost)
 }
 
 // FullAt returns the time, in microseconds, at which a bucket refilled to
 // now will be full again, assuming nothing takes from it.
 func (b TokenBucket) FullAt(p Plan, now int64) int64 {
 	return b.ReadyAt(p, now, p.Capacity)
+}
+
+// readyAt is ReadyAt for a bucket already refilled to now.
+func (b TokenBucket) readyAt(p Plan, now, cost int64) int64 {
+	deficit := cost*MicroTokens - b.Tokens
+	if deficit <= 0 {
+		return now
+	}
+	return max(now, b.Stamp+accrualMicros(deficit, p.Rate))
 }
 
 // accrualMicros returns the fewest whole microseconds in which deficit

@@ -105,9 +105,14 @@ func WithLogger(log *slog.Logger) Option {
 type Limiter struct {
 	store    Store
 	fallback Store
-	policy   FailurePolicy
-	breaker  *breaker
-	log      *slog.Logger
+
+	// taker and fallbackTaker skip the stores' own checks where they can:
+	// the Limiter has made them.
+	taker, fallbackTaker checkedTaker
+
+	policy  FailurePolicy
+	breaker *breaker
+	log     *slog.Logger
 
 	// byName maps a plan name to a one-element slice, so a decision on one
 	// plan builds no slice.
@@ -154,6 +159,10 @@ func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
 	}
 	if l.policy == Fallback && l.fallback == nil {
 		l.fallback = NewMemoryStore()
+	}
+	l.taker = takerOf(store)
+	if l.fallback != nil {
+		l.fallbackTaker = takerOf(l.fallback)
 	}
 	return l, nil
 }
@@ -232,7 +241,7 @@ func (l *Limiter) decide(ctx context.Context, key string, cost, minCost int64, n
 	if !ok {
 		return l.degraded(ctx, key, cost, plans, errBreakerOpen)
 	}
-	r, err := l.store.Take(ctx, key, cost, plans)
+	r, err := l.taker.take(ctx, key, cost, plans)
 	switch {
 	case err == nil:
 		l.breaker.success()
@@ -268,7 +277,7 @@ func (l *Limiter) degraded(ctx context.Context, key string, cost int64, plans []
 	case FailClosed:
 		return Result{}, fmt.Errorf("%w: %w", ErrStoreUnavailable, cause)
 	}
-	r, err := l.fallback.Take(ctx, key, cost, plans)
+	r, err := l.fallbackTaker.take(ctx, key, cost, plans)
 	if err != nil {
 		return Result{}, fmt.Errorf("%w: fallback store failed too: %w", ErrStoreUnavailable, err)
 	}

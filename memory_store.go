@@ -3,28 +3,29 @@ package tollgate
 import (
 	"context"
 	"hash/maphash"
+	"slices"
 	"strings"
 	"sync"
 	"time"
 )
 
-// DefaultMaxKeys is the default bound on the buckets a MemoryStore holds.
+// DefaultMaxKeys is the default bound on the keys a MemoryStore holds.
 const DefaultMaxKeys = 100_000
 
 // MemoryStore is a Store that keeps buckets in this process, for a single
 // instance and as the fallback while Redis is down. It is safe for
 // concurrent use, starts no goroutine and needs no Close.
 //
-// A bucket is dropped once it is full again, since a missing bucket reads as
-// full: at the latest when the store needs room. The store never holds more
-// than its MaxKeys buckets (one per key and plan); when it is at the bound
-// and none is full, it drops the bucket closest to full among a sample, and
-// that key may get those few tokens early. This keeps a flood of distinct
-// keys from exhausting memory.
+// A key's buckets are dropped once they are all full again, since a missing
+// bucket reads as full: at the latest when the store needs room. The store
+// never holds more than MaxKeys keys; when it is at the bound and no key is
+// full, it drops the key closest to full among a sample, and that key may
+// get those few tokens early. This keeps a flood of distinct keys from
+// exhausting memory.
 type MemoryStore struct {
 	seed   maphash.Seed
 	shards []memShard
-	perCap int // buckets one shard may hold
+	perCap int // keys one shard may hold
 
 	epoch      time.Time // monotonic clock base
 	epochMicro int64
@@ -32,23 +33,47 @@ type MemoryStore struct {
 }
 
 type memShard struct {
-	mu      sync.Mutex
-	buckets map[memKey]*memBucket
-	_       [40]byte // keeps neighbouring shard locks off one cache line
+	mu   sync.Mutex
+	keys map[string]*memEntry
+	_    [48]byte // keeps neighbouring shard locks off one cache line
 }
 
-type memKey struct{ key, plan string }
+// memEntry holds the buckets of one key, one per plan it was charged to.
+type memEntry struct {
+	buckets []memBucket
+}
 
 type memBucket struct {
+	plan Plan
 	TokenBucket
-	fullAt int64 // microseconds; the bucket may be dropped from then on
+}
+
+// index returns the position of plan name's bucket, or -1.
+func (e *memEntry) index(name string) int {
+	if e != nil {
+		for i := range e.buckets {
+			if e.buckets[i].plan.Name == name {
+				return i
+			}
+		}
+	}
+	return -1
+}
+
+// fullAt returns when every bucket of the entry is full again.
+func (e *memEntry) fullAt(now int64) int64 {
+	at := int64(0)
+	for _, b := range e.buckets {
+		at = max(at, b.FullAt(b.plan, now))
+	}
+	return at
 }
 
 // MemoryOption configures a MemoryStore.
 type MemoryOption func(*MemoryStore)
 
-// WithMaxKeys bounds the buckets a MemoryStore holds, one per key and plan.
-// Values below 1 mean the default, DefaultMaxKeys.
+// WithMaxKeys bounds the keys a MemoryStore holds. Values below 1 mean the
+// default, DefaultMaxKeys.
 func WithMaxKeys(n int) MemoryOption {
 	return func(m *MemoryStore) { m.perCap = n }
 }
@@ -57,9 +82,9 @@ func WithMaxKeys(n int) MemoryOption {
 // no lock contention left at this count on the machines we measured.
 const maxShards = 64
 
-// Buckets an insertion examines: a few on every insertion, so that full
-// buckets go without pressure; a larger sample once the shard is at its
-// bound, to pick a good victim.
+// Keys an insertion examines: a few on every insertion, so that full keys
+// go without pressure; a larger sample once the shard is at its bound, to
+// pick a good victim.
 const (
 	sweepSample = 4
 	evictSample = 16
@@ -83,7 +108,7 @@ func NewMemoryStore(opts ...MemoryOption) *MemoryStore {
 	}
 	m.shards = make([]memShard, n)
 	for i := range m.shards {
-		m.shards[i].buckets = make(map[memKey]*memBucket)
+		m.shards[i].keys = make(map[string]*memEntry)
 	}
 	m.perCap = maxKeys / n
 	return m
@@ -95,13 +120,13 @@ func (m *MemoryStore) monotonicMicros() int64 {
 	return m.epochMicro + int64(time.Since(m.epoch)/time.Microsecond)
 }
 
-// Len returns the number of buckets the store holds.
+// Len returns the number of keys the store holds.
 func (m *MemoryStore) Len() int {
 	n := 0
 	for i := range m.shards {
 		s := &m.shards[i]
 		s.mu.Lock()
-		n += len(s.buckets)
+		n += len(s.keys)
 		s.mu.Unlock()
 	}
 	return n
@@ -112,68 +137,78 @@ func (m *MemoryStore) shard(key string) *memShard {
 }
 
 // Take implements Store. ctx is unused: the store never blocks on I/O.
-func (m *MemoryStore) Take(_ context.Context, key string, cost int64, plans []Plan) (Result, error) {
+func (m *MemoryStore) Take(ctx context.Context, key string, cost int64, plans []Plan) (Result, error) {
 	if err := checkTake(key, cost, plans); err != nil {
 		return Result{}, err
 	}
+	return m.take(ctx, key, cost, plans)
+}
+
+// take is Take for a request already checked.
+func (m *MemoryStore) take(_ context.Context, key string, cost int64, plans []Plan) (Result, error) {
 	// Fixed arrays keep a decision on up to four chained plans off the heap.
 	var bufB [4]TokenBucket
-	var bufE [4]*memBucket
-	buckets, found := bufB[:0], bufE[:0]
+	var bufI [4]int
+	buckets, at := bufB[:0], bufI[:0]
 
 	now := m.now() // before the lock; Refill never moves a Stamp back
 	s := m.shard(key)
 	s.mu.Lock()
+	e := s.keys[key]
 	for _, p := range plans {
-		e := s.buckets[memKey{key, p.Name}]
+		i := e.index(p.Name)
 		b := FullBucket(p, now)
-		if e != nil {
-			b = e.TokenBucket
+		if i >= 0 {
+			b = e.buckets[i].TokenBucket
 		}
-		buckets, found = append(buckets, b), append(found, e)
+		buckets, at = append(buckets, b), append(at, i)
 	}
 	allowed := TakeAll(plans, buckets, now, cost)
 	if allowed && cost > 0 {
+		if e == nil {
+			e = &memEntry{buckets: make([]memBucket, 0, len(plans))}
+			s.insert(strings.Clone(key), e, m.perCap, now)
+		}
 		for i, p := range plans {
-			fullAt := buckets[i].FullAt(p, now)
-			if e := found[i]; e != nil {
-				e.TokenBucket, e.fullAt = buckets[i], fullAt
-				continue
+			switch j := at[i]; {
+			case j < 0:
+				e.buckets = append(e.buckets, memBucket{p, buckets[i]})
+			case e.buckets[j].plan.Capacity != p.Capacity || e.buckets[j].plan.Rate != p.Rate:
+				// Another Limiter with other plans of that name shares the store.
+				e.buckets[j] = memBucket{p, buckets[i]}
+			default: // no pointer written, no write barrier
+				e.buckets[j].TokenBucket = buckets[i]
 			}
-			s.insert(memKey{strings.Clone(key), p.Name}, &memBucket{buckets[i], fullAt}, m.perCap, now)
 		}
 	}
 	s.mu.Unlock()
 	return newResult(plans, buckets, now, cost, allowed), nil
 }
 
-// insert adds a bucket, dropping full buckets it comes across and, at the
-// bound, the one closest to full. It never drops a bucket of k.key, whose
-// other plans the caller may be writing. Requires s.mu.
-func (s *memShard) insert(k memKey, b *memBucket, perCap int, now int64) {
+// insert adds a key, dropping full keys it comes across and, at the bound,
+// the one closest to full. Requires s.mu.
+func (s *memShard) insert(key string, e *memEntry, perCap int, now int64) {
 	examined := 0
-	var victim memKey
+	var victim string
 	victimAt := int64(-1)
-	for ok, e := range s.buckets {
-		if examined >= evictSample || examined >= sweepSample && len(s.buckets) < perCap {
+	for k, old := range s.keys {
+		if examined >= evictSample || examined >= sweepSample && len(s.keys) < perCap {
 			break
 		}
 		examined++
-		if ok.key == k.key {
+		at := old.fullAt(now)
+		if at <= now {
+			delete(s.keys, k)
 			continue
 		}
-		if e.fullAt <= now {
-			delete(s.buckets, ok)
-			continue
-		}
-		if victimAt < 0 || e.fullAt < victimAt {
-			victim, victimAt = ok, e.fullAt
+		if victimAt < 0 || at < victimAt {
+			victim, victimAt = k, at
 		}
 	}
-	if len(s.buckets) >= perCap && victimAt >= 0 {
-		delete(s.buckets, victim)
+	if len(s.keys) >= perCap && victimAt >= 0 {
+		delete(s.keys, victim)
 	}
-	s.buckets[k] = b
+	s.keys[key] = e
 }
 
 // Reset implements Store: it drops the buckets, which then read as full.
@@ -183,9 +218,20 @@ func (m *MemoryStore) Reset(_ context.Context, key string, plans []Plan) error {
 	}
 	s := m.shard(key)
 	s.mu.Lock()
-	for _, p := range plans {
-		delete(s.buckets, memKey{key, p.Name})
+	defer s.mu.Unlock()
+	e := s.keys[key]
+	if e == nil {
+		return nil
 	}
-	s.mu.Unlock()
+	kept := e.buckets[:0]
+	for _, b := range e.buckets {
+		if !slices.ContainsFunc(plans, func(p Plan) bool { return p.Name == b.plan.Name }) {
+			kept = append(kept, b)
+		}
+	}
+	e.buckets = kept
+	if len(kept) == 0 {
+		delete(s.keys, key)
+	}
 	return nil
 }

@@ -137,7 +137,7 @@ func TestMemoryStoreEvictsClosestToFull(t *testing.T) {
 	require.NoError(t, err)
 	_, err = m.Take(ctx, keys[2], 1, []Plan{p}) // no room: one must go
 	require.NoError(t, err)
-	assert.Len(t, m.shards[0].buckets, 2)
+	assert.Len(t, m.shards[0].keys, 2)
 	r, err := m.Take(ctx, keys[0], 0, []Plan{p})
 	require.NoError(t, err)
 	assert.Equal(t, int64(1), r.Remaining, "the emptier bucket stays")
@@ -146,10 +146,10 @@ func TestMemoryStoreEvictsClosestToFull(t *testing.T) {
 	assert.Equal(t, int64(10), r.Remaining, "the bucket closest to full went")
 }
 
-func TestMemoryStoreNeverEvictsOwnChain(t *testing.T) {
+func TestMemoryStoreChainIsOneKey(t *testing.T) {
 	ctx := context.Background()
 	now := t0
-	m := NewMemoryStore(WithMaxKeys(maxShards)) // one bucket per shard
+	m := NewMemoryStore(WithMaxKeys(maxShards)) // one key per shard
 	m.now = func() int64 { return now }
 	require.Equal(t, 1, m.perCap)
 	chain := []Plan{{Name: "a", Capacity: 10, Rate: 1}, {Name: "b", Capacity: 10, Rate: 1}}
@@ -159,18 +159,21 @@ func TestMemoryStoreNeverEvictsOwnChain(t *testing.T) {
 	r, err := m.Take(ctx, key, 1, chain)
 	require.NoError(t, err)
 	assert.Equal(t, []int64{0, 0}, []int64{r.Plans[0].Remaining, r.Plans[1].Remaining},
-		"a chain overfills its shard rather than drop its own plans")
+		"the plans of one key count as one key against the bound")
+	assert.Equal(t, 1, m.Len())
 }
 
 func TestMemoryStoreReset(t *testing.T) {
 	ctx := context.Background()
 	m := NewMemoryStore()
-	_, err := m.Take(ctx, "k", 4, []Plan{gold})
+	other := Plan{Name: "other", Capacity: 4, Rate: 1}
+	_, err := m.Take(ctx, "k", 4, []Plan{gold, other})
 	require.NoError(t, err)
 	require.NoError(t, m.Reset(ctx, "k", []Plan{gold}))
-	r, err := m.Take(ctx, "k", 0, []Plan{gold})
+	r, err := m.Take(ctx, "k", 0, []Plan{gold, other})
 	require.NoError(t, err)
-	assert.Equal(t, int64(4), r.Remaining)
+	assert.Equal(t, []int64{4, 0}, []int64{r.Plans[0].Remaining, r.Plans[1].Remaining}, "only the named plan resets")
+	require.NoError(t, m.Reset(ctx, "k", []Plan{other}))
 	assert.Equal(t, 0, m.Len())
 }
 

@@ -64,7 +64,7 @@ func (p Plan) validateNumbers() error {
 	if !(p.Rate > 0) || math.IsInf(p.Rate, 0) { // also rejects NaN
 		return fmt.Errorf("%w: rate must be positive and finite, got %v", ErrInvalidPlan, p.Rate)
 	}
-	if float64(p.Capacity)/p.Rate > MaxRefillPeriod.Seconds() {
+	if float64(p.Capacity) > p.Rate*MaxRefillPeriod.Seconds() {
 		return fmt.Errorf("%w: capacity/rate is %.3g s, longer than MaxRefillPeriod", ErrInvalidPlan, float64(p.Capacity)/p.Rate)
 	}
 	return nil

@@ -3,7 +3,7 @@ package tollgate
 import "time"
 
 // Source tells who made a decision.
-type Source int
+type Source uint8
 
 const (
 	// SourceStore means the Limiter's store decided: the shared buckets in
@@ -54,6 +54,9 @@ type Result struct {
 	// Allowed reports whether the tokens were taken. A read (cost 0) is
 	// always allowed.
 	Allowed bool
+	// Source tells who decided: SourceStore, or, while the store fails,
+	// SourceFallback or SourceFailOpen.
+	Source Source
 	// Remaining is the number of whole tokens left in the binding plan's
 	// bucket, for example 19.
 	Remaining int64
@@ -72,9 +75,6 @@ type Result struct {
 	// above describe that plan, so the common decision allocates nothing;
 	// PlanResults covers both cases.
 	Plans []PlanResult
-	// Source tells who decided: SourceStore, or, while the store fails,
-	// SourceFallback or SourceFailOpen.
-	Source Source
 }
 
 // PlanResults returns one PlanResult per plan asked, in order. For a single
@@ -83,52 +83,41 @@ func (r Result) PlanResults() []PlanResult {
 	if r.Plans != nil {
 		return r.Plans
 	}
-	return []PlanResult{r.binding()}
-}
-
-// binding returns the top-level fields as a PlanResult.
-func (r Result) binding() PlanResult {
-	return PlanResult{Plan: r.Plan, Limit: r.Limit, Remaining: r.Remaining, RetryAfter: r.RetryAfter, ResetAfter: r.ResetAfter}
+	return []PlanResult{{Plan: r.Plan, Limit: r.Limit, Remaining: r.Remaining, RetryAfter: r.RetryAfter, ResetAfter: r.ResetAfter}}
 }
 
 // newResult describes a decision from the buckets after it: buckets[i] is
-// plans[i]'s bucket as refilled to now and, if allowed, drained by cost.
-// Both stores build their results here, so they agree field by field.
+// plans[i]'s bucket as refilled to now (as TakeAll leaves it) and, if
+// allowed, drained by cost.
 func newResult(plans []Plan, buckets []TokenBucket, now, cost int64, allowed bool) Result {
-	if len(plans) == 1 {
-		r := Result{Allowed: allowed}
-		r.setBinding(planResult(plans[0], buckets[0], now, cost, allowed))
+	if len(plans) == 1 { // built in place: the common case, and hot
+		r := Result{Allowed: allowed, Plan: plans[0].Name, Limit: plans[0].Capacity}
+		r.Remaining, r.RetryAfter, r.ResetAfter = bucketState(plans[0], buckets[0], now, cost, allowed)
 		return r
 	}
 	r := Result{Allowed: allowed, Plans: make([]PlanResult, len(plans))}
 	bind := 0
 	for i, p := range plans {
-		pr := planResult(p, buckets[i], now, cost, allowed)
-		r.Plans[i] = pr
-		b := r.Plans[bind]
+		pr := &r.Plans[i]
+		pr.Plan, pr.Limit = p.Name, p.Capacity
+		pr.Remaining, pr.RetryAfter, pr.ResetAfter = bucketState(p, buckets[i], now, cost, allowed)
+		b := &r.Plans[bind]
 		if allowed && pr.Remaining < b.Remaining || !allowed && pr.RetryAfter > b.RetryAfter {
 			bind = i
 		}
 	}
-	r.setBinding(r.Plans[bind])
+	b := r.Plans[bind]
+	r.Plan, r.Limit, r.Remaining, r.RetryAfter, r.ResetAfter = b.Plan, b.Limit, b.Remaining, b.RetryAfter, b.ResetAfter
 	return r
 }
 
-func (r *Result) setBinding(pr PlanResult) {
-	r.Plan, r.Limit, r.Remaining, r.RetryAfter, r.ResetAfter = pr.Plan, pr.Limit, pr.Remaining, pr.RetryAfter, pr.ResetAfter
-}
-
-func planResult(p Plan, b TokenBucket, now, cost int64, allowed bool) PlanResult {
-	pr := PlanResult{
-		Plan:       p.Name,
-		Limit:      p.Capacity,
-		Remaining:  b.Remaining(),
-		ResetAfter: micros(b.FullAt(p, now) - now),
-	}
+// bucketState returns what a Result reports of one bucket.
+func bucketState(p Plan, b TokenBucket, now, cost int64, allowed bool) (remaining int64, retryAfter, resetAfter time.Duration) {
+	resetAfter = micros(b.readyAt(p, now, p.Capacity) - now)
 	if !allowed {
-		pr.RetryAfter = micros(b.ReadyAt(p, now, cost) - now)
+		retryAfter = micros(b.readyAt(p, now, cost) - now)
 	}
-	return pr
+	return b.Remaining(), retryAfter, resetAfter
 }
 
 // failOpenResult is the decision of the FailOpen policy: allowed, with every

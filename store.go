@@ -19,6 +19,28 @@ type Store interface {
 	Reset(ctx context.Context, key string, plans []Plan) error
 }
 
+// checkedTaker is implemented by the stores of this package: take is Take
+// without the checks, for requests a Limiter has already checked.
+type checkedTaker interface {
+	take(ctx context.Context, key string, cost int64, plans []Plan) (Result, error)
+}
+
+// storeTaker lets a Limiter call any Store through checkedTaker.
+type storeTaker struct{ Store }
+
+func (s storeTaker) take(ctx context.Context, key string, cost int64, plans []Plan) (Result, error) {
+	return s.Take(ctx, key, cost, plans)
+}
+
+// takerOf returns s itself for the stores of this package, which skip
+// their checks, and s wrapped otherwise.
+func takerOf(s Store) checkedTaker {
+	if c, ok := s.(checkedTaker); ok {
+		return c
+	}
+	return storeTaker{s}
+}
+
 // checkKey rejects keys no store accepts. The key itself never appears in
 // the error: it may be personal data.
 func checkKey(key string) error {

@@ -1,0 +1,83 @@
+package tollgate
+
+import (
+	"context"
+	"strconv"
+	"sync/atomic"
+	"testing"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/tollgate-go/tollgate/internal/redistest"
+)
+
+// benchPlan never runs dry, so every decision does the full work of an
+// admission.
+var benchPlan = []Plan{{Name: "p", Capacity: 1 << 30, Rate: 1}}
+
+func benchKeys(n int) []string {
+	keys := make([]string, n)
+	for i := range keys {
+		keys[i] = "user-" + strconv.Itoa(i)
+	}
+	return keys
+}
+
+func BenchmarkLimiterAllow(b *testing.B) {
+	ctx := context.Background()
+	b.Run("memory/one-key", func(b *testing.B) {
+		l, _ := New(NewMemoryStore(), benchPlan)
+		b.ReportAllocs()
+		for b.Loop() {
+			_, _ = l.Allow(ctx, "user-1")
+		}
+	})
+	b.Run("memory/many-keys-parallel", func(b *testing.B) {
+		l, _ := New(NewMemoryStore(), benchPlan)
+		keys := benchKeys(10_000)
+		var next atomic.Int64
+		b.ReportAllocs()
+		b.RunParallel(func(pb *testing.PB) {
+			i := int(next.Add(1)) * 7919
+			for pb.Next() {
+				i++
+				_, _ = l.Allow(ctx, keys[i%len(keys)])
+			}
+		})
+	})
+	b.Run("memory/chained", func(b *testing.B) {
+		l, _ := New(NewMemoryStore(), []Plan{benchPlan[0], {Name: "q", Capacity: 1 << 30, Rate: 1}})
+		b.ReportAllocs()
+		for b.Loop() {
+			_, _ = l.Allow(ctx, "user-1", "p", "q")
+		}
+	})
+	b.Run("fallback-breaker-open", func(b *testing.B) {
+		f := newFlakyStore()
+		f.fail(context.DeadlineExceeded)
+		l, _ := New(f, benchPlan, WithLogger(nil))
+		for i := 0; i < 3; i++ {
+			_, _ = l.Allow(ctx, "user-1")
+		}
+		b.ReportAllocs()
+		for b.Loop() {
+			_, _ = l.Allow(ctx, "user-1")
+		}
+	})
+	b.Run("redis/parallel", func(b *testing.B) {
+		c := redis.NewClient(&redis.Options{Addr: redistest.Addr(b), PoolSize: 64})
+		defer c.Close()
+		l, _ := New(NewRedisStore(c, WithKeyPrefix(testPrefix(b))), benchPlan)
+		keys := benchKeys(10_000)
+		var next atomic.Int64
+		b.ReportAllocs()
+		b.SetParallelism(32)
+		b.RunParallel(func(pb *testing.PB) {
+			i := int(next.Add(1)) * 7919
+			for pb.Next() {
+				i++
+				_, _ = l.Allow(ctx, keys[i%len(keys)])
+			}
+		})
+	})
+}
