@@ -49,6 +49,7 @@ func (s BreakerState) String() string {
 type breaker struct {
 	failures int32
 	cooldown time.Duration
+	onChange func(from, to BreakerState) // nil, or called after each transition
 
 	state    atomic.Int32 // BreakerState
 	failed   atomic.Int32 // consecutive failures while closed
@@ -76,7 +77,7 @@ func (b *breaker) allow() (ok, probe bool) {
 		if time.Now().UnixNano()-b.openedAt.Load() < int64(b.cooldown) {
 			return false, false
 		}
-		ok = b.state.CompareAndSwap(int32(BreakerOpen), int32(BreakerHalfOpen))
+		ok = b.transition(BreakerOpen, BreakerHalfOpen)
 		return ok, ok
 	}
 	return false, false
@@ -88,7 +89,7 @@ func (b *breaker) success() {
 		b.failed.Store(0)
 	}
 	if BreakerState(b.state.Load()) == BreakerHalfOpen {
-		b.state.Store(int32(BreakerClosed))
+		b.transition(BreakerHalfOpen, BreakerClosed)
 	}
 }
 
@@ -96,13 +97,14 @@ func (b *breaker) success() {
 func (b *breaker) failure() {
 	switch BreakerState(b.state.Load()) {
 	case BreakerHalfOpen:
-		b.open()
+		b.openedAt.Store(time.Now().UnixNano())
+		b.transition(BreakerHalfOpen, BreakerOpen)
 	case BreakerClosed:
 		if b.failed.Add(1) >= b.failures {
 			// The time first, so that no caller sees an open breaker with
 			// a stale opening time and probes at once.
 			b.openedAt.Store(time.Now().UnixNano())
-			b.state.CompareAndSwap(int32(BreakerClosed), int32(BreakerOpen))
+			b.transition(BreakerClosed, BreakerOpen)
 		}
 	}
 }
@@ -111,7 +113,7 @@ func (b *breaker) failure() {
 // caller: the breaker opens again with its cooldown already over, so the
 // next call probes. Only the probe may call it.
 func (b *breaker) abandon() {
-	b.state.CompareAndSwap(int32(BreakerHalfOpen), int32(BreakerOpen))
+	b.transition(BreakerHalfOpen, BreakerOpen)
 }
 
 // current returns the state, for logs and tests.
@@ -119,7 +121,14 @@ func (b *breaker) current() BreakerState {
 	return BreakerState(b.state.Load())
 }
 
-func (b *breaker) open() {
-	b.openedAt.Store(time.Now().UnixNano())
-	b.state.Store(int32(BreakerOpen))
+// transition moves the breaker from one state to another if it is in the
+// first, and reports whether it moved. Exactly one caller wins a race.
+func (b *breaker) transition(from, to BreakerState) bool {
+	if !b.state.CompareAndSwap(int32(from), int32(to)) {
+		return false
+	}
+	if b.onChange != nil {
+		b.onChange(from, to)
+	}
+	return true
 }

@@ -90,7 +90,9 @@ func WithBreaker(s BreakerSettings) Option {
 
 // WithLogger sets where a Limiter reports outages: one warning when the
 // store starts failing, one info line with the duration when it recovers.
-// nil discards them. The default is slog.Default().
+// If the logger has the debug level enabled when New runs, every decision
+// is also logged at debug level (plan, outcome, source; never the key).
+// nil discards everything. The default is slog.Default().
 func WithLogger(log *slog.Logger) Option {
 	return func(l *Limiter) {
 		if log == nil {
@@ -98,6 +100,12 @@ func WithLogger(log *slog.Logger) Option {
 		}
 		l.log = log
 	}
+}
+
+// WithObserver sets an Observer of the Limiter's decisions, store calls,
+// outages and breaker. The default is none, which costs nothing.
+func WithObserver(o Observer) Option {
+	return func(l *Limiter) { l.obs = o }
 }
 
 // Limiter applies named plans to keys through a Store, and decides by its
@@ -113,6 +121,8 @@ type Limiter struct {
 	policy  FailurePolicy
 	breaker *breaker
 	log     *slog.Logger
+	debug   bool // log every decision: the logger had debug enabled at New
+	obs     Observer
 
 	// byName maps a plan name to a one-element slice, so a decision on one
 	// plan builds no slice.
@@ -154,9 +164,13 @@ func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
 	if l.breaker == nil {
 		l.breaker = newBreaker(BreakerSettings{})
 	}
+	if l.obs != nil {
+		l.breaker.onChange = l.obs.ObserveBreaker
+	}
 	if l.log == nil {
 		l.log = slog.Default()
 	}
+	l.debug = l.log.Enabled(context.Background(), slog.LevelDebug)
 	if l.policy == Fallback && l.fallback == nil {
 		l.fallback = NewMemoryStore()
 	}
@@ -227,44 +241,76 @@ func (l *Limiter) Peek(ctx context.Context, key string, plans ...string) (Result
 }
 
 func (l *Limiter) decide(ctx context.Context, key string, cost, minCost int64, names []string) (Result, error) {
+	var r Result
+	err := l.decideInto(ctx, &r, key, cost, minCost, names)
+	if err == nil {
+		if l.obs != nil {
+			l.obs.ObserveDecision(Decision{Plan: r.Plan, Allowed: r.Allowed, Source: r.Source, Cost: cost})
+		}
+		if l.debug {
+			l.log.LogAttrs(ctx, slog.LevelDebug, "tollgate: decision", slog.String("plan", r.Plan),
+				slog.Bool("allowed", r.Allowed), slog.Int64("remaining", r.Remaining),
+				slog.Duration("retry_after", r.RetryAfter), slog.String("source", r.Source.String()))
+		}
+	}
+	return r, err
+}
+
+// decideInto makes the decision into *r, which saves copying a Result
+// through one more call on the hot path.
+func (l *Limiter) decideInto(ctx context.Context, r *Result, key string, cost, minCost int64, names []string) (err error) {
 	plans, err := l.resolve(names)
 	if err != nil {
-		return Result{}, err
+		return err
 	}
 	if err := checkKey(key); err != nil {
-		return Result{}, err
+		return err
 	}
 	if err := checkCost(cost, minCost, plans); err != nil {
-		return Result{}, err
+		return err
 	}
 	ok, probe := l.breaker.allow()
 	if !ok {
-		return l.degraded(ctx, key, cost, plans, errBreakerOpen)
+		*r, err = l.degraded(ctx, key, cost, plans, errBreakerOpen)
+		return err
 	}
-	r, err := l.taker.take(ctx, key, cost, plans)
+	*r, err = l.callStore(ctx, key, cost, plans)
 	switch {
 	case err == nil:
 		l.breaker.success()
 		l.recovered()
-		return r, nil
+		return nil
 	case isCallerError(err):
 		if probe {
 			l.breaker.abandon()
 		}
-		return r, err
+		return err
 	case ctx.Err() != nil:
 		// The caller gave up; that says nothing about the store.
 		if probe {
 			l.breaker.abandon()
 		}
+		*r = Result{}
 		if !errors.Is(err, ctx.Err()) {
 			err = ctx.Err()
 		}
-		return Result{}, err
+		return err
 	}
 	l.breaker.failure()
 	l.failing(err)
-	return l.degraded(ctx, key, cost, plans, err)
+	*r, err = l.degraded(ctx, key, cost, plans, err)
+	return err
+}
+
+// callStore calls the store, timing the call when an Observer wants it.
+func (l *Limiter) callStore(ctx context.Context, key string, cost int64, plans []Plan) (Result, error) {
+	if l.obs == nil {
+		return l.taker.take(ctx, key, cost, plans)
+	}
+	start := time.Now()
+	r, err := l.taker.take(ctx, key, cost, plans)
+	l.obs.ObserveStore(time.Since(start), err)
+	return r, err
 }
 
 var errBreakerOpen = errors.New("circuit breaker open")
@@ -290,6 +336,9 @@ func (l *Limiter) failing(err error) {
 	if l.outageStart.CompareAndSwap(0, time.Now().UnixNano()) {
 		l.log.Warn("tollgate: store failing; deciding by failure policy until it recovers",
 			"policy", l.policy.String(), "error", err)
+		if l.obs != nil {
+			l.obs.ObserveFallback(true)
+		}
 	}
 }
 
@@ -300,6 +349,9 @@ func (l *Limiter) recovered() {
 	}
 	if start := l.outageStart.Swap(0); start != 0 {
 		l.log.Info("tollgate: store recovered", "outage", time.Duration(time.Now().UnixNano()-start))
+		if l.obs != nil {
+			l.obs.ObserveFallback(false)
+		}
 	}
 }
 

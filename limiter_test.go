@@ -8,9 +8,11 @@ import (
 	"math"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -57,16 +59,17 @@ func (f *flakyStore) Reset(ctx context.Context, key string, plans []Plan) error 
 	return f.inner.Reset(ctx, key, plans)
 }
 
-// logCounter counts log records by level.
+// logCounter counts log records by level, from minLevel up.
 type logCounter struct {
-	mu     sync.Mutex
-	levels []slog.Level
-	text   bytes.Buffer
+	minLevel slog.Level
+	mu       sync.Mutex
+	levels   []slog.Level
+	text     bytes.Buffer
 }
 
-func (c *logCounter) Enabled(context.Context, slog.Level) bool { return true }
-func (c *logCounter) WithAttrs([]slog.Attr) slog.Handler       { return c }
-func (c *logCounter) WithGroup(string) slog.Handler            { return c }
+func (c *logCounter) Enabled(_ context.Context, l slog.Level) bool { return l >= c.minLevel }
+func (c *logCounter) WithAttrs([]slog.Attr) slog.Handler           { return c }
+func (c *logCounter) WithGroup(string) slog.Handler                { return c }
 func (c *logCounter) Handle(_ context.Context, r slog.Record) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -372,4 +375,120 @@ func TestSourceAndPolicyStrings(t *testing.T) {
 		[]string{Fallback.String(), FailOpen.String(), FailClosed.String(), FailurePolicy(9).String()})
 	assert.Equal(t, []string{"closed", "open", "half-open", "unknown"},
 		[]string{BreakerClosed.String(), BreakerOpen.String(), BreakerHalfOpen.String(), BreakerState(9).String()})
+}
+
+func TestDebugLogsDecisionsWithoutKey(t *testing.T) {
+	logs := &logCounter{minLevel: slog.LevelDebug}
+	l, err := New(NewMemoryStore(), testPlans, WithLogger(slog.New(logs)))
+	require.NoError(t, err)
+	_, err = l.Allow(context.Background(), "alice@example.com")
+	require.NoError(t, err)
+	assert.Equal(t, []slog.Level{slog.LevelDebug}, logs.levels)
+	assert.NotContains(t, logs.text.String(), "alice")
+}
+
+// recordingObserver records what it is told.
+type recordingObserver struct {
+	NopObserver
+	mu        sync.Mutex
+	decisions []Decision
+	storeErrs []error
+	fallback  []bool
+	breaker   []BreakerState
+}
+
+func (o *recordingObserver) ObserveDecision(d Decision) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.decisions = append(o.decisions, d)
+}
+
+func (o *recordingObserver) ObserveStore(_ time.Duration, err error) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.storeErrs = append(o.storeErrs, err)
+}
+
+func (o *recordingObserver) ObserveFallback(active bool) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.fallback = append(o.fallback, active)
+}
+
+func (o *recordingObserver) ObserveBreaker(_, to BreakerState) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.breaker = append(o.breaker, to)
+}
+
+func TestObserverSeesDecisionsOutagesAndBreaker(t *testing.T) {
+	ctx := context.Background()
+	obs := &recordingObserver{}
+	f := newFlakyStore()
+	l := newTestLimiter(t, f, WithObserver(obs), WithBreaker(BreakerSettings{Failures: 2, Cooldown: time.Millisecond}))
+	_, err := l.AllowN(ctx, "k", 4, "gold")
+	require.NoError(t, err)
+	_, err = l.Allow(ctx, "k", "gold", "daily")
+	require.NoError(t, err)
+	down := errors.New("down")
+	f.fail(down)
+	for i := 0; i < 3; i++ {
+		_, err = l.Allow(ctx, "k")
+		require.NoError(t, err)
+	}
+	f.fail(nil)
+	time.Sleep(2 * time.Millisecond)
+	_, err = l.Peek(ctx, "k")
+	require.NoError(t, err)
+	_, err = l.Allow(ctx, "") // errors are not decisions
+	require.Error(t, err)
+
+	assert.Equal(t, []Decision{
+		{Plan: "gold", Allowed: true, Source: SourceStore, Cost: 4},
+		{Plan: "gold", Allowed: false, Source: SourceStore, Cost: 1},
+		{Plan: "gold", Allowed: true, Source: SourceFallback, Cost: 1},
+		{Plan: "gold", Allowed: true, Source: SourceFallback, Cost: 1},
+		{Plan: "gold", Allowed: true, Source: SourceFallback, Cost: 1},
+		{Plan: "gold", Allowed: true, Source: SourceStore, Cost: 0},
+	}, obs.decisions)
+	assert.Equal(t, []error{nil, nil, down, down, nil}, obs.storeErrs, "the open breaker skipped one call")
+	assert.Equal(t, []bool{true, false}, obs.fallback)
+	assert.Equal(t, []BreakerState{BreakerOpen, BreakerHalfOpen, BreakerClosed}, obs.breaker)
+}
+
+func TestObserverSeesScriptLoads(t *testing.T) {
+	obs := &countingScriptObserver{}
+	_, mr, _ := newMiniredisStore(t)
+	c := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	defer c.Close()
+	s := NewRedisStore(c, WithRedisObserver(obs))
+	_, err := s.Take(context.Background(), "k", 1, []Plan{gold})
+	require.NoError(t, err)
+	assert.Equal(t, int64(1), obs.loads.Load())
+}
+
+type countingScriptObserver struct {
+	NopObserver
+	loads atomic.Int64
+}
+
+func (o *countingScriptObserver) ObserveScriptLoad() { o.loads.Add(1) }
+
+func BenchmarkObserverOverhead(b *testing.B) {
+	ctx := context.Background()
+	for _, tc := range []struct {
+		name string
+		opts []Option
+	}{
+		{"none", nil},
+		{"nop", []Option{WithObserver(NopObserver{})}},
+	} {
+		b.Run(tc.name, func(b *testing.B) {
+			l, _ := New(NewMemoryStore(), benchPlan, tc.opts...)
+			b.ReportAllocs()
+			for b.Loop() {
+				_, _ = l.Allow(ctx, "user-1")
+			}
+		})
+	}
 }

@@ -41,6 +41,7 @@ type RedisStore struct {
 	client redis.UniversalClient
 	prefix string
 	err    error // a bad option, returned by every call
+	obs    Observer
 
 	scriptLoads atomic.Int64
 }
@@ -53,6 +54,12 @@ type RedisOption func(*RedisStore)
 // would move the Cluster hash tag. The default is DefaultKeyPrefix.
 func WithKeyPrefix(prefix string) RedisOption {
 	return func(s *RedisStore) { s.prefix = prefix }
+}
+
+// WithRedisObserver sets an Observer of the store's script reloads. Give
+// it the Observer given to the Limiter. The default is none.
+func WithRedisObserver(o Observer) RedisOption {
+	return func(s *RedisStore) { s.obs = o }
 }
 
 // NewRedisStore returns a RedisStore that uses client. A bad option, or a
@@ -104,6 +111,9 @@ func (s *RedisStore) take(ctx context.Context, key string, cost int64, plans []P
 	reply, err := s.client.EvalSha(ctx, tokenBucketSHA, keys, args...).Result()
 	if err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
 		s.scriptLoads.Add(1)
+		if s.obs != nil {
+			s.obs.ObserveScriptLoad()
+		}
 		reply, err = s.client.Eval(ctx, tokenBucketLua, keys, args...).Result()
 	}
 	if err != nil {
