@@ -178,6 +178,14 @@ func TestLuaAgreesWithGoOnRealRedis(t *testing.T) {
 		wantAllowed := TakeAll([]Plan{p}, want, now, cost)
 		assert.Equal(t, wantAllowed, allowed, "case %d", i)
 		assert.Equal(t, want, got, "case %d: planted %+v, cost %d, plan %+v", i, planted, cost, p)
+		written := planted // denials and reads write nothing
+		if allowed && cost > 0 {
+			written = want[0]
+		}
+		stored, err := c.HMGet(ctx, key, "t", "ts").Result()
+		require.NoError(t, err)
+		assert.Equal(t, []any{strconv.FormatInt(written.Tokens, 10), strconv.FormatInt(written.Stamp, 10)}, stored,
+			"case %d: the stored state is digit for digit the Go state", i)
 		require.NoError(t, c.Del(ctx, key).Err())
 	}
 }

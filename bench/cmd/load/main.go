@@ -1,0 +1,249 @@
+// Command load is a closed-loop load generator: N callers each make one
+// decision at a time against one Redis, as fast as it answers, for a fixed
+// time. It reports decisions per second and latency percentiles for
+// tollgate (plain and auto-pipelined go-redis client), go-redis/redis_rate
+// and ulule/limiter, side by side in one run, and Redis memory per bucket.
+//
+//	go run ./cmd/load -redis redis://127.0.0.1:6379/0 -duration 5s -callers 1,8,64
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"log"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/go-redis/redis_rate/v10"
+	"github.com/redis/go-redis/v9"
+	ulule "github.com/ulule/limiter/v3"
+	ululeredis "github.com/ulule/limiter/v3/drivers/store/redis"
+
+	"github.com/tollgate-go/tollgate"
+)
+
+// decider makes one rate-limit decision for key.
+type decider func(ctx context.Context, key string) error
+
+type contender struct {
+	name string
+	// setup returns the decider and a cleanup.
+	setup func(opt *redis.Options, prefix string) (decider, func())
+}
+
+// A limit no contender reaches during a run, so every decision does the
+// full work of an admission: read, refill, write.
+const (
+	burst  = 1 << 30
+	perSec = 1 << 20
+)
+
+var contenders = []contender{
+	{"tollgate", func(opt *redis.Options, prefix string) (decider, func()) {
+		c := redis.NewClient(opt)
+		return tollgateDecider(c, prefix), func() { _ = c.Close() }
+	}},
+	{"tollgate-autopipeline", func(opt *redis.Options, prefix string) (decider, func()) {
+		c := redis.NewClient(opt)
+		ap, err := c.AutoPipeline()
+		if err != nil {
+			log.Fatal(err)
+		}
+		return tollgateDecider(ap, prefix), func() { _ = c.Close() }
+	}},
+	{"redis_rate", func(opt *redis.Options, prefix string) (decider, func()) {
+		c := redis.NewClient(opt)
+		l := redis_rate.NewLimiter(c)
+		lim := redis_rate.Limit{Rate: perSec, Burst: burst, Period: time.Second}
+		return func(ctx context.Context, key string) error {
+			_, err := l.Allow(ctx, prefix+key, lim)
+			return err
+		}, func() { _ = c.Close() }
+	}},
+	{"ulule", func(opt *redis.Options, prefix string) (decider, func()) {
+		c := redis.NewClient(opt)
+		store, err := ululeredis.NewStoreWithOptions(c, ulule.StoreOptions{Prefix: prefix})
+		if err != nil {
+			log.Fatal(err)
+		}
+		l := ulule.New(store, ulule.Rate{Period: time.Second, Limit: perSec})
+		return func(ctx context.Context, key string) error {
+			_, err := l.Get(ctx, key)
+			return err
+		}, func() { _ = c.Close() }
+	}},
+}
+
+func tollgateDecider(c redis.UniversalClient, prefix string) decider {
+	l, err := tollgate.New(tollgate.NewRedisStore(c, tollgate.WithKeyPrefix(prefix)),
+		[]tollgate.Plan{{Name: "p", Capacity: burst, Rate: perSec}}, tollgate.WithFailurePolicy(tollgate.FailClosed))
+	if err != nil {
+		log.Fatal(err)
+	}
+	return func(ctx context.Context, key string) error {
+		_, err := l.Allow(ctx, key)
+		return err
+	}
+}
+
+func main() {
+	url := flag.String("redis", envOr("REDIS_URL", "redis://127.0.0.1:6379/0"), "Redis URL")
+	duration := flag.Duration("duration", 5*time.Second, "how long each contender runs at each concurrency")
+	callersFlag := flag.String("callers", "1,8,64", "comma-separated concurrent callers")
+	nkeys := flag.Int("keys", 10_000, "distinct keys")
+	only := flag.String("only", "", "comma-separated contenders to run (default all)")
+	memKeys := flag.Int("memkeys", 100_000, "keys for the memory-per-bucket measure; 0 skips it")
+	flag.Parse()
+
+	opt, err := redis.ParseURL(*url)
+	if err != nil {
+		log.Fatal(err)
+	}
+	opt.PoolSize = 128
+	keys := make([]string, *nkeys)
+	for i := range keys {
+		keys[i] = "user-" + strconv.Itoa(i)
+	}
+	fmt.Printf("%-22s %7s %12s %10s %10s %10s %7s\n", "contender", "callers", "decisions/s", "p50", "p99", "p99.9", "errors")
+	for _, n := range strings.Split(*callersFlag, ",") {
+		callers, err := strconv.Atoi(n)
+		if err != nil {
+			log.Fatal(err)
+		}
+		for _, c := range contenders {
+			if *only != "" && !slices.Contains(strings.Split(*only, ","), c.name) {
+				continue
+			}
+			prefix := fmt.Sprintf("bench-%s-%d-%d:", c.name, callers, time.Now().UnixNano())
+			decide, cleanup := c.setup(opt, prefix)
+			r := run(decide, keys, callers, *duration)
+			cleanup()
+			fmt.Printf("%-22s %7d %12.0f %10s %10s %10s %7d\n", c.name, callers, r.rate, r.p(0.50), r.p(0.99), r.p(0.999), r.errs)
+		}
+	}
+	if *memKeys > 0 {
+		memory(opt, *memKeys)
+	}
+}
+
+type result struct {
+	rate      float64
+	latencies []time.Duration
+	errs      int64
+}
+
+func (r result) p(q float64) time.Duration {
+	if len(r.latencies) == 0 {
+		return 0
+	}
+	return r.latencies[int(q*float64(len(r.latencies)-1))].Round(time.Microsecond)
+}
+
+// run drives callers goroutines, each one decision at a time, for d.
+func run(decide decider, keys []string, callers int, d time.Duration) result {
+	ctx := context.Background()
+	var (
+		mu   sync.Mutex
+		all  []time.Duration
+		errs atomic.Int64
+		seq  atomic.Int64
+		wg   sync.WaitGroup
+	)
+	deadline := time.Now().Add(d)
+	start := time.Now()
+	for g := 0; g < callers; g++ {
+		wg.Go(func() {
+			lat := make([]time.Duration, 0, 1<<16)
+			i := int(seq.Add(1)) * 7919
+			for time.Now().Before(deadline) {
+				i++
+				t := time.Now()
+				if err := decide(ctx, keys[i%len(keys)]); err != nil {
+					errs.Add(1)
+				}
+				lat = append(lat, time.Since(t))
+			}
+			mu.Lock()
+			all = append(all, lat...)
+			mu.Unlock()
+		})
+	}
+	wg.Wait()
+	elapsed := time.Since(start)
+	slices.Sort(all)
+	return result{rate: float64(len(all)) / elapsed.Seconds(), latencies: all, errs: errs.Load()}
+}
+
+// memory measures the growth of Redis used_memory per bucket, for one
+// decision on each of n distinct keys of 16 bytes, after a fractional refill.
+func memory(opt *redis.Options, n int) {
+	ctx := context.Background()
+	c := redis.NewClient(opt)
+	defer c.Close()
+	fmt.Printf("\n%-22s %s\n", "contender", "bytes of used_memory per bucket (16-byte keys)")
+	for _, ct := range contenders {
+		if ct.name == "tollgate-autopipeline" {
+			continue
+		}
+		prefix := fmt.Sprintf("m%d:", time.Now().UnixNano()%1000)
+		decide, cleanup := ct.setup(opt, prefix)
+		before := usedMemory(ctx, c)
+		var wg sync.WaitGroup
+		var seq atomic.Int64
+		for g := 0; g < 32; g++ {
+			wg.Go(func() {
+				for i := seq.Add(1) - 1; i < int64(n); i = seq.Add(1) - 1 {
+					_ = decide(ctx, fmt.Sprintf("user-%011d", i)) // 16 bytes
+				}
+			})
+		}
+		wg.Wait()
+		after := usedMemory(ctx, c)
+		cleanup()
+		fmt.Printf("%-22s %.1f\n", ct.name, float64(after-before)/float64(n))
+		deleteKeys(ctx, c, prefix)
+	}
+}
+
+func usedMemory(ctx context.Context, c *redis.Client) int64 {
+	info, err := c.Info(ctx, "memory").Result()
+	if err != nil {
+		log.Fatal(err)
+	}
+	for _, line := range strings.Split(info, "\r\n") {
+		if v, ok := strings.CutPrefix(line, "used_memory:"); ok {
+			n, _ := strconv.ParseInt(v, 10, 64)
+			return n
+		}
+	}
+	log.Fatal("no used_memory in INFO")
+	return 0
+}
+
+func deleteKeys(ctx context.Context, c *redis.Client, prefix string) {
+	iter := c.Scan(ctx, 0, "*"+prefix+"*", 1000).Iterator()
+	var batch []string
+	for iter.Next(ctx) {
+		batch = append(batch, iter.Val())
+		if len(batch) == 1000 {
+			c.Unlink(ctx, batch...)
+			batch = batch[:0]
+		}
+	}
+	if len(batch) > 0 {
+		c.Unlink(ctx, batch...)
+	}
+}
+
+func envOr(name, def string) string {
+	if v := os.Getenv(name); v != "" {
+		return v
+	}
+	return def
+}
