@@ -527,3 +527,30 @@ func TestMiddlewareAllocations(t *testing.T) {
 	})
 	assert.Equal(t, 3.0, allocs)
 }
+
+// BenchmarkMiddleware compares a bare handler with the same handler behind
+// the middleware, on a MemoryStore, by header and by IP.
+func BenchmarkMiddleware(b *testing.B) {
+	lim, err := New(NewMemoryStore(), []Plan{{Name: "p", Capacity: 1 << 30, Rate: 1e9}}, WithLogger(nil))
+	require.NoError(b, err)
+	r := httptest.NewRequest("GET", "/", nil)
+	r.RemoteAddr = "203.0.113.7:1234"
+	r.Header.Set("X-Api-Key", "k")
+	for _, bc := range []struct {
+		name string
+		h    http.Handler
+	}{
+		{"bare", ok},
+		{"by-header", Middleware(lim, ByHeader("X-Api-Key"), []string{"p"})(ok)},
+		{"by-ip", Middleware(lim, ByIP(), []string{"p"})(ok)},
+	} {
+		b.Run(bc.name, func(b *testing.B) {
+			w := &headerWriter{h: http.Header{}}
+			b.ReportAllocs()
+			for b.Loop() {
+				clear(w.h)
+				bc.h.ServeHTTP(w, r)
+			}
+		})
+	}
+}
