@@ -12,7 +12,8 @@ import (
 // KeyFunc returns the rate limit key of a request: who is limited. An
 // error, ErrNoKey for the KeyFuncs of this package, means the request
 // carries no usable key; Middleware then answers 400. Keys may be personal
-// data, so a KeyFunc's errors must not contain them.
+// data, so a KeyFunc's errors must not contain them. Middleware calls its
+// KeyFunc concurrently; those of this package are safe for that.
 //
 // The KeyFuncs of this package start their keys with their kind ("ip:",
 // "header:NAME:", "principal:"), so keys of different kinds never meet in

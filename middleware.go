@@ -43,8 +43,10 @@ func Middleware(l RateLimiter, key KeyFunc, plans []string, opts ...MiddlewareOp
 		if slices.Contains(m.plans[:i], name) {
 			panic(fmt.Sprintf("tollgate: Middleware: plan %q named twice", name))
 		}
-		if _, ok := describe(m.planner, name); m.planner != nil && !ok {
-			panic(fmt.Sprintf("tollgate: Middleware: unknown plan %q", name))
+		if m.planner != nil {
+			if _, ok := m.planner.Plan(name); !ok {
+				panic(fmt.Sprintf("tollgate: Middleware: unknown plan %q", name))
+			}
 		}
 	}
 	for _, o := range opts {
@@ -73,7 +75,7 @@ func WithCost(cost func(r *http.Request) int64) MiddlewareOption {
 }
 
 // WithSkip exempts the requests for which skip returns true, such as
-// health checks: they go on to the handler without a key, without taking
+// health checks or CORS preflight requests: they go on to the handler without a key, without taking
 // a token and without rate limit header fields. The default, or a nil
 // skip, exempts none.
 func WithSkip(skip func(r *http.Request) bool) MiddlewareOption {

@@ -7,7 +7,8 @@ import (
 	"time"
 )
 
-// The header fields Middleware writes for a decision.
+// HeaderMode selects the rate limit header fields that Middleware writes
+// for a decision.
 //
 // RateLimit-Policy and RateLimit follow the IETF draft "RateLimit header
 // fields for HTTP", draft-ietf-httpapi-ratelimit-headers-11 (23 May 2026):
@@ -42,10 +43,8 @@ import (
 //	X-RateLimit-Remaining: 19   its whole tokens left
 //	X-RateLimit-Reset: 1        seconds until its bucket is full, rounded up
 //
-// A denial also gets Retry-After: the seconds until the same request would
-// pass, rounded up and at least 1 (1.2s is 2, 0.3s is 1).
-
-// HeaderMode selects the rate limit header fields that Middleware writes.
+// A denial also gets Retry-After, in every mode: the seconds until the same
+// request would pass, rounded up and at least 1 (1.2s is 2, 0.3s is 1).
 type HeaderMode int
 
 const (
