@@ -98,8 +98,8 @@ func setFields(h http.Header, res *Result, mode HeaderMode, p planner) {
 	f := fields{buf: buf[:0]}
 	if mode == HeadersBoth || mode == HeadersIETF {
 		prs := res.Plans
-		if prs == nil {
-			one := [1]PlanResult{res.binding()}
+		if prs == nil { // a single plan, described by the top-level fields
+			one := [1]PlanResult{{Plan: res.Plan, Limit: res.Limit, Remaining: res.Remaining, ResetAfter: res.ResetAfter}}
 			prs = one[:]
 		}
 		for i, pr := range prs {
