@@ -37,6 +37,11 @@ var (
 	// ErrWaitExceedsDeadline means Wait would have to wait past the
 	// context's deadline, so it returned at once.
 	ErrWaitExceedsDeadline = errors.New("tollgate: wait would exceed context deadline")
+
+	// ErrNoKey means a KeyFunc found no rate limit key in a request: a
+	// header is missing or empty, the client address is not an IP address,
+	// or the context holds no principal. Middleware answers 400 by default.
+	ErrNoKey = errors.New("tollgate: no rate limit key in request")
 )
 
 // isCallerError reports whether err is the caller's fault (bad input or
