@@ -102,6 +102,19 @@ func WithLogger(log *slog.Logger) Option {
 	}
 }
 
+// WithDenialCache bounds the keys whose denials the Limiter remembers, and
+// 0 turns the cache off. A remembered denial answers the same request, or a
+// costlier one, without the store until the RetryAfter the store gave has
+// passed; before then the store would deny it too, so the cache never
+// admits and never denies what the store would admit, except after a Reset
+// by another instance, which is seen once that RetryAfter has passed. A key
+// under attack then costs the store about one call per refill, not one per
+// request. The default is DefaultDenialCacheKeys, or 0 when the store is a
+// MemoryStore, which is as fast as the cache.
+func WithDenialCache(keys int) Option {
+	return func(l *Limiter) { l.denialKeys = &keys }
+}
+
 // WithObserver sets an Observer of the Limiter's decisions, store calls,
 // outages and breaker. The default is none, which costs nothing.
 func WithObserver(o Observer) Option {
@@ -121,7 +134,8 @@ type Limiter struct {
 	policy  FailurePolicy
 	breaker *breaker
 	log     *slog.Logger
-	debug   bool // log every decision: the logger had debug enabled at New
+	denials *denialCache // nil when off
+	debug   bool         // log every decision: the logger had debug enabled at New
 	obs     Observer
 
 	// byName maps a plan name to a one-element slice, so a decision on one
@@ -130,6 +144,8 @@ type Limiter struct {
 	defaults []Plan
 
 	outageStart atomic.Int64 // UnixNano when the current outage began; 0 when none
+
+	denialKeys *int // WithDenialCache's value, if given
 }
 
 var _ RateLimiter = (*Limiter)(nil)
@@ -171,6 +187,16 @@ func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
 		l.log = slog.Default()
 	}
 	l.debug = l.log.Enabled(context.Background(), slog.LevelDebug)
+	keys := DefaultDenialCacheKeys
+	if _, local := store.(*MemoryStore); local {
+		keys = 0
+	}
+	if l.denialKeys != nil {
+		keys = *l.denialKeys
+	}
+	if keys > 0 {
+		l.denials = newDenialCache(keys)
+	}
 	if l.policy == Fallback && l.fallback == nil {
 		l.fallback = NewMemoryStore()
 	}
@@ -269,6 +295,14 @@ func (l *Limiter) decideInto(ctx context.Context, r *Result, key string, cost, m
 	if err := checkCost(cost, minCost, plans); err != nil {
 		return err
 	}
+	var pk string // the denial cache's name for plans
+	if l.denials != nil && cost > 0 {
+		pk = planKey(names)
+		if res, ok := l.denials.get(key, pk, cost); ok {
+			*r = res
+			return nil
+		}
+	}
 	ok, probe := l.breaker.allow()
 	if !ok {
 		*r, err = l.degraded(ctx, key, cost, plans, errBreakerOpen)
@@ -279,6 +313,9 @@ func (l *Limiter) decideInto(ctx context.Context, r *Result, key string, cost, m
 	case err == nil:
 		l.breaker.success()
 		l.recovered()
+		if l.denials != nil && cost > 0 && !r.Allowed && r.RetryAfter > 0 {
+			l.denials.put(key, pk, cost, *r)
+		}
 		return nil
 	case isCallerError(err):
 		if probe {
@@ -382,6 +419,9 @@ func (l *Limiter) Reset(ctx context.Context, key string, plans ...string) error 
 			return err
 		}
 		return fmt.Errorf("%w: %w", ErrStoreUnavailable, err)
+	}
+	if l.denials != nil {
+		l.denials.forget(key) // after the store: no stale denial can follow
 	}
 	return nil
 }

@@ -141,40 +141,55 @@ func ownServer(t *testing.T) *redistest.Server {
 }
 
 // TestNoscriptUnderLoad flushes the script cache over and over while many
-// goroutines decide. Under FailClosed any store failure would surface as an
-// error, so none may.
+// goroutines decide, through a plain client and through go-redis's
+// auto-pipeliner, where NOSCRIPT arrives inside a pipeline. Under
+// FailClosed any store failure would surface as an error, so none may.
 func TestNoscriptUnderLoad(t *testing.T) {
 	srv := ownServer(t)
-	store := NewRedisStore(newRealClient(t, &redis.Options{Addr: srv.Addr()}))
-	l, err := New(store, testPlans, WithFailurePolicy(FailClosed), WithLogger(nil))
-	require.NoError(t, err)
-	admin := newRealClient(t, &redis.Options{Addr: srv.Addr()})
-	var ta tally
-	stop := make(chan struct{})
-	var wg sync.WaitGroup
-	for g := 0; g < 16; g++ {
-		wg.Go(func() {
-			for i := 0; ; i++ {
-				select {
-				case <-stop:
-					return
-				default:
-				}
-				ta.record(l.Allow(context.Background(), fmt.Sprint("user-", i%50), "gold", "daily"))
+	for _, tc := range []struct {
+		name   string
+		client func(c *redis.Client) redis.UniversalClient
+	}{
+		{"client", func(c *redis.Client) redis.UniversalClient { return c }},
+		{"autopipeline", func(c *redis.Client) redis.UniversalClient {
+			ap, err := c.AutoPipeline()
+			require.NoError(t, err)
+			return ap
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			store := NewRedisStore(tc.client(newRealClient(t, &redis.Options{Addr: srv.Addr()})))
+			l, err := New(store, testPlans, WithFailurePolicy(FailClosed), WithLogger(nil))
+			require.NoError(t, err)
+			admin := newRealClient(t, &redis.Options{Addr: srv.Addr()})
+			var ta tally
+			stop := make(chan struct{})
+			var wg sync.WaitGroup
+			for g := 0; g < 16; g++ {
+				wg.Go(func() {
+					for i := 0; ; i++ {
+						select {
+						case <-stop:
+							return
+						default:
+						}
+						ta.record(l.Allow(context.Background(), fmt.Sprint("user-", i%50), "gold", "daily"))
+					}
+				})
 			}
+			flushes := 0
+			for deadline := time.Now().Add(time.Second); time.Now().Before(deadline); flushes++ {
+				require.NoError(t, admin.ScriptFlush(context.Background()).Err())
+				time.Sleep(5 * time.Millisecond)
+			}
+			close(stop)
+			wg.Wait()
+			t.Logf("%d flushes, %d reloads, %d decisions", flushes, store.ScriptLoads(), ta.allowed.Load()+ta.denied.Load())
+			assert.Zero(t, ta.errs.Load(), "first error: %v", ta.firstErr.Load())
+			assert.Zero(t, ta.fallback.Load())
+			assert.GreaterOrEqual(t, store.ScriptLoads(), int64(flushes/2), "the flushes must have bitten")
 		})
 	}
-	flushes := 0
-	for deadline := time.Now().Add(time.Second); time.Now().Before(deadline); flushes++ {
-		require.NoError(t, admin.ScriptFlush(context.Background()).Err())
-		time.Sleep(5 * time.Millisecond)
-	}
-	close(stop)
-	wg.Wait()
-	t.Logf("%d flushes, %d reloads, %d decisions", flushes, store.ScriptLoads(), ta.allowed.Load()+ta.denied.Load())
-	assert.Zero(t, ta.errs.Load(), "first error: %v", ta.firstErr.Load())
-	assert.Zero(t, ta.fallback.Load())
-	assert.GreaterOrEqual(t, store.ScriptLoads(), int64(flushes/2), "the flushes must have bitten")
 }
 
 // TestOutageFallbackRecovery kills the Redis under load, checks that

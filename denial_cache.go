@@ -1,0 +1,138 @@
+package tollgate
+
+import (
+	"strings"
+	"sync"
+	"time"
+)
+
+// DefaultDenialCacheKeys is the default bound on the keys whose denials a
+// Limiter remembers, for stores other than MemoryStore.
+const DefaultDenialCacheKeys = 10_000
+
+// denialCache remembers denials until the request could pass, so a key
+// under attack costs the store one round trip per refill instead of one per
+// request. A remembered denial is exact: before its time the store would
+// deny the same request (or a costlier one) too, since buckets only gain
+// tokens by refilling. Only a Reset can make it stale: Limiter.Reset drops
+// the key's entries; a Reset by another instance is seen once the entry
+// ends, within the RetryAfter the store gave. Plans never change within a
+// Limiter. It is safe for concurrent use.
+type denialCache struct {
+	max   int
+	epoch time.Time // the cache's monotonic clock starts here
+
+	mu   sync.Mutex
+	keys map[string][]denial // by caller's key
+}
+
+// denial is one remembered denial of the plans named in plans.
+type denial struct {
+	plans string // the plan names asked, joined by planSep
+	cost  int64  // requests of this cost or more are denied
+	until int64  // ns on the cache's clock: the request could pass then
+	res   Result // the store's answer; RetryAfter and ResetAfter as of at
+	at    int64  // ns on the cache's clock when res was given
+}
+
+// planSep cannot appear in a plan name, so joined names are unambiguous.
+const planSep = ","
+
+func newDenialCache(max int) *denialCache {
+	return &denialCache{max: max, epoch: time.Now(), keys: make(map[string][]denial)}
+}
+
+func (c *denialCache) now() int64 { return int64(time.Since(c.epoch)) }
+
+// planKey names the plans of a request. One name, the common case, costs
+// nothing.
+func planKey(names []string) string {
+	if len(names) == 1 {
+		return names[0]
+	}
+	return strings.Join(names, planSep)
+}
+
+// get returns the remembered denial of a request, with its waits brought
+// up to date, and whether there is one.
+func (c *denialCache) get(key, plans string, cost int64) (Result, bool) {
+	now := c.now()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, d := range c.keys[key] {
+		if d.plans == plans && cost >= d.cost && now < d.until {
+			r := d.res
+			elapsed := time.Duration(now - d.at)
+			r.RetryAfter = time.Duration(d.until - now)
+			r.ResetAfter = max(0, r.ResetAfter-elapsed)
+			if r.Plans != nil {
+				r.Plans = append([]PlanResult(nil), r.Plans...)
+				for i := range r.Plans {
+					r.Plans[i].RetryAfter = max(0, r.Plans[i].RetryAfter-elapsed)
+					r.Plans[i].ResetAfter = max(0, r.Plans[i].ResetAfter-elapsed)
+				}
+			}
+			return r, true
+		}
+	}
+	return Result{}, false
+}
+
+// put remembers a denial the store gave.
+func (c *denialCache) put(key, plans string, cost int64, r Result) {
+	now := c.now()
+	d := denial{plans: plans, cost: cost, until: now + int64(r.RetryAfter), res: r, at: now}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	list, ok := c.keys[key]
+	if !ok && len(c.keys) >= c.max {
+		c.evict(now)
+	}
+	for i := range list {
+		if list[i].plans == plans && list[i].cost == cost || list[i].until <= now {
+			list[i] = d
+			return
+		}
+	}
+	if !ok {
+		key = strings.Clone(key) // keep no caller's buffer alive
+	}
+	c.keys[key] = append(list, d)
+}
+
+// evict drops the keys whose denials have all ended among a sample and,
+// if that freed nothing, one key of the sample. Requires c.mu.
+func (c *denialCache) evict(now int64) {
+	examined := 0
+	victim, found := "", false
+	for k, list := range c.keys {
+		if examined == evictSample {
+			break
+		}
+		examined++
+		if allEnded(list, now) {
+			delete(c.keys, k)
+			continue
+		}
+		victim, found = k, true
+	}
+	if found && len(c.keys) >= c.max {
+		delete(c.keys, victim)
+	}
+}
+
+func allEnded(list []denial, now int64) bool {
+	for _, d := range list {
+		if d.until > now {
+			return false
+		}
+	}
+	return true
+}
+
+// forget drops every remembered denial of key.
+func (c *denialCache) forget(key string) {
+	c.mu.Lock()
+	delete(c.keys, key)
+	c.mu.Unlock()
+}

@@ -1,0 +1,134 @@
+package tollgate
+
+import (
+	"context"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// countingStore counts the calls that reach a MemoryStore. Not being a
+// *MemoryStore itself, it gets the denial cache by default, like RedisStore.
+type countingStore struct {
+	inner *MemoryStore
+	calls atomic.Int64
+}
+
+func newCountingStore() *countingStore { return &countingStore{inner: NewMemoryStore()} }
+
+func (c *countingStore) Take(ctx context.Context, key string, cost int64, plans []Plan) (Result, error) {
+	c.calls.Add(1)
+	return c.inner.Take(ctx, key, cost, plans)
+}
+
+func (c *countingStore) Reset(ctx context.Context, key string, plans []Plan) error {
+	return c.inner.Reset(ctx, key, plans)
+}
+
+func TestDenialCacheSparesTheStore(t *testing.T) {
+	ctx := context.Background()
+	s := newCountingStore()
+	l := newTestLimiter(t, s)
+	_, err := l.AllowN(ctx, "hot", 4, "gold")
+	require.NoError(t, err)
+	var last time.Duration
+	for i := 0; i < 1000; i++ {
+		r, err := l.Allow(ctx, "hot", "gold")
+		require.NoError(t, err)
+		require.False(t, r.Allowed)
+		require.Equal(t, SourceStore, r.Source)
+		if i > 0 {
+			assert.LessOrEqual(t, r.RetryAfter, last, "RetryAfter counts down")
+		}
+		last = r.RetryAfter
+	}
+	assert.Equal(t, int64(2), s.calls.Load(), "one call to drain, one to learn the denial")
+
+	// A cheaper request may pass where the remembered one may not.
+	_, err = l.AllowN(ctx, "cheap", 4, "gold")
+	require.NoError(t, err)
+	time.Sleep(600 * time.Millisecond) // 1.2 tokens refill
+	r, err := l.AllowN(ctx, "cheap", 2, "gold")
+	require.NoError(t, err)
+	require.False(t, r.Allowed)
+	r, err = l.AllowN(ctx, "cheap", 1, "gold")
+	require.NoError(t, err)
+	assert.True(t, r.Allowed, "a remembered denial of cost 2 must not deny cost 1")
+
+	// Reset forgets.
+	require.NoError(t, l.Reset(ctx, "hot"))
+	r, err = l.Allow(ctx, "hot", "gold")
+	require.NoError(t, err)
+	assert.True(t, r.Allowed)
+}
+
+func TestDenialCacheEndsWhenTheRequestCouldPass(t *testing.T) {
+	ctx := context.Background()
+	s := newCountingStore()
+	l, err := New(s, []Plan{{Name: "fast", Capacity: 1, Rate: 50}}, WithLogger(nil))
+	require.NoError(t, err)
+	_, err = l.Allow(ctx, "k")
+	require.NoError(t, err)
+	r, err := l.Allow(ctx, "k")
+	require.NoError(t, err)
+	require.False(t, r.Allowed)
+	time.Sleep(r.RetryAfter)
+	r, err = l.Allow(ctx, "k")
+	require.NoError(t, err)
+	assert.True(t, r.Allowed, "the cache must let the request through once it could pass")
+}
+
+// TestDenialCacheHotKeyRoundTrips hammers one key whose traffic is almost
+// all denied, and counts the store calls per decision.
+func TestDenialCacheHotKeyRoundTrips(t *testing.T) {
+	ctx := context.Background()
+	s := newCountingStore()
+	l, err := New(s, []Plan{{Name: "p", Capacity: 10, Rate: 50}}, WithLogger(nil))
+	require.NoError(t, err)
+	var allowed, decisions atomic.Int64
+	var wg sync.WaitGroup
+	deadline := time.Now().Add(500 * time.Millisecond)
+	for g := 0; g < 8; g++ {
+		wg.Go(func() {
+			for time.Now().Before(deadline) {
+				r, err := l.Allow(ctx, "attacked", "p")
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				decisions.Add(1)
+				if r.Allowed {
+					allowed.Add(1)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	perDecision := float64(s.calls.Load()) / float64(decisions.Load())
+	t.Logf("%d decisions, %d allowed, %d store calls: %.4f per decision", decisions.Load(), allowed.Load(), s.calls.Load(), perDecision)
+	assert.Less(t, float64(allowed.Load())/float64(decisions.Load()), 0.01, "the test must be a denial flood")
+	assert.LessOrEqual(t, perDecision, 0.05)
+	assert.LessOrEqual(t, allowed.Load(), int64(10+50*0.6), "no over-admission")
+	assert.GreaterOrEqual(t, allowed.Load(), int64(10+50*0.4), "the cache must not starve the key")
+}
+
+func TestDenialCacheIsBounded(t *testing.T) {
+	c := newDenialCache(100)
+	for i := 0; i < 10_000; i++ {
+		c.put(string(rune('a'+i%26))+time.Duration(i).String(), "p", 1, Result{RetryAfter: time.Hour})
+	}
+	assert.LessOrEqual(t, len(c.keys), 100)
+}
+
+func TestDenialCacheOffForMemoryStore(t *testing.T) {
+	l := newTestLimiter(t, NewMemoryStore())
+	assert.Nil(t, l.denials)
+	l = newTestLimiter(t, NewMemoryStore(), WithDenialCache(10))
+	assert.NotNil(t, l.denials)
+	l = newTestLimiter(t, newCountingStore(), WithDenialCache(0))
+	assert.Nil(t, l.denials)
+}
