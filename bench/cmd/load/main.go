@@ -2,7 +2,7 @@
 // decision at a time against one Redis, as fast as it answers, for a fixed
 // time. It reports decisions per second and latency percentiles for
 // tollgate (plain and auto-pipelined go-redis client), go-redis/redis_rate
-// and ulule/limiter, side by side in one run, and Redis memory per bucket.
+// and ulule/limiter, side by side in one run, and Redis memory per bucket (on fresh redis-server processes it starts).
 //
 //	go run ./cmd/load -redis redis://127.0.0.1:6379/0 -duration 5s -callers 1,8,64
 package main
@@ -12,7 +12,9 @@ import (
 	"flag"
 	"fmt"
 	"log"
+	"net"
 	"os"
+	"os/exec"
 	"slices"
 	"strconv"
 	"strings"
@@ -128,7 +130,7 @@ func main() {
 		}
 	}
 	if *memKeys > 0 {
-		memory(opt, *memKeys)
+		memory(*memKeys)
 	}
 }
 
@@ -180,34 +182,88 @@ func run(decide decider, keys []string, callers int, d time.Duration) result {
 	return result{rate: float64(len(all)) / elapsed.Seconds(), latencies: all, errs: errs.Load()}
 }
 
-// memory measures the growth of Redis used_memory per bucket, for one
-// decision on each of n distinct keys of 16 bytes, after a fractional refill.
-func memory(opt *redis.Options, n int) {
+// memory measures the growth of Redis used_memory per bucket, over n
+// distinct 16-byte keys, each decided twice a little apart so that the
+// stored state holds a fractional refill. The plan (a burst of 100, one
+// token per 1000 s) keeps every bucket alive through the measure. Each
+// contender gets a fresh redis-server of its own, so that no other data
+// and no earlier resize of Redis's tables skews the growth.
+func memory(n int) {
 	ctx := context.Background()
-	c := redis.NewClient(opt)
-	defer c.Close()
 	fmt.Printf("\n%-22s %s\n", "contender", "bytes of used_memory per bucket (16-byte keys)")
-	for _, ct := range contenders {
-		if ct.name == "tollgate-autopipeline" {
-			continue
-		}
-		prefix := fmt.Sprintf("m%d:", time.Now().UnixNano()%1000)
-		decide, cleanup := ct.setup(opt, prefix)
+	for _, ct := range []struct {
+		name  string
+		setup func(c *redis.Client, prefix string) decider
+	}{
+		{"tollgate", func(c *redis.Client, prefix string) decider {
+			l, err := tollgate.New(tollgate.NewRedisStore(c, tollgate.WithKeyPrefix(prefix)),
+				[]tollgate.Plan{{Name: "p", Capacity: 100, Rate: 0.001}})
+			if err != nil {
+				log.Fatal(err)
+			}
+			return func(ctx context.Context, key string) error { _, err := l.Allow(ctx, key); return err }
+		}},
+		{"redis_rate", func(c *redis.Client, prefix string) decider {
+			l := redis_rate.NewLimiter(c)
+			lim := redis_rate.Limit{Rate: 1, Burst: 100, Period: 1000 * time.Second}
+			return func(ctx context.Context, key string) error { _, err := l.Allow(ctx, prefix+key, lim); return err }
+		}},
+		{"ulule", func(c *redis.Client, prefix string) decider {
+			store, err := ululeredis.NewStoreWithOptions(c, ulule.StoreOptions{Prefix: prefix})
+			if err != nil {
+				log.Fatal(err)
+			}
+			l := ulule.New(store, ulule.Rate{Period: 1000 * time.Second, Limit: 100})
+			return func(ctx context.Context, key string) error { _, err := l.Get(ctx, key); return err }
+		}},
+	} {
+		c, stop := freshRedis()
+		prefix := "m:"
+		decide := ct.setup(c, prefix)
 		before := usedMemory(ctx, c)
-		var wg sync.WaitGroup
-		var seq atomic.Int64
-		for g := 0; g < 32; g++ {
-			wg.Go(func() {
-				for i := seq.Add(1) - 1; i < int64(n); i = seq.Add(1) - 1 {
-					_ = decide(ctx, fmt.Sprintf("user-%011d", i)) // 16 bytes
-				}
-			})
+		for pass := 0; pass < 2; pass++ {
+			var wg sync.WaitGroup
+			var seq atomic.Int64
+			for g := 0; g < 32; g++ {
+				wg.Go(func() {
+					for i := seq.Add(1) - 1; i < int64(n); i = seq.Add(1) - 1 {
+						if err := decide(ctx, fmt.Sprintf("user-%011d", i)); err != nil { // 16 bytes
+							log.Fatal(err)
+						}
+					}
+				})
+			}
+			wg.Wait()
 		}
-		wg.Wait()
 		after := usedMemory(ctx, c)
-		cleanup()
 		fmt.Printf("%-22s %.1f\n", ct.name, float64(after-before)/float64(n))
-		deleteKeys(ctx, c, prefix)
+		stop()
+	}
+}
+
+// freshRedis starts an empty redis-server on a free loopback port.
+func freshRedis() (*redis.Client, func()) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		log.Fatal(err)
+	}
+	port := l.Addr().(*net.TCPAddr).Port
+	l.Close()
+	cmd := exec.Command("redis-server", "--port", strconv.Itoa(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no")
+	if err := cmd.Start(); err != nil {
+		log.Fatalf("memory measure needs redis-server on PATH: %v", err)
+	}
+	c := redis.NewClient(&redis.Options{Addr: fmt.Sprint("127.0.0.1:", port)})
+	for i := 0; c.Ping(context.Background()).Err() != nil; i++ {
+		if i == 200 {
+			log.Fatal("redis-server did not start")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	return c, func() {
+		_ = c.Close()
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
 	}
 }
 
@@ -224,21 +280,6 @@ func usedMemory(ctx context.Context, c *redis.Client) int64 {
 	}
 	log.Fatal("no used_memory in INFO")
 	return 0
-}
-
-func deleteKeys(ctx context.Context, c *redis.Client, prefix string) {
-	iter := c.Scan(ctx, 0, "*"+prefix+"*", 1000).Iterator()
-	var batch []string
-	for iter.Next(ctx) {
-		batch = append(batch, iter.Val())
-		if len(batch) == 1000 {
-			c.Unlink(ctx, batch...)
-			batch = batch[:0]
-		}
-	}
-	if len(batch) > 0 {
-		c.Unlink(ctx, batch...)
-	}
 }
 
 func envOr(name, def string) string {
