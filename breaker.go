@@ -51,13 +51,18 @@ type breaker struct {
 	cooldown time.Duration
 	onChange func(from, to BreakerState) // nil, or called after each transition
 
+	epoch    time.Time    // openedAt counts from here, on the monotonic clock
 	state    atomic.Int32 // BreakerState
 	failed   atomic.Int32 // consecutive failures while closed
-	openedAt atomic.Int64 // UnixNano of the last opening
+	openedAt atomic.Int64 // ns since epoch of the last opening
 }
 
+// now reads the monotonic clock only: an open breaker reads it on every
+// call, and time.Now would read the wall clock too.
+func (b *breaker) now() int64 { return int64(time.Since(b.epoch)) }
+
 func newBreaker(s BreakerSettings) *breaker {
-	b := &breaker{failures: int32(s.Failures), cooldown: s.Cooldown}
+	b := &breaker{failures: int32(s.Failures), cooldown: s.Cooldown, epoch: time.Now()}
 	if b.failures < 1 {
 		b.failures = 3
 	}
@@ -74,7 +79,7 @@ func (b *breaker) allow() (ok, probe bool) {
 	case BreakerClosed:
 		return true, false
 	case BreakerOpen:
-		if time.Now().UnixNano()-b.openedAt.Load() < int64(b.cooldown) {
+		if b.now()-b.openedAt.Load() < int64(b.cooldown) {
 			return false, false
 		}
 		ok = b.transition(BreakerOpen, BreakerHalfOpen)
@@ -97,13 +102,13 @@ func (b *breaker) success() {
 func (b *breaker) failure() {
 	switch BreakerState(b.state.Load()) {
 	case BreakerHalfOpen:
-		b.openedAt.Store(time.Now().UnixNano())
+		b.openedAt.Store(b.now())
 		b.transition(BreakerHalfOpen, BreakerOpen)
 	case BreakerClosed:
 		if b.failed.Add(1) >= b.failures {
 			// The time first, so that no caller sees an open breaker with
 			// a stale opening time and probes at once.
-			b.openedAt.Store(time.Now().UnixNano())
+			b.openedAt.Store(b.now())
 			b.transition(BreakerClosed, BreakerOpen)
 		}
 	}
