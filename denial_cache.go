@@ -32,7 +32,7 @@ type denial struct {
 	cost  int64  // requests of this cost or more are denied
 	until int64  // ns on the cache's clock: the request could pass then
 	res   Result // the store's answer; RetryAfter and ResetAfter as of at
-	at    int64  // ns on the cache's clock when res was given
+	at    int64  // ns on the cache's clock when the store was asked
 }
 
 // planSep cannot appear in a plan name, so joined names are unambiguous.
@@ -78,10 +78,13 @@ func (c *denialCache) get(key, plans string, cost int64) (Result, bool) {
 	return Result{}, false
 }
 
-// put remembers a denial the store gave.
-func (c *denialCache) put(key, plans string, cost int64, r Result) {
+// put remembers a denial the store gave to a request sent at asked. The
+// store's clock read its TIME between asked and now, so counting RetryAfter
+// from asked ends the denial no later than the store would: the round trip
+// must not delay admissions.
+func (c *denialCache) put(key, plans string, cost int64, r Result, asked int64) {
 	now := c.now()
-	d := denial{plans: plans, cost: cost, until: now + int64(r.RetryAfter), res: r, at: now}
+	d := denial{plans: plans, cost: cost, until: asked + int64(r.RetryAfter), res: r, at: asked}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	list, ok := c.keys[key]

@@ -87,11 +87,15 @@ func TestDenialCacheEndsWhenTheRequestCouldPass(t *testing.T) {
 func TestDenialCacheHotKeyRoundTrips(t *testing.T) {
 	ctx := context.Background()
 	s := newCountingStore()
-	l, err := New(s, []Plan{{Name: "p", Capacity: 10, Rate: 50}}, WithLogger(nil))
+	// Capacity 25 holds half a second of refill, so a loaded machine's
+	// pause loses no token and the lower bound stays honest.
+	p := Plan{Name: "p", Capacity: 25, Rate: 50}
+	l, err := New(s, []Plan{p}, WithLogger(nil))
 	require.NoError(t, err)
 	var allowed, decisions atomic.Int64
 	var wg sync.WaitGroup
-	deadline := time.Now().Add(500 * time.Millisecond)
+	start := time.Now()
+	deadline := start.Add(500 * time.Millisecond)
 	for g := 0; g < 8; g++ {
 		wg.Go(func() {
 			for time.Now().Before(deadline) {
@@ -108,18 +112,19 @@ func TestDenialCacheHotKeyRoundTrips(t *testing.T) {
 		})
 	}
 	wg.Wait()
+	bound := float64(p.Capacity) + p.Rate*time.Since(start).Seconds()
 	perDecision := float64(s.calls.Load()) / float64(decisions.Load())
-	t.Logf("%d decisions, %d allowed, %d store calls: %.4f per decision", decisions.Load(), allowed.Load(), s.calls.Load(), perDecision)
+	t.Logf("%d decisions, %d allowed (bound %.1f), %d store calls: %.4f per decision", decisions.Load(), allowed.Load(), bound, s.calls.Load(), perDecision)
 	assert.Less(t, float64(allowed.Load())/float64(decisions.Load()), 0.01, "the test must be a denial flood")
 	assert.LessOrEqual(t, perDecision, 0.05)
-	assert.LessOrEqual(t, allowed.Load(), int64(10+50*0.6), "no over-admission")
-	assert.GreaterOrEqual(t, allowed.Load(), int64(10+50*0.4), "the cache must not starve the key")
+	assert.LessOrEqual(t, float64(allowed.Load()), bound, "no over-admission")
+	assert.GreaterOrEqual(t, float64(allowed.Load()), 0.8*bound, "the cache must not starve the key")
 }
 
 func TestDenialCacheIsBounded(t *testing.T) {
 	c := newDenialCache(100)
 	for i := 0; i < 10_000; i++ {
-		c.put(string(rune('a'+i%26))+time.Duration(i).String(), "p", 1, Result{RetryAfter: time.Hour})
+		c.put(string(rune('a'+i%26))+time.Duration(i).String(), "p", 1, Result{RetryAfter: time.Hour}, c.now())
 	}
 	assert.LessOrEqual(t, len(c.keys), 100)
 }

@@ -68,24 +68,34 @@ func (p FailurePolicy) String() string {
 }
 
 // Option configures a Limiter.
-type Option func(*Limiter)
+type Option func(*config)
+
+// config collects the options of New.
+type config struct {
+	policy     FailurePolicy
+	fallback   Store
+	breaker    BreakerSettings
+	log        *slog.Logger
+	obs        Observer
+	denialKeys *int // nil: the default
+}
 
 // WithFailurePolicy sets what a Limiter does while its store fails. The
 // default is Fallback.
 func WithFailurePolicy(p FailurePolicy) Option {
-	return func(l *Limiter) { l.policy = p }
+	return func(c *config) { c.policy = p }
 }
 
 // WithFallback sets the store that decides under the Fallback policy. The
 // default is a NewMemoryStore().
 func WithFallback(s Store) Option {
-	return func(l *Limiter) { l.fallback = s }
+	return func(c *config) { c.fallback = s }
 }
 
 // WithBreaker configures the circuit breaker in front of the store. The
 // default is BreakerSettings{}: 3 failures, 500ms cooldown.
 func WithBreaker(s BreakerSettings) Option {
-	return func(l *Limiter) { l.breaker = newBreaker(s) }
+	return func(c *config) { c.breaker = s }
 }
 
 // WithLogger sets where a Limiter reports outages: one warning when the
@@ -94,11 +104,11 @@ func WithBreaker(s BreakerSettings) Option {
 // is also logged at debug level (plan, outcome, source; never the key).
 // nil discards everything. The default is slog.Default().
 func WithLogger(log *slog.Logger) Option {
-	return func(l *Limiter) {
+	return func(c *config) {
 		if log == nil {
 			log = slog.New(slog.DiscardHandler)
 		}
-		l.log = log
+		c.log = log
 	}
 }
 
@@ -112,13 +122,13 @@ func WithLogger(log *slog.Logger) Option {
 // request. The default is DefaultDenialCacheKeys, or 0 when the store is a
 // MemoryStore, which is as fast as the cache.
 func WithDenialCache(keys int) Option {
-	return func(l *Limiter) { l.denialKeys = &keys }
+	return func(c *config) { c.denialKeys = &keys }
 }
 
 // WithObserver sets an Observer of the Limiter's decisions, store calls,
 // outages and breaker. The default is none, which costs nothing.
 func WithObserver(o Observer) Option {
-	return func(l *Limiter) { l.obs = o }
+	return func(c *config) { c.obs = o }
 }
 
 // Limiter applies named plans to keys through a Store, and decides by its
@@ -144,8 +154,6 @@ type Limiter struct {
 	defaults []Plan
 
 	outageStart atomic.Int64 // UnixNano when the current outage began; 0 when none
-
-	denialKeys *int // WithDenialCache's value, if given
 }
 
 var _ RateLimiter = (*Limiter)(nil)
@@ -171,32 +179,31 @@ func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
 		l.byName[p.Name] = []Plan{p}
 	}
 	l.defaults = l.byName[plans[0].Name]
+
+	c := config{log: slog.Default()}
 	for _, o := range opts {
-		o(l)
+		o(&c)
 	}
-	if l.policy < Fallback || l.policy > FailClosed {
-		return nil, fmt.Errorf("%w: unknown failure policy %d", ErrInvalidOption, l.policy)
+	if c.policy < Fallback || c.policy > FailClosed {
+		return nil, fmt.Errorf("%w: unknown failure policy %d", ErrInvalidOption, c.policy)
 	}
-	if l.breaker == nil {
-		l.breaker = newBreaker(BreakerSettings{})
-	}
+	l.policy, l.log, l.obs = c.policy, c.log, c.obs
+	l.debug = l.log.Enabled(context.Background(), slog.LevelDebug)
+	l.breaker = newBreaker(c.breaker)
 	if l.obs != nil {
 		l.breaker.onChange = l.obs.ObserveBreaker
 	}
-	if l.log == nil {
-		l.log = slog.Default()
-	}
-	l.debug = l.log.Enabled(context.Background(), slog.LevelDebug)
 	keys := DefaultDenialCacheKeys
 	if _, local := store.(*MemoryStore); local {
 		keys = 0
 	}
-	if l.denialKeys != nil {
-		keys = *l.denialKeys
+	if c.denialKeys != nil {
+		keys = *c.denialKeys
 	}
 	if keys > 0 {
 		l.denials = newDenialCache(keys)
 	}
+	l.fallback = c.fallback
 	if l.policy == Fallback && l.fallback == nil {
 		l.fallback = NewMemoryStore()
 	}
@@ -295,13 +302,15 @@ func (l *Limiter) decideInto(ctx context.Context, r *Result, key string, cost, m
 	if err := checkCost(cost, minCost, plans); err != nil {
 		return err
 	}
-	var pk string // the denial cache's name for plans
+	var pk string   // the denial cache's name for plans
+	var asked int64 // when the store was asked, on the denial cache's clock
 	if l.denials != nil && cost > 0 {
 		pk = planKey(names)
 		if res, ok := l.denials.get(key, pk, cost); ok {
 			*r = res
 			return nil
 		}
+		asked = l.denials.now()
 	}
 	ok, probe := l.breaker.allow()
 	if !ok {
@@ -314,7 +323,7 @@ func (l *Limiter) decideInto(ctx context.Context, r *Result, key string, cost, m
 		l.breaker.success()
 		l.recovered()
 		if l.denials != nil && cost > 0 && !r.Allowed && r.RetryAfter > 0 {
-			l.denials.put(key, pk, cost, *r)
+			l.denials.put(key, pk, cost, *r, asked)
 		}
 		return nil
 	case isCallerError(err):
