@@ -104,7 +104,8 @@ var (
 // New returns an Observer whose metrics are registered with reg; nil means
 // prometheus.DefaultRegisterer. It fails, registering nothing, if reg
 // already holds metrics of the same names and const labels (a
-// prometheus.AlreadyRegisteredError).
+// prometheus.AlreadyRegisteredError), or if a const label is invalid, such
+// as one named plan, decision, source or to.
 func New(reg prometheus.Registerer, opts ...Option) (*Observer, error) {
 	c := config{buckets: DefaultDurationBuckets}
 	for _, o := range opts {

@@ -309,6 +309,15 @@ tollgate_breaker_state{limiter="login"} 1
 	assert.Equal(t, 2, testutil.CollectAndCount(reg, "tollgate_store_errors_total"), "one series per Limiter")
 }
 
+func TestBadConstLabelRegistersNothing(t *testing.T) {
+	reg := prometheus.NewPedanticRegistry()
+	_, err := tgprom.New(reg, tgprom.WithConstLabels(prometheus.Labels{"plan": "x"}))
+	require.ErrorContains(t, err, "duplicate label names")
+	mfs, err := reg.Gather()
+	require.NoError(t, err)
+	assert.Empty(t, mfs)
+}
+
 func TestNilRegistererMeansDefault(t *testing.T) {
 	obs, err := tgprom.New(nil, tgprom.WithConstLabels(prometheus.Labels{"limiter": t.Name()}))
 	require.NoError(t, err)
