@@ -205,13 +205,13 @@ func TestBench(t *testing.T) {
 	mr := miniredis.RunT(t)
 	began := time.Now()
 	code, stdout, stderr := cli(t, context.Background(), mr.Addr(), "bench",
-		"-duration", "400ms", "-progress", "100ms", "-concurrency", "4", "-keys", "20", "-plans", "p:5:1,q:1000:1000")
+		"-duration", "400ms", "-progress", "100ms", "-concurrency", "4", "-keys", "5", "-plans", "p:2:1,q:1000:1000")
 	elapsed := time.Since(began)
 	require.Equal(t, exitOK, code, stderr)
 	assert.Empty(t, stderr)
 	t.Log(stdout)
 
-	assert.Contains(t, stdout, "bench: 400ms against "+mr.Addr()+", 4 workers, 20 keys, plans p:5:1,q:1000:1000, FailClosed")
+	assert.Contains(t, stdout, "bench: 400ms against "+mr.Addr()+", 4 workers, 5 keys, plans p:2:1,q:1000:1000, FailClosed")
 	prefix := benchPrefix.FindStringSubmatch(stdout)
 	require.NotNil(t, prefix, "the header names the key prefix")
 	assert.GreaterOrEqual(t, len(benchLine.FindAllString(stdout, -1)), 2, "a progress line every 100ms")
@@ -222,14 +222,18 @@ func TestBench(t *testing.T) {
 	denied, _ := strconv.Atoi(m[3])
 	assert.Equal(t, total, allowed+denied)
 	secs := elapsed.Seconds()
-	assert.LessOrEqual(t, float64(allowed), 20*(5+1*secs), "the limit holds: 20 keys of 5 tokens, refilling 1/s")
+	assert.LessOrEqual(t, float64(allowed), 5*(2+1*secs), "the limit holds: 5 keys of 2 tokens, refilling 1/s")
+	assert.Greater(t, total, 30, "even a slow run decides more than the limit allows")
 	assert.Positive(t, denied)
 	c := benchClean.FindStringSubmatch(stdout)
 	require.NotNil(t, c, "cleanup line")
 	assert.Equal(t, prefix[1], c[2])
 	assert.Empty(t, mr.Keys(), "every bucket it wrote is deleted, and only those")
 	n, _ := strconv.Atoi(c[1])
-	assert.Equal(t, 2*min(allowed, 20), n, "both plans' buckets of every key that took tokens")
+	assert.Zero(t, n%2, "both plans' buckets of each key that took tokens")
+	assert.LessOrEqual(t, n, 2*5)
+	assert.LessOrEqual(t, n/2, allowed)
+	assert.Positive(t, n)
 }
 
 func TestBenchLeavesOtherKeysAlone(t *testing.T) {
