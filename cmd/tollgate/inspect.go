@@ -1,0 +1,154 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"maps"
+	"slices"
+	"strconv"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/tollgate-go/tollgate"
+)
+
+// schemaVersion is the bucket hash's v field that the script writes.
+const schemaVersion = "1"
+
+// inspect prints, for each plan, the bucket of key as Redis holds it. It
+// only reads (TIME, TYPE, PTTL, HGETALL), never runs the script, so it
+// changes nothing: the stored tokens are as of the refill stamp, before
+// the refill the next decision would add.
+func inspect(ctx context.Context, w io.Writer, c redis.UniversalClient, prefix, key string, plans []string) error {
+	store := tollgate.NewRedisStore(c, tollgate.WithKeyPrefix(prefix))
+	now, err := c.Time(ctx).Result()
+	if err != nil {
+		return fmt.Errorf("read Redis TIME: %w", err)
+	}
+	fmt.Fprintf(w, "Redis TIME %s (the buckets' clock)\n", formatTime(now.UnixMicro()))
+	for _, plan := range plans {
+		rk := store.Key(key, plan)
+		typ, err := c.Type(ctx, rk).Result()
+		if err != nil {
+			return fmt.Errorf("TYPE of the bucket of plan %q: %w", plan, err)
+		}
+		fmt.Fprintf(w, "\n%s\n", strconv.Quote(rk))
+		if typ == "none" {
+			fmt.Fprintln(w, "  absent: reads as full")
+			continue
+		}
+		ttl, err := c.PTTL(ctx, rk).Result()
+		if err != nil {
+			return fmt.Errorf("PTTL of the bucket of plan %q: %w", plan, err)
+		}
+		if typ != "hash" {
+			fmt.Fprintf(w, "  type      %s, not a hash: foreign data; reads as full, and the next decision that takes tokens replaces it\n", typ)
+			fmt.Fprintf(w, "  expires   %s\n", formatTTL(ttl))
+			continue
+		}
+		h, err := c.HGetAll(ctx, rk).Result()
+		if err != nil {
+			return fmt.Errorf("HGETALL of the bucket of plan %q: %w", plan, err)
+		}
+		printBucket(w, h, ttl, now.UnixMicro())
+	}
+	return nil
+}
+
+// printBucket prints a bucket hash {t, ts, v}, and says so when it is not
+// one the script wrote.
+func printBucket(w io.Writer, h map[string]string, ttl time.Duration, nowMicro int64) {
+	foreign := h["v"] != schemaVersion
+	if t, err := strconv.ParseInt(h["t"], 10, 64); err == nil && t >= 0 {
+		fmt.Fprintf(w, "  tokens    %d.%06d (t = %d micro-tokens, as of the stamp)\n", t/tollgate.MicroTokens, t%tollgate.MicroTokens, t)
+	} else {
+		foreign = true
+		fmt.Fprintf(w, "  tokens    unreadable (t = %s)\n", quoteField(h, "t"))
+	}
+	if ts, err := strconv.ParseInt(h["ts"], 10, 64); err == nil {
+		age := time.Duration(nowMicro-ts) * time.Microsecond
+		when := age.String() + " ago"
+		if age < 0 {
+			when = (-age).String() + " ahead of Redis TIME: the bucket refills nothing until then"
+		}
+		fmt.Fprintf(w, "  refilled  %s (ts = %d µs), %s\n", formatTime(ts), ts, when)
+	} else {
+		foreign = true
+		fmt.Fprintf(w, "  refilled  unreadable (ts = %s)\n", quoteField(h, "ts"))
+	}
+	fmt.Fprintf(w, "  expires   %s\n", formatTTL(ttl))
+	fmt.Fprintf(w, "  schema    v = %s\n", quoteField(h, "v"))
+	var extra []string
+	for _, f := range slices.Sorted(maps.Keys(h)) {
+		if f != "t" && f != "ts" && f != "v" {
+			extra = append(extra, strconv.Quote(f))
+		}
+	}
+	if len(extra) > 0 {
+		fmt.Fprintf(w, "  fields    also %v\n", extra)
+	}
+	if foreign {
+		fmt.Fprintln(w, "  foreign data: reads as full, and the next decision that takes tokens replaces it")
+	}
+}
+
+// quoteField returns field f of h quoted, or "missing".
+func quoteField(h map[string]string, f string) string {
+	v, ok := h[f]
+	if !ok {
+		return "missing"
+	}
+	if f == "v" && v == schemaVersion {
+		return v
+	}
+	return strconv.Quote(v)
+}
+
+// formatTime prints a time in µs since the epoch as UTC with microseconds.
+func formatTime(us int64) string {
+	return time.UnixMicro(us).UTC().Format("2006-01-02T15:04:05.000000Z")
+}
+
+// formatTTL describes a PTTL reply: go-redis returns -1 (no expiry) and -2
+// (no key) as those many nanoseconds.
+func formatTTL(ttl time.Duration) string {
+	switch ttl {
+	case -1:
+		return "never (PTTL -1)"
+	case -2:
+		return "key gone (PTTL -2)"
+	}
+	return fmt.Sprintf("in %s (PTTL %d ms)", ttl, ttl.Milliseconds())
+}
+
+// reset deletes the bucket of key for each plan through RedisStore.Reset,
+// and says which existed.
+func reset(ctx context.Context, w io.Writer, c redis.UniversalClient, prefix, key string, plans []string) error {
+	store := tollgate.NewRedisStore(c, tollgate.WithKeyPrefix(prefix))
+	ps := make([]tollgate.Plan, len(plans)) // Reset needs only the names
+	existed := make([]bool, len(plans))
+	for i, name := range plans {
+		ps[i] = tollgate.Plan{Name: name}
+		n, err := c.Exists(ctx, store.Key(key, name)).Result()
+		if err != nil {
+			return fmt.Errorf("EXISTS of the bucket of plan %q: %w", name, err)
+		}
+		existed[i] = n == 1
+	}
+	if err := store.Reset(ctx, key, ps); err != nil {
+		return fmt.Errorf("reset: %w", err)
+	}
+	deleted := 0
+	for i, p := range ps {
+		if existed[i] {
+			deleted++
+			fmt.Fprintf(w, "deleted  %s\n", strconv.Quote(store.Key(key, p.Name)))
+		} else {
+			fmt.Fprintf(w, "absent   %s (already full)\n", strconv.Quote(store.Key(key, p.Name)))
+		}
+	}
+	fmt.Fprintf(w, "deleted %d of %d buckets of key %s: they read as full now\n", deleted, len(ps), strconv.Quote(key))
+	return nil
+}
