@@ -355,7 +355,11 @@ func (l *Limiter) callStore(ctx context.Context, key string, cost int64, plans [
 	}
 	start := time.Now()
 	r, err := l.taker.take(ctx, key, cost, plans)
-	l.obs.ObserveStore(time.Since(start), err)
+	failure := err
+	if err != nil && (isCallerError(err) || ctx.Err() != nil) {
+		failure = nil
+	}
+	l.obs.ObserveStore(time.Since(start), failure)
 	return r, err
 }
 

@@ -13,8 +13,10 @@ type Observer interface {
 	// that returned no error.
 	ObserveDecision(Decision)
 	// ObserveStore reports one call to the Limiter's store: how long it
-	// took, and its error (nil on success). Calls the breaker skipped are
-	// not reported.
+	// took, and the store's failure: nil when the store answered, and also
+	// when the call ended for the caller's own reasons (bad input, its
+	// context cancelled or past its deadline), which are not failures.
+	// Calls the breaker skipped are not reported.
 	ObserveStore(elapsed time.Duration, err error)
 	// ObserveFallback reports that the store started failing (true) or
 	// recovered (false): once per outage each, like the log lines.

@@ -134,7 +134,7 @@ func New(mp metric.MeterProvider, opts ...Option) (*Observer, error) {
 		metric.WithExplicitBucketBoundaries(c.buckets...))
 	err = errors.Join(err, e)
 	o.storeErrors, e = m.Int64Counter("tollgate.store.errors", metric.WithUnit("{error}"),
-		metric.WithDescription("Calls to the Limiter's store that failed; calls cancelled by their caller are not counted."))
+		metric.WithDescription("Calls to the Limiter's store that failed; calls its caller ended are not counted."))
 	err = errors.Join(err, e)
 	o.fallback, e = m.Int64Gauge("tollgate.fallback.active",
 		metric.WithDescription("1 while the store is failing and the Limiter decides by its failure policy, else 0."))
@@ -232,14 +232,14 @@ func decisionLabel(allowed bool) string {
 
 // ObserveStore implements tollgate.Observer: it records the call in
 // tollgate.store.duration, in seconds, and, if it failed, counts it in
-// tollgate.store.errors. A call that ended in context.Canceled is timed
-// but not counted as an error: its caller gave up, the store did not fail.
-// A caller's deadline passing during the call is counted, since it usually
-// means the store was slow.
+// tollgate.store.errors. The Limiter passes no
+// error for calls that ended for the caller's own reasons (bad input, a
+// cancelled context or one past its deadline): only the store's failures
+// are counted.
 func (o *Observer) ObserveStore(elapsed time.Duration, err error) {
 	ctx := context.Background()
 	o.duration.Record(ctx, elapsed.Seconds(), o.recordBase...)
-	if err != nil && !errors.Is(err, context.Canceled) {
+	if err != nil {
 		o.storeErrors.Add(ctx, 1, o.addBase...)
 	}
 }

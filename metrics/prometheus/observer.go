@@ -25,8 +25,6 @@
 package tgprom
 
 import (
-	"context"
-	"errors"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -129,7 +127,7 @@ func New(reg prometheus.Registerer, opts ...Option) (*Observer, error) {
 		}),
 		storeErrors: prometheus.NewCounter(prometheus.CounterOpts{
 			Name:        "tollgate_store_errors_total",
-			Help:        "Calls to the Limiter's store that failed; calls cancelled by their caller are not counted.",
+			Help:        "Calls to the Limiter's store that failed; calls its caller ended are not counted.",
 			ConstLabels: cl,
 		}),
 		fallback: prometheus.NewGauge(prometheus.GaugeOpts{
@@ -236,13 +234,13 @@ func decisionLabel(allowed bool) string {
 
 // ObserveStore implements tollgate.Observer: it records the call in
 // tollgate_store_duration_seconds and, if it failed, counts it in
-// tollgate_store_errors_total. A call that ended in context.Canceled is
-// timed but not counted as an error: its caller gave up, the store did not
-// fail. A caller's deadline passing during the call is counted, since it
-// usually means the store was slow.
+// tollgate_store_errors_total. The Limiter passes no
+// error for calls that ended for the caller's own reasons (bad input, a
+// cancelled context or one past its deadline): only the store's failures
+// are counted.
 func (o *Observer) ObserveStore(elapsed time.Duration, err error) {
 	o.duration.Observe(elapsed.Seconds())
-	if err != nil && !errors.Is(err, context.Canceled) {
+	if err != nil {
 		o.storeErrors.Inc()
 	}
 }

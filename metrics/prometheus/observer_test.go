@@ -160,7 +160,7 @@ tollgate_fallback_active 0
 # HELP tollgate_breaker_state State of the circuit breaker in front of the store: 0 closed, 1 open, 2 half-open.
 # TYPE tollgate_breaker_state gauge
 tollgate_breaker_state 0
-# HELP tollgate_store_errors_total Calls to the Limiter's store that failed; calls cancelled by their caller are not counted.
+# HELP tollgate_store_errors_total Calls to the Limiter's store that failed; calls its caller ended are not counted.
 # TYPE tollgate_store_errors_total counter
 tollgate_store_errors_total 0
 `), "tollgate_fallback_active", "tollgate_breaker_state", "tollgate_store_errors_total"), "before the outage")
@@ -195,7 +195,7 @@ tollgate_breaker_state 0
 tollgate_breaker_transitions_total{to="closed"} 1
 tollgate_breaker_transitions_total{to="half-open"} 1
 tollgate_breaker_transitions_total{to="open"} 1
-# HELP tollgate_store_errors_total Calls to the Limiter's store that failed; calls cancelled by their caller are not counted.
+# HELP tollgate_store_errors_total Calls to the Limiter's store that failed; calls its caller ended are not counted.
 # TYPE tollgate_store_errors_total counter
 tollgate_store_errors_total 2
 `), "tollgate_fallback_active", "tollgate_breaker_state", "tollgate_breaker_transitions_total", "tollgate_store_errors_total"), "after recovery")
