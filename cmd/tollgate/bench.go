@@ -105,8 +105,10 @@ func bench(ctx context.Context, w, stderr io.Writer, client *redis.Client, cfg b
 	}
 	prefix := fmt.Sprintf("tollgate-bench-%016x", rand.Uint64())
 	store := tollgate.NewRedisStore(client, tollgate.WithKeyPrefix(prefix))
+	// No denial cache: every decision goes to Redis, which is what the
+	// bench measures.
 	lim, err := tollgate.New(store, cfg.plans, tollgate.WithFailurePolicy(tollgate.FailClosed),
-		tollgate.WithLogger(slog.New(slog.NewTextHandler(stderr, nil))))
+		tollgate.WithDenialCache(0), tollgate.WithLogger(slog.New(slog.NewTextHandler(stderr, nil))))
 	if err != nil {
 		return err
 	}
