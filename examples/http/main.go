@@ -1,12 +1,15 @@
 // Command http serves a small API behind tollgate's HTTP middleware and
 // shows a client being limited: it starts the server on a loopback port,
 // sends a burst of requests to it, prints each answer's status and rate
-// limit header fields, and exits. With -serve it keeps serving until
-// interrupted.
+// limit header fields, then the tollgate metrics from its /metrics
+// endpoint, and exits. With -serve it keeps serving until interrupted.
 //
-//	go run ./examples/http                      # embedded miniredis
-//	REDIS_URL=redis://localhost:6379/0 go run ./examples/http
-//	go run ./examples/http -serve -addr 127.0.0.1:8080
+// It is a module of its own, so that Prometheus reaches only its go.sum,
+// never the library's. From the repository root:
+//
+//	cd examples/http && go run .                      # embedded miniredis
+//	cd examples/http && REDIS_URL=redis://localhost:6379/0 go run .
+//	cd examples/http && go run . -serve -addr 127.0.0.1:8080
 //
 // Each run uses a fresh API key, so runs against a real Redis do not
 // inherit each other's buckets; those expire on their own once full.
@@ -24,13 +27,17 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 	"time"
 
 	"github.com/alicebob/miniredis/v2"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/tollgate-go/tollgate"
+	tgprom "github.com/tollgate-go/tollgate/metrics/prometheus"
 )
 
 func main() {
@@ -50,10 +57,15 @@ func run(addr string, burst int, serve bool) error {
 	}
 	defer stop()
 
-	lim, err := tollgate.New(tollgate.NewRedisStore(client), []tollgate.Plan{
+	reg := prometheus.NewRegistry()
+	obs, err := tgprom.New(reg)
+	if err != nil {
+		return err
+	}
+	lim, err := tollgate.New(tollgate.NewRedisStore(client, tollgate.WithRedisObserver(obs)), []tollgate.Plan{
 		{Name: "burst", Capacity: 5, Rate: 1},
 		{Name: "daily", Capacity: 1000, Rate: tollgate.Per(1000, 24*time.Hour)},
-	})
+	}, tollgate.WithObserver(obs))
 	if err != nil {
 		return err
 	}
@@ -63,6 +75,8 @@ func run(addr string, burst int, serve bool) error {
 	mux.Handle("GET /items/{id}", limit(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		fmt.Fprintf(w, "item %s\n", r.PathValue("id"))
 	})))
+	// Outside the limiter: scrapes neither spend tokens nor get limited.
+	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
@@ -75,6 +89,9 @@ func run(addr string, burst int, serve bool) error {
 	fmt.Printf("serving on %s, buckets in %s\n\n", base, where)
 
 	if err := demo(base, burst); err != nil {
+		return err
+	}
+	if err := showMetrics(base); err != nil {
 		return err
 	}
 
@@ -146,6 +163,26 @@ func demo(base string, n int) error {
 			if v := resp.Header.Get(name); v != "" {
 				fmt.Printf("  %s: %s\n", name, v)
 			}
+		}
+	}
+	return nil
+}
+
+// showMetrics prints the tollgate series from the /metrics endpoint.
+func showMetrics(base string) error {
+	resp, err := http.Get(base + "/metrics")
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return err
+	}
+	fmt.Printf("\nGET /metrics (tollgate series):\n")
+	for _, line := range strings.Split(string(body), "\n") {
+		if strings.HasPrefix(line, "tollgate_") && !strings.HasPrefix(line, "tollgate_store_duration_seconds_bucket") {
+			fmt.Println("  " + line)
 		}
 	}
 	return nil
