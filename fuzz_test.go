@@ -279,11 +279,15 @@ func wellFormed(reply any, plans []Plan) bool {
 // panics, and it accepts exactly the well-formed ones, returning their
 // values; every other reply is an error wrapping ErrBadReply.
 func FuzzParseReply(f *testing.F) {
-	f.Add([]byte{0, 1, 10, 1, 5, 3, 5})                     // good, one plan
-	f.Add([]byte{1, 1, 2, 10, 0, 5, 4, 5, 3, 5})            // tokens one above the capacity
-	f.Add([]byte{2, 0, 5, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 3}) // the right length, wrong types
-	f.Add([]byte{0, 0, 4, 3, 4, 2, 4, 1, 4, 0})             // nested arrays
-	f.Add([]byte{3, 7, 10, 0, 5, 1, 5, 3, 5, 3, 5, 3, 5, 6, 5})
+	// data: plans-1, then per plan a, b, m (capacity 1+a×b, MaxCapacity
+	// if m%8 == 0), then the reply; tag 10 is the script's shape, whose
+	// values are chosen by near.
+	f.Add([]byte{0, 1, 3, 1, 10, 1, 5, 3, 5})                                              // good: tokens at the capacity
+	f.Add([]byte{0, 1, 3, 1, 10, 1, 5, 4, 5})                                              // tokens one above the capacity
+	f.Add([]byte{0, 1, 3, 1, 10, 2, 5, 0, 5})                                              // flag -1
+	f.Add([]byte{0, 1, 3, 1, 5, 0, 2, 0, 3, 6, 0, 0, 0, 0, 0, 0, 0, 0, 9, 1})              // the right length, wrong types
+	f.Add([]byte{0, 1, 3, 1, 4, 3, 4, 2, 4, 1, 4, 0})                                      // nested arrays
+	f.Add([]byte{3, 1, 1, 0, 2, 2, 1, 3, 3, 1, 4, 4, 1, 10, 0, 5, 3, 5, 0, 5, 1, 5, 3, 6}) // four plans, one of MaxCapacity
 	f.Fuzz(func(t *testing.T, data []byte) {
 		r := &replyReader{b: data}
 		plans := make([]Plan, 1+r.byte()%4)
