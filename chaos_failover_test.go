@@ -5,7 +5,6 @@ package tollgate
 import (
 	"context"
 	"fmt"
-	"math"
 	"strings"
 	"testing"
 	"time"
@@ -60,16 +59,12 @@ func waitReplicaSynced(t *testing.T, addr string, within time.Duration) {
 	c := redis.NewClient(&redis.Options{Addr: addr})
 	defer c.Close()
 	var info string
-	deadline := time.Now().Add(within)
-	for time.Now().Before(deadline) {
+	synced := eventually(within, 50*time.Millisecond, func() bool {
 		info, _ = c.Info(context.Background(), "replication").Result()
-		if strings.Contains(info, "role:slave") && strings.Contains(info, "master_link_status:up") &&
-			strings.Contains(info, "master_sync_in_progress:0") {
-			return
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-	t.Fatalf("%s did not become a replica in sync within %s:\n%s", addr, within, info)
+		return strings.Contains(info, "role:slave") && strings.Contains(info, "master_link_status:up") &&
+			strings.Contains(info, "master_sync_in_progress:0")
+	})
+	require.True(t, synced, "%s did not become a replica in sync within %s:\n%s", addr, within, info)
 }
 
 // failoverRound is one killed master.
@@ -87,25 +82,27 @@ func killMaster(t *testing.T, l *load, victim *redistest.Server, keys []int, new
 	reloads := scriptLoads(l.insts)
 	r := failoverRound{kill: l.since()}
 	victim.Kill()
-	deadline := time.Now().Add(failoverWait)
-	for newMaster() == victim {
-		require.True(t, time.Now().Before(deadline), "no failover within %s", failoverWait)
-		time.Sleep(50 * time.Millisecond)
-	}
+	promoted := eventually(failoverWait, 50*time.Millisecond, func() bool { return newMaster() != victim })
+	require.True(t, promoted, "no failover within %s", failoverWait)
 	r.promoted = time.Duration(l.since() - r.kill)
 	require.True(t, l.waitStore(keys, time.Second, failoverWait), "decisions did not return to Redis")
 	r.reloads = scriptLoads(l.insts) - reloads
 	return r
 }
 
-// failoverFigures measures, after the load finished, each round's outage on
-// keys as callers saw it, and the latency of the decisions during it.
-func failoverFigures(t *testing.T, l *load, keys []int, rs []failoverRound) (outages, promoted, p99s, worsts []time.Duration) {
-	t.Helper()
+func killTimes(rs []failoverRound) []int64 {
 	kills := make([]int64, len(rs))
 	for i, r := range rs {
 		kills[i] = r.kill
 	}
+	return kills
+}
+
+// failoverFigures measures, after the load finished, each round's outage on
+// keys as callers saw it, and the latency of the decisions during it.
+func failoverFigures(t *testing.T, l *load, keys []int, rs []failoverRound) (outages, promoted, p99s, worsts []time.Duration) {
+	t.Helper()
+	kills := killTimes(rs)
 	for i, kill := range kills {
 		outage, ok := l.outage(keys, kill, until(kills, i))
 		assert.True(t, ok, "round %d: a dead master must be noticed", i)
@@ -184,8 +181,9 @@ func TestChaosClusterFailover(t *testing.T) {
 	// The breaker belongs to the Limiter, not to a node: while it is open,
 	// keys on the healthy masters go to the fallback too.
 	var collateral []time.Duration
-	for _, r := range results {
-		o, _ := l.outage(others, r.kill, math.MaxInt64)
+	kills := killTimes(results)
+	for i, kill := range kills {
+		o, _ := l.outage(others, kill, until(kills, i))
 		collateral = append(collateral, o)
 	}
 	chaosLine(t, "cluster-failover", "rounds", rounds, "admitted", admitted, "bound", bound, "decisions", f.decisions,
@@ -242,19 +240,19 @@ func sentinelReplica(t *testing.T, sen *redistest.Sentinel) string {
 	c := redis.NewSentinelClient(&redis.Options{Addr: sen.SentinelAddrs()[0]})
 	defer c.Close()
 	var replicas []map[string]string
-	deadline := time.Now().Add(failoverWait)
-	for {
-		var err error
-		replicas, err = c.Replicas(context.Background(), sen.MasterName()).Result()
-		require.NoError(t, err)
+	var addr string
+	found := eventually(failoverWait, 100*time.Millisecond, func() bool {
+		replicas, _ = c.Replicas(context.Background(), sen.MasterName()).Result()
 		for _, r := range replicas {
 			if !strings.Contains(r["flags"], "down") && r["master-link-status"] == "ok" {
-				return r["ip"] + ":" + r["port"]
+				addr = r["ip"] + ":" + r["port"]
+				return true
 			}
 		}
-		require.True(t, time.Now().Before(deadline), "the sentinel knows no live replica: %v", replicas)
-		time.Sleep(100 * time.Millisecond)
-	}
+		return false
+	})
+	require.True(t, found, "the sentinel knows no live replica: %v", replicas)
+	return addr
 }
 
 // checkFailover asserts what every failover scenario promises.

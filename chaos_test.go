@@ -89,14 +89,30 @@ const leakGrace = 5 * time.Second
 // settledLeaks returns goleak's report of the goroutines, not ignored,
 // that are still running leakGrace from now, or nil once there are none.
 func settledLeaks(ignore ...goleak.Option) error {
-	deadline := time.Now().Add(leakGrace)
-	for {
-		err := goleak.Find(ignore...)
-		if err == nil || time.Now().After(deadline) {
-			return err
+	var err error
+	eventually(leakGrace, 100*time.Millisecond, func() bool {
+		err = goleak.Find(ignore...)
+		return err == nil
+	})
+	return err
+}
+
+// eventually calls cond every interval until it returns true, and reports
+// whether it did before within passed. Like every loop of the suite, it is
+// bounded in count as well as in time, so that a clock that misbehaves
+// cannot hang it.
+func eventually(within, every time.Duration, cond func() bool) bool {
+	deadline := time.Now().Add(within)
+	for i := int64(0); i <= int64(within/every); i++ {
+		if cond() {
+			return true
 		}
-		time.Sleep(100 * time.Millisecond)
+		if time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(every)
 	}
+	return false
 }
 
 // chaosLine logs the scenario's figures on one greppable line.
@@ -312,34 +328,27 @@ func (l *load) all() []decision {
 // waitStore waits, at most within, until the decisions on keys have come
 // from the store alone for quiet, and returns false if they did not.
 func (l *load) waitStore(keys []int, quiet, within time.Duration) bool {
-	deadline := time.Now().Add(within)
-	for time.Now().Before(deadline) {
+	return eventually(within, 20*time.Millisecond, func() bool {
 		ok, now := true, l.since()
 		for _, k := range keys {
 			other, store := l.lastOther[k].Load(), l.lastStore[k].Load()
 			ok = ok && store > other && now-other >= int64(quiet)
 		}
-		if ok {
-			return true
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	return false
+		return ok
+	})
 }
 
 // waitOther waits, at most within, until a decision on one of keys after
 // from came from elsewhere than the store.
 func (l *load) waitOther(keys []int, from int64, within time.Duration) bool {
-	deadline := time.Now().Add(within)
-	for time.Now().Before(deadline) {
+	return eventually(within, 5*time.Millisecond, func() bool {
 		for _, k := range keys {
 			if l.lastOther[k].Load() > from {
 				return true
 			}
 		}
-		time.Sleep(5 * time.Millisecond)
-	}
-	return false
+		return false
+	})
 }
 
 // figures summarises decisions, after finish.
