@@ -97,8 +97,8 @@ func settledLeaks(ignore ...goleak.Option) error {
 	return err
 }
 
-// eventually calls cond every interval until it returns true, and reports
-// whether it did before within passed. Like every loop of the suite, it is
+// eventually calls cond, then again after each pause of every, until it
+// returns true, and reports whether it did before within passed. Like every loop of the suite, it is
 // bounded in count as well as in time, so that a clock that misbehaves
 // cannot hang it.
 func eventually(within, every time.Duration, cond func() bool) bool {
@@ -122,15 +122,30 @@ func chaosLine(t *testing.T, scenario string, kv ...any) {
 	fmt.Fprintf(&b, "CHAOS scenario=%s", scenario)
 	for i := 0; i+1 < len(kv); i += 2 {
 		v := kv[i+1]
-		if d, ok := v.(time.Duration); ok {
-			v = d.Round(100 * time.Microsecond)
-		}
-		if f, ok := v.(float64); ok {
-			v = fmt.Sprintf("%.1f", f)
+		switch x := v.(type) {
+		case time.Duration:
+			v = roundDuration(x)
+		case []time.Duration:
+			ds := make([]time.Duration, len(x))
+			for j, d := range x {
+				ds[j] = roundDuration(d)
+			}
+			v = ds
+		case float64:
+			v = fmt.Sprintf("%.1f", x)
 		}
 		fmt.Fprintf(&b, " %s=%v", kv[i], v)
 	}
 	t.Log(b.String())
+}
+
+// roundDuration keeps three or four significant digits: 2.659s, 700.6µs.
+func roundDuration(d time.Duration) time.Duration {
+	r := time.Duration(1)
+	for d/r >= 10_000 {
+		r *= 10
+	}
+	return d.Round(r)
 }
 
 // fastCluster is the README's client advice for Cluster: fail fast, and
