@@ -27,9 +27,25 @@ var agreementPlans = []Plan{
 }
 
 type agreementStep struct {
-	advance int64 // µs since the previous step
-	cost    int64
+	advance int64 // µs since the previous step; negative steps the clock back
+	cost    int64 // 0 reads, as Peek does
 	plans   []Plan
+}
+
+// agreementOp is a step on one of several keys, or a Reset.
+type agreementOp struct {
+	agreementStep
+	key   int  // which of the sequence's keys
+	reset bool // Reset the plans of key instead of taking
+}
+
+// onOneKey turns steps into takes on one key.
+func onOneKey(steps []agreementStep) []agreementOp {
+	ops := make([]agreementOp, len(steps))
+	for i, s := range steps {
+		ops[i] = agreementOp{agreementStep: s}
+	}
+	return ops
 }
 
 // newMiniredisStore returns a RedisStore on a fresh miniredis whose TIME is
@@ -56,42 +72,111 @@ func newClockedMemoryStore(now *int64) *MemoryStore {
 // runAgreement feeds the same steps to the Lua script (on miniredis, whose
 // TIME the test sets), to MemoryStore (whose clock the test sets) and to
 // the pure TokenBucket, and demands identical answers and identical state.
-func runAgreement(t *testing.T, steps []agreementStep) {
+func runAgreement(t *testing.T, steps []agreementOp) {
 	t.Helper()
 	ctx := context.Background()
 	rs, mr, setTime := newMiniredisStore(t)
 	now := t0
 	ms := newClockedMemoryStore(&now)
-	pure := map[string]TokenBucket{}
+	// MemoryStore forgets a bucket once it is full again, which no clock
+	// that only moves forward can tell from keeping it; the steps here move
+	// the clock back too. Giving each key a shard of its own keeps inserting
+	// one key from sweeping another.
+	keys := keysInOwnShards(ms, steps)
+	pure := map[string]TokenBucket{} // by key and plan name
 	for i, s := range steps {
 		now += s.advance
 		setTime(now)
-		got, err := rs.Take(ctx, "user-1", s.cost, s.plans)
+		key := keys[s.key]
+		if s.reset {
+			require.NoError(t, rs.Reset(ctx, key, s.plans), "step %d", i)
+			require.NoError(t, ms.Reset(ctx, key, s.plans), "step %d", i)
+			for _, p := range s.plans {
+				delete(pure, key+"/"+p.Name)
+				assert.False(t, mr.Exists(rs.Key(key, p.Name)), "step %d plan %s: Reset leaves no bucket in Redis", i, p.Name)
+			}
+			continue
+		}
+		got, err := rs.Take(ctx, key, s.cost, s.plans)
 		require.NoError(t, err, "step %d", i)
-		want, err := ms.Take(ctx, "user-1", s.cost, s.plans)
+		want, err := ms.Take(ctx, key, s.cost, s.plans)
 		require.NoError(t, err, "step %d", i)
 		assert.Equal(t, want, got, "step %d: Lua and MemoryStore disagree", i)
 
 		buckets := make([]TokenBucket, len(s.plans))
 		for j, p := range s.plans {
-			b, ok := pure[p.Name]
+			b, ok := pure[key+"/"+p.Name]
 			if !ok {
 				b = FullBucket(p, now)
 			}
 			buckets[j] = b
 		}
 		allowed := TakeAll(s.plans, buckets, now, s.cost)
-		assert.Equal(t, allowed, got.Allowed, "step %d: Lua and TokenBucket disagree", i)
+		assert.Equal(t, newResult(s.plans, buckets, now, s.cost, allowed), got, "step %d: Lua and TokenBucket disagree", i)
 		if !allowed || s.cost == 0 {
 			continue // nothing is written
 		}
 		for j, p := range s.plans {
-			pure[p.Name] = buckets[j]
-			key := rs.Key("user-1", p.Name)
-			assert.Equal(t, strconv.FormatInt(buckets[j].Tokens, 10), mr.HGet(key, "t"), "step %d plan %s: tokens", i, p.Name)
-			assert.Equal(t, strconv.FormatInt(buckets[j].Stamp, 10), mr.HGet(key, "ts"), "step %d plan %s: stamp", i, p.Name)
+			pure[key+"/"+p.Name] = buckets[j]
+			rk := rs.Key(key, p.Name)
+			assert.Equal(t, strconv.FormatInt(buckets[j].Tokens, 10), mr.HGet(rk, "t"), "step %d plan %s: tokens", i, p.Name)
+			assert.Equal(t, strconv.FormatInt(buckets[j].Stamp, 10), mr.HGet(rk, "ts"), "step %d plan %s: stamp", i, p.Name)
 		}
 	}
+}
+
+// keysInOwnShards names the keys the steps use, each in a shard of m's
+// own.
+func keysInOwnShards(m *MemoryStore, steps []agreementOp) []string {
+	n := 1
+	for _, s := range steps {
+		n = max(n, s.key+1)
+	}
+	taken := map[*memShard]bool{}
+	var keys []string
+	for i := 0; len(keys) < n; i++ {
+		if k := fmt.Sprint("user-", i); !taken[m.shard(k)] {
+			taken[m.shard(k)] = true
+			keys = append(keys, k)
+		}
+	}
+	return keys
+}
+
+// randomSteps returns n random steps on agreementPlans: chains of one to
+// three plans, costs from 0 to 4 or, one time in eight, the smallest
+// capacity asked. With keys > 1 and resets, steps spread over that many
+// keys and one in fifteen is a Reset; with backwards, one in five steps the
+// clock back by up to 5 s.
+func randomSteps(rng *rand.Rand, n, keys int, resets, backwards bool) []agreementOp {
+	steps := make([]agreementOp, n)
+	for i := range steps {
+		var plans []Plan
+		for _, j := range rng.Perm(len(agreementPlans))[:1+rng.IntN(3)] {
+			plans = append(plans, agreementPlans[j])
+		}
+		limit := plans[0].Capacity
+		for _, p := range plans {
+			limit = min(limit, p.Capacity)
+		}
+		s := agreementOp{
+			agreementStep: agreementStep{
+				advance: []int64{0, 1, 999, rng.Int64N(1_000_000), rng.Int64N(60_000_000)}[rng.IntN(5)],
+				cost:    rng.Int64N(min(limit, 4) + 1),
+				plans:   plans,
+			},
+			key:   rng.IntN(keys),
+			reset: resets && rng.IntN(15) == 0,
+		}
+		if rng.IntN(8) == 0 {
+			s.cost = limit
+		}
+		if backwards && rng.IntN(5) == 0 {
+			s.advance = -[]int64{1, rng.Int64N(1_000_000), rng.Int64N(5_000_000)}[rng.IntN(3)]
+		}
+		steps[i] = s
+	}
+	return steps
 }
 
 func TestLuaAgreesWithGoTable(t *testing.T) {
@@ -121,31 +206,27 @@ func TestLuaAgreesWithGoTable(t *testing.T) {
 		}},
 	}
 	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) { runAgreement(t, tt.steps) })
+		t.Run(tt.name, func(t *testing.T) { runAgreement(t, onOneKey(tt.steps)) })
 	}
 }
 
 func TestLuaAgreesWithGoRandom(t *testing.T) {
 	for seed := uint64(1); seed <= 4; seed++ {
 		t.Run(fmt.Sprint("seed", seed), func(t *testing.T) {
-			rng := rand.New(rand.NewPCG(seed, 42))
-			steps := make([]agreementStep, 300)
-			for i := range steps {
-				var plans []Plan
-				for _, j := range rng.Perm(len(agreementPlans))[:1+rng.IntN(3)] {
-					plans = append(plans, agreementPlans[j])
-				}
-				limit := plans[0].Capacity
-				for _, p := range plans {
-					limit = min(limit, p.Capacity)
-				}
-				steps[i] = agreementStep{
-					advance: []int64{0, 1, 999, rng.Int64N(1_000_000), rng.Int64N(60_000_000)}[rng.IntN(5)],
-					cost:    rng.Int64N(min(limit, 4) + 1),
-					plans:   plans,
-				}
-			}
-			runAgreement(t, steps)
+			runAgreement(t, randomSteps(rand.New(rand.NewPCG(seed, 42)), 300, 1, false, false))
+		})
+	}
+}
+
+// TestStoresAgreeOnRandomOperations is the property test of the three
+// implementations of the bucket: random sequences of takes of every cost
+// (0 is what Peek does), chains, Resets, on several keys, with the clock
+// jumping forwards and back, must give identical answers and state from the
+// pure TokenBucket, the MemoryStore and the script on miniredis.
+func TestStoresAgreeOnRandomOperations(t *testing.T) {
+	for seed := uint64(1); seed <= 8; seed++ {
+		t.Run(fmt.Sprint("seed", seed), func(t *testing.T) {
+			runAgreement(t, randomSteps(rand.New(rand.NewPCG(seed, 7)), 400, 4, true, true))
 		})
 	}
 }
