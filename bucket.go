@@ -35,10 +35,18 @@ func FullBucket(p Plan, now int64) TokenBucket {
 
 // Refill returns the bucket as of now: the tokens accrued at p.Rate since
 // Stamp are added, up to p.Capacity. A now before Stamp refills nothing and
-// leaves Stamp where it is, so a clock that steps back cannot mint tokens.
+// leaves Stamp where it is, so a clock that steps back cannot mint tokens;
+// but a Stamp more than a full refill (Capacity / Rate) ahead of now reads
+// as a full bucket, so a garbage stamp cannot block a key for ever.
 func (b TokenBucket) Refill(p Plan, now int64) TokenBucket {
 	full := p.Capacity * MicroTokens
 	if now <= b.Stamp {
+		// A stamp more than a whole refill ahead is no clock step but
+		// garbage, or a clock so far back that the bucket would have
+		// refilled anyway: either way it reads as full.
+		if float64(b.Stamp-now) > float64(full)/p.Rate {
+			return TokenBucket{Tokens: full, Stamp: now}
+		}
 		b.Tokens = min(b.Tokens, full)
 		return b
 	}
@@ -46,13 +54,14 @@ func (b TokenBucket) Refill(p Plan, now int64) TokenBucket {
 		return TokenBucket{Tokens: full, Stamp: now}
 	}
 	// Rate in tokens per second is also micro-tokens per microsecond. The
-	// explicit float64 conversions forbid fused multiply-add, which Lua
-	// cannot do, so Go and Lua round identically on every platform.
+	// explicit float64 conversion forbids fused multiply-add, which Lua
+	// cannot do, so Go and Lua round identically on every platform. Only
+	// whole numbers are compared and added, so no sum is ever rounded.
 	gain := float64(float64(now-b.Stamp) * p.Rate)
-	if float64(float64(b.Tokens)+gain) >= float64(full) {
+	whole := math.Floor(gain)
+	if float64(b.Tokens)+whole >= float64(full) {
 		return TokenBucket{Tokens: full, Stamp: now}
 	}
-	whole := math.Floor(gain)
 	carry := math.Floor((gain - whole) / p.Rate) // microseconds not yet worth a micro-token
 	return TokenBucket{Tokens: b.Tokens + int64(whole), Stamp: now - int64(carry)}
 }
@@ -90,34 +99,40 @@ func (b TokenBucket) Remaining() int64 {
 	return b.Tokens / MicroTokens
 }
 
-// ReadyAt returns the time, in microseconds, at which a bucket refilled to
-// now will hold cost tokens, assuming nothing else takes from it. It is now
-// when the tokens are already there. cost must not exceed p.Capacity.
+// ReadyAt returns the time, in microseconds, at which Take will find cost
+// tokens in the bucket, assuming nothing else takes from it: now if they
+// are there. It measures from Stamp, as that Take will refill, so the
+// answer is exact for the bucket as stored. cost must not exceed
+// p.Capacity.
 func (b TokenBucket) ReadyAt(p Plan, now, cost int64) int64 {
-	return b.Refill(p, now).readyAt(p, now, cost)
-}
-
-// FullAt returns the time, in microseconds, at which a bucket refilled to
-// now will be full again, assuming nothing takes from it.
-func (b TokenBucket) FullAt(p Plan, now int64) int64 {
-	return b.ReadyAt(p, now, p.Capacity)
-}
-
-// readyAt is ReadyAt for a bucket already refilled to now.
-func (b TokenBucket) readyAt(p Plan, now, cost int64) int64 {
-	deficit := cost*MicroTokens - b.Tokens
-	if deficit <= 0 {
+	need := cost * MicroTokens
+	if b.Refill(p, now).Tokens >= need {
 		return now
 	}
-	return max(now, b.Stamp+accrualMicros(deficit, p.Rate))
+	// Not there yet, so Refill did not find the stamp garbage: the tokens
+	// accrue from Stamp until floor(elapsed × rate) covers the deficit,
+	// which is also when a refill would reach a full bucket.
+	return max(now, b.Stamp+accrualMicros(need-min(b.Tokens, p.Capacity*MicroTokens), p.Rate))
+}
+
+// FullAt returns the time, in microseconds, at which the bucket will be
+// full again, assuming nothing takes from it.
+func (b TokenBucket) FullAt(p Plan, now int64) int64 {
+	return b.ReadyAt(p, now, p.Capacity)
 }
 
 // accrualMicros returns the fewest whole microseconds in which deficit
 // micro-tokens accrue at rate, as Refill computes accrual: the smallest w
 // with floor(w × rate) >= deficit.
 func accrualMicros(deficit int64, rate float64) int64 {
-	w := math.Ceil(float64(deficit) / rate)
-	if math.Floor(float64(w*rate)) < float64(deficit) {
+	// The quotient is off by at most one unit in its last place, and every
+	// value here is below 2^53, so its ceiling is off by at most one: one
+	// step either way lands on the smallest w.
+	d := float64(deficit)
+	w := math.Ceil(d / rate)
+	if w > 1 && math.Floor(float64((w-1)*rate)) >= d {
+		w--
+	} else if math.Floor(float64(w*rate)) < d {
 		w++
 	}
 	return int64(w)

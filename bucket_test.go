@@ -69,9 +69,9 @@ func TestTokenBucketSteps(t *testing.T) {
 }
 
 func TestTokenBucketStampNeverMovesBack(t *testing.T) {
-	p := Plan{Name: "p", Capacity: 10, Rate: 3}
+	p := Plan{Name: "p", Capacity: 10, Rate: 3} // refills in 3.33 s
 	b := TokenBucket{Tokens: 0, Stamp: t0}
-	b = b.Refill(p, t0-5_000_000)
+	b = b.Refill(p, t0-3_000_000)
 	assert.Equal(t, TokenBucket{Tokens: 0, Stamp: t0}, b)
 	b = TokenBucket{Tokens: 20_000_000, Stamp: t0} // above capacity, e.g. after the plan shrank
 	assert.Equal(t, int64(10_000_000), b.Refill(p, t0-1).Tokens)
@@ -148,11 +148,21 @@ func TestTakeAllIsAllOrNothing(t *testing.T) {
 }
 
 func TestAccrualMicrosIsSmallestSufficient(t *testing.T) {
-	for _, rate := range []float64{1, 3, 0.1, 1.0 / 3, 7.77, 1e-6, 123456.789} {
-		for _, deficit := range []int64{1, 2, 999_999, 1_000_000, 12_345_678} {
+	for _, rate := range []float64{1, 3, 0.1, 1.0 / 3, 7.77, 1e-6, 123456.789, 0.009523809523809523, 26.666666666666664} {
+		for _, deficit := range []int64{1, 2, 999_999, 1_000_000, 12_345_678, 19_000_000, 47_999_883} {
 			w := accrualMicros(deficit, rate)
 			assert.GreaterOrEqual(t, math.Floor(float64(w)*rate), float64(deficit), "rate %v deficit %d", rate, deficit)
 			assert.Less(t, math.Floor(float64(w-1)*rate), float64(deficit), "rate %v deficit %d: not smallest", rate, deficit)
 		}
 	}
+}
+
+func TestFarFutureStampReadsFull(t *testing.T) {
+	p := Plan{Name: "p", Capacity: 2, Rate: 1} // refills in 2 s
+	b := TokenBucket{Tokens: 0, Stamp: t0 + 2_000_000}
+	assert.Equal(t, TokenBucket{Tokens: 0, Stamp: t0 + 2_000_000}, b.Refill(p, t0), "a clock step of a full refill is kept")
+	b.Stamp++
+	assert.Equal(t, FullBucket(p, t0), b.Refill(p, t0), "beyond a full refill the stamp is garbage")
+	b.Stamp = t0 + 10*365*24*3600*1_000_000
+	assert.Equal(t, t0, b.ReadyAt(p, t0, 2), "a stamp ten years ahead must not block the key")
 }

@@ -147,7 +147,7 @@ func (m *MemoryStore) Take(ctx context.Context, key string, cost int64, plans []
 // take is Take for a request already checked.
 func (m *MemoryStore) take(_ context.Context, key string, cost int64, plans []Plan) (Result, error) {
 	// Fixed arrays keep a decision on up to four chained plans off the heap.
-	var bufB [4]TokenBucket
+	var bufB, bufS [4]TokenBucket
 	var bufI [4]int
 	buckets, at := bufB[:0], bufI[:0]
 
@@ -163,8 +163,10 @@ func (m *MemoryStore) take(_ context.Context, key string, cost int64, plans []Pl
 		}
 		buckets, at = append(buckets, b), append(at, i)
 	}
+	stored := append(bufS[:0], buckets...) // what a denial or a read leaves
 	allowed := TakeAll(plans, buckets, now, cost)
 	if allowed && cost > 0 {
+		stored = buckets
 		if e == nil {
 			e = &memEntry{buckets: make([]memBucket, 0, len(plans))}
 			s.insert(strings.Clone(key), e, m.perCap, now)
@@ -182,7 +184,7 @@ func (m *MemoryStore) take(_ context.Context, key string, cost int64, plans []Pl
 		}
 	}
 	s.mu.Unlock()
-	return newResult(plans, buckets, now, cost, allowed), nil
+	return newResult(plans, stored, now, cost, allowed), nil
 }
 
 // insert adds a key, dropping full keys it comes across and, at the bound,

@@ -127,35 +127,35 @@ func (s *RedisStore) take(ctx context.Context, key string, cost int64, plans []P
 }
 
 // parseReply checks the shape of the script's reply instead of trusting it:
-// {allowed, now, tokens_1, stamp_1, ...}, all integers, each bucket within
-// its plan's capacity. A stamp may be after now: Redis TIME stepped back,
-// as after a failover to a server whose clock is behind.
+// {allowed, now, tokens_1, stamp_1, ...}, all integers, with tokens and
+// stamps that Lua's doubles hold exactly. The buckets are as stored; a
+// stamp after now (Redis TIME stepped back) or tokens above a capacity
+// that shrank are for Refill to judge, as the next decision will.
 func parseReply(reply any, plans []Plan) (allowed bool, now int64, buckets []TokenBucket, err error) {
 	vals, ok := reply.([]any)
 	if !ok || len(vals) != 2+2*len(plans) {
 		return false, 0, nil, fmt.Errorf("%w: want an array of %d integers, got %T", ErrBadReply, 2+2*len(plans), reply)
 	}
-	ints := make([]int64, len(vals))
+	var ints [2 + 2*4]int64 // up to four plans without allocating
+	n := ints[:0]
 	for i, v := range vals {
-		n, ok := v.(int64)
+		x, ok := v.(int64)
 		if !ok {
 			return false, 0, nil, fmt.Errorf("%w: element %d is %T, not an integer", ErrBadReply, i, v)
 		}
-		ints[i] = n
-	}
-	if ints[0] != 0 && ints[0] != 1 {
-		return false, 0, nil, fmt.Errorf("%w: allowed flag is %d", ErrBadReply, ints[0])
-	}
-	now = ints[1]
-	buckets = make([]TokenBucket, len(plans))
-	for i, p := range plans {
-		b := TokenBucket{Tokens: ints[2+2*i], Stamp: ints[3+2*i]}
-		if b.Tokens < 0 || b.Tokens > p.Capacity*MicroTokens {
-			return false, 0, nil, fmt.Errorf("%w: bucket %d out of range", ErrBadReply, i)
+		if x < 0 || x > 1<<53 {
+			return false, 0, nil, fmt.Errorf("%w: element %d out of range", ErrBadReply, i)
 		}
-		buckets[i] = b
+		n = append(n, x)
 	}
-	return ints[0] == 1, now, buckets, nil
+	if n[0] > 1 {
+		return false, 0, nil, fmt.Errorf("%w: allowed flag is %d", ErrBadReply, n[0])
+	}
+	buckets = make([]TokenBucket, len(plans))
+	for i := range plans {
+		buckets[i] = TokenBucket{Tokens: n[2+2*i], Stamp: n[3+2*i]}
+	}
+	return n[0] == 1, n[1], buckets, nil
 }
 
 // Reset implements Store: it deletes the buckets, which then read as full.

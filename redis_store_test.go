@@ -156,7 +156,9 @@ func TestParseReply(t *testing.T) {
 		{"nil element", []any{int64(1), t0, nil, t0}, false},
 		{"flag 2", []any{int64(2), t0, int64(0), t0}, false},
 		{"negative tokens", []any{int64(1), t0, int64(-1), t0}, false},
-		{"tokens above capacity", []any{int64(1), t0, int64(4_000_001), t0}, false},
+		{"negative now", []any{int64(1), int64(-1), int64(0), t0}, false},
+		{"tokens past what Lua holds exactly", []any{int64(1), t0, int64(1<<53 + 1), t0}, false},
+		{"tokens above a capacity that shrank are Refill's to clamp", []any{int64(1), t0, int64(4_000_001), t0}, true},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -86,9 +86,11 @@ func (r Result) PlanResults() []PlanResult {
 	return []PlanResult{{Plan: r.Plan, Limit: r.Limit, Remaining: r.Remaining, RetryAfter: r.RetryAfter, ResetAfter: r.ResetAfter}}
 }
 
-// newResult describes a decision from the buckets after it: buckets[i] is
-// plans[i]'s bucket as refilled to now (as TakeAll leaves it) and, if
-// allowed, drained by cost.
+// newResult describes a decision from the buckets as stored after it:
+// buckets[i] is plans[i]'s bucket as drained by the decision if allowed,
+// or untouched (as read) if not, since a denial writes nothing. Waits are
+// measured from the stored state, as the next decision will refill it.
+// Both stores build their results here, so they agree field by field.
 func newResult(plans []Plan, buckets []TokenBucket, now, cost int64, allowed bool) Result {
 	if len(plans) == 1 { // built in place: the common case, and hot
 		r := Result{Allowed: allowed, Plan: plans[0].Name, Limit: plans[0].Capacity}
@@ -111,13 +113,13 @@ func newResult(plans []Plan, buckets []TokenBucket, now, cost int64, allowed boo
 	return r
 }
 
-// bucketState returns what a Result reports of one bucket.
+// bucketState returns what a Result reports of one stored bucket.
 func bucketState(p Plan, b TokenBucket, now, cost int64, allowed bool) (remaining int64, retryAfter, resetAfter time.Duration) {
-	resetAfter = micros(b.readyAt(p, now, p.Capacity) - now)
+	resetAfter = micros(b.FullAt(p, now) - now)
 	if !allowed {
-		retryAfter = micros(b.readyAt(p, now, cost) - now)
+		retryAfter = micros(b.ReadyAt(p, now, cost) - now)
 	}
-	return b.Remaining(), retryAfter, resetAfter
+	return b.Refill(p, now).Remaining(), retryAfter, resetAfter
 }
 
 // failOpenResult is the decision of the FailOpen policy: allowed, with every

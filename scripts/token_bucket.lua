@@ -11,20 +11,19 @@
 -- ARGV[2i+1]   rate of plan i, in tokens per second (= micro-tokens per µs)
 --
 -- Reply: {allowed (1 or 0), now (µs, from TIME), tokens_1, stamp_1, ...}:
--- each plan's bucket after the decision (refilled; drained if allowed).
+-- each plan's bucket as stored after the decision: drained if allowed,
+-- as read if not (a missing or foreign bucket reads as full at now). Go
+-- measures waits from it, as the next decision will refill it.
 --
 -- Bucket: a hash {t = micro-tokens, ts = stamp in µs, v = 1}, written only
 -- when tokens are taken, expiring when it would be full again: a missing
 -- bucket reads as full. A bucket of another schema or type is replaced.
---
--- The reply table doubles as the per-plan state between the two passes, and
--- nothing else is allocated on the common path: server time per decision is
--- the product's throughput.
 
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
 local need = tonumber(ARGV[1]) * 1000000
 local reply = {1, now}
+local after = {} -- the buckets refilled to now, to drain if allowed
 local foreign -- plans whose key holds data not ours, replaced on write
 
 for i = 1, #KEYS do
@@ -42,26 +41,35 @@ for i = 1, #KEYS do
     end
     t, ts = full, now -- missing or expired: a full bucket
   end
+  reply[2 * i + 1], reply[2 * i + 2] = t, ts
   -- Refill, exactly as bucket.go does it.
   if now <= ts then
-    if t > full then t = full end
-  elseif t >= full or t + (now - ts) * rate >= full then
+    if ts - now > full / rate then
+      t, ts = full, now -- a stamp more than a full refill ahead: garbage
+    elseif t > full then
+      t = full
+    end
+  elseif t >= full then
     t, ts = full, now
   else
     local gain = (now - ts) * rate
     local whole = math.floor(gain)
-    t, ts = t + whole, now - math.floor((gain - whole) / rate)
+    if t + whole >= full then
+      t, ts = full, now
+    else
+      t, ts = t + whole, now - math.floor((gain - whole) / rate)
+    end
   end
   if t < need then reply[1] = 0 end
-  reply[2 * i + 1], reply[2 * i + 2] = t, ts
+  after[2 * i - 1], after[2 * i] = t, ts
 end
 
 if reply[1] == 1 and need > 0 then
   for i = 1, #KEYS do
-    local t = reply[2 * i + 1] - need
-    reply[2 * i + 1] = t
+    local t, ts = after[2 * i - 1] - need, after[2 * i]
+    reply[2 * i + 1], reply[2 * i + 2] = t, ts
     if foreign and foreign[i] then redis.call('DEL', KEYS[i]) end
-    redis.call('HSET', KEYS[i], 't', t, 'ts', reply[2 * i + 2], 'v', 1)
+    redis.call('HSET', KEYS[i], 't', t, 'ts', ts, 'v', 1)
     -- Until full again, rounded up, plus a millisecond for the expiry clock.
     redis.call('PEXPIRE', KEYS[i],
       math.floor((tonumber(ARGV[2 * i]) * 1000000 - t) / tonumber(ARGV[2 * i + 1]) / 1000) + 2)
