@@ -105,14 +105,24 @@ func (b TokenBucket) Remaining() int64 {
 // answer is exact for the bucket as stored. cost must not exceed
 // p.Capacity.
 func (b TokenBucket) ReadyAt(p Plan, now, cost int64) int64 {
-	need := cost * MicroTokens
-	if b.Refill(p, now).Tokens >= need {
+	if b.Refill(p, now).Tokens >= cost*MicroTokens {
 		return now
 	}
 	// Not there yet, so Refill did not find the stamp garbage: the tokens
 	// accrue from Stamp until floor(elapsed × rate) covers the deficit,
 	// which is also when a refill would reach a full bucket.
-	return max(now, b.Stamp+accrualMicros(need-min(b.Tokens, p.Capacity*MicroTokens), p.Rate))
+	b.Tokens = min(b.Tokens, p.Capacity*MicroTokens)
+	return b.readyAt(p, now, cost)
+}
+
+// readyAt is ReadyAt for a bucket as Refill or TakeAll left it at now,
+// which needs no second refill.
+func (b TokenBucket) readyAt(p Plan, now, cost int64) int64 {
+	need := cost * MicroTokens
+	if b.Tokens >= need {
+		return now
+	}
+	return max(now, b.Stamp+accrualMicros(need-b.Tokens, p.Rate))
 }
 
 // FullAt returns the time, in microseconds, at which the bucket will be

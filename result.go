@@ -115,6 +115,11 @@ func newResult(plans []Plan, buckets []TokenBucket, now, cost int64, allowed boo
 
 // bucketState returns what a Result reports of one stored bucket.
 func bucketState(p Plan, b TokenBucket, now, cost int64, allowed bool) (remaining int64, retryAfter, resetAfter time.Duration) {
+	if allowed && cost > 0 {
+		// Refilled to now and drained: stored and current at once, so the
+		// hot path needs no second refill.
+		return b.Remaining(), 0, micros(b.readyAt(p, now, p.Capacity) - now)
+	}
 	resetAfter = micros(b.FullAt(p, now) - now)
 	if !allowed {
 		retryAfter = micros(b.ReadyAt(p, now, cost) - now)
