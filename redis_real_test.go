@@ -171,7 +171,8 @@ func TestNoscriptUnderLoad(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			store := NewRedisStore(tc.client(newRealClient(t, &redis.Options{Addr: srv.Addr()})))
-			l, err := New(store, testPlans, WithFailurePolicy(FailClosed), WithLogger(nil))
+			// No denial cache: every decision must meet the flushed cache.
+			l, err := New(store, testPlans, WithFailurePolicy(FailClosed), WithLogger(nil), WithDenialCache(0))
 			require.NoError(t, err)
 			admin := newRealClient(t, &redis.Options{Addr: srv.Addr()})
 			var ta tally
@@ -210,7 +211,8 @@ func TestNoscriptUnderLoad(t *testing.T) {
 func TestOutageFallbackRecovery(t *testing.T) {
 	srv := ownServer(t)
 	logs := &logCounter{}
-	l, err := New(NewRedisStore(newRealClient(t, failFast(srv.Addr()))), testPlans,
+	// No denial cache: every decision must meet the outage.
+	l, err := New(NewRedisStore(newRealClient(t, failFast(srv.Addr()))), testPlans, WithDenialCache(0),
 		WithLogger(slog.New(logs)), WithBreaker(BreakerSettings{Failures: 3, Cooldown: 200 * time.Millisecond}))
 	require.NoError(t, err)
 
