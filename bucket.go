@@ -37,7 +37,9 @@ func FullBucket(p Plan, now int64) TokenBucket {
 // Stamp are added, up to p.Capacity. A now before Stamp refills nothing and
 // leaves Stamp where it is, so a clock that steps back cannot mint tokens;
 // but a Stamp more than a full refill (Capacity / Rate) ahead of now reads
-// as a full bucket, so a garbage stamp cannot block a key for ever.
+// as a full bucket, so a garbage stamp cannot block a key for ever. Read
+// the clock under the bucket's lock, as MemoryStore does: a now read
+// before a long pause could look like such garbage.
 func (b TokenBucket) Refill(p Plan, now int64) TokenBucket {
 	full := p.Capacity * MicroTokens
 	if now <= b.Stamp {

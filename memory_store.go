@@ -151,9 +151,12 @@ func (m *MemoryStore) take(_ context.Context, key string, cost int64, plans []Pl
 	var bufI [4]int
 	buckets, at := bufB[:0], bufI[:0]
 
-	now := m.now() // before the lock; Refill never moves a Stamp back
 	s := m.shard(key)
 	s.mu.Lock()
+	// The clock is read under the lock, so no decision on this key can
+	// have stamped a bucket later than now: a stale now, after a long
+	// preemption, could pass for a garbage stamp a whole refill ahead.
+	now := m.now()
 	e := s.keys[key]
 	for _, p := range plans {
 		i := e.index(p.Name)
