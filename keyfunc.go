@@ -222,18 +222,23 @@ func (k *ipKeyer) hops(h http.Header, hops []netip.Addr) []netip.Addr {
 // Forwarded field value (RFC 7239, section 4), such as
 // `for=192.0.2.60;proto=http, for="[2001:db8:cafe::17]:4711"`. An element
 // without one, or whose node is not an IP address ("unknown", "_hidden"),
-// appends the zero Addr.
+// appends the zero Addr. A quoted-string left open ends the value with the
+// zero Addr: otherwise a client's `x="` would swallow the elements that
+// trusted proxies append after it, and its own address would be taken.
 func appendForwardedFor(hops []netip.Addr, v string) []netip.Addr {
 	for v != "" {
-		var elem string
-		elem, v = cutUnquoted(v, ',')
+		elem, rest, closed := cutUnquoted(v, ',')
+		if !closed {
+			return append(hops, netip.Addr{})
+		}
+		v = rest
 		if elem = strings.TrimSpace(elem); elem == "" {
 			continue
 		}
 		var node netip.Addr
 		for elem != "" {
 			var pair string
-			pair, elem = cutUnquoted(elem, ';')
+			pair, elem, _ = cutUnquoted(elem, ';') // closed: the element was
 			name, value, _ := strings.Cut(strings.TrimSpace(pair), "=")
 			if strings.EqualFold(name, "for") {
 				node, _ = parseAddr(unwrap(value, '"', '"'))
@@ -245,8 +250,9 @@ func appendForwardedFor(hops []netip.Addr, v string) []netip.Addr {
 	return hops
 }
 
-// cutUnquoted cuts s around the first sep outside a quoted-string.
-func cutUnquoted(s string, sep byte) (before, after string) {
+// cutUnquoted cuts s around the first sep outside a quoted-string, and
+// reports whether every quoted-string before the cut is closed.
+func cutUnquoted(s string, sep byte) (before, after string, closed bool) {
 	quoted := false
 	for i := 0; i < len(s); i++ {
 		switch c := s[i]; {
@@ -255,10 +261,10 @@ func cutUnquoted(s string, sep byte) (before, after string) {
 		case c == '"':
 			quoted = !quoted
 		case !quoted && c == sep:
-			return s[:i], s[i+1:]
+			return s[:i], s[i+1:], true
 		}
 	}
-	return s, ""
+	return s, "", !quoted
 }
 
 // parsePeer parses Request.RemoteAddr, which is "host:port" for TCP.

@@ -78,6 +78,11 @@ func TestByIP(t *testing.T) {
 		{"forwarded unknown rightmost", fwd, "10.0.0.1:1", http.Header{"Forwarded": {"for=203.0.113.7, for=unknown"}}, ""},
 		{"forwarded element without for", fwd, "10.0.0.1:1", http.Header{"Forwarded": {"for=203.0.113.7, proto=https"}}, ""},
 		{"forwarded half quoted", fwd, "10.0.0.1:1", http.Header{"Forwarded": {`for="203.0.113.7`}}, ""},
+		// An open quote must not swallow what the trusted proxy appended.
+		{"forwarded open quote swallowing the proxy's element", fwd, "10.0.0.1:1",
+			http.Header{"Forwarded": {`for=198.51.100.66;x=", for=203.0.113.7`}}, ""},
+		{"forwarded open quote on the client's own line", fwd, "10.0.0.1:1",
+			http.Header{"Forwarded": {`for=198.51.100.66;x="`, `for=203.0.113.7`}}, "ip:203.0.113.7"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
