@@ -1,6 +1,7 @@
 package tollgate
 
 import (
+	"sync"
 	"sync/atomic"
 	"time"
 )
@@ -51,6 +52,7 @@ type breaker struct {
 	failures int32
 	cooldown time.Duration
 	onChange func(from, to BreakerState) // nil, or called after each transition
+	reportMu sync.Mutex                  // orders transitions with their reports
 
 	epoch    time.Time    // openedAt counts from here, on the monotonic clock
 	state    atomic.Int32 // BreakerState
@@ -130,11 +132,24 @@ func (b *breaker) current() BreakerState {
 // transition moves the breaker from one state to another if it is in the
 // first, and reports whether it moved. Exactly one caller wins a race.
 func (b *breaker) transition(from, to BreakerState) bool {
+	if b.onChange == nil {
+		return b.state.CompareAndSwap(int32(from), int32(to))
+	}
+	// With an observer, the change and its report happen under one lock,
+	// so reports arrive in the order of the changes: a gauge that followed
+	// them could otherwise end on a state the breaker has left.
+	b.reportMu.Lock()
+	defer b.reportMu.Unlock()
 	if !b.state.CompareAndSwap(int32(from), int32(to)) {
 		return false
 	}
-	if b.onChange != nil {
-		b.onChange(from, to)
-	}
+	reported := false
+	defer func() {
+		if !reported { // the observer panicked: undo, or a probe could stick
+			b.state.CompareAndSwap(int32(to), int32(from))
+		}
+	}()
+	b.onChange(from, to)
+	reported = true
 	return true
 }

@@ -26,6 +26,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"sync"
 	"sync/atomic"
 	"time"
 )
@@ -113,8 +114,8 @@ func WithLogger(log *slog.Logger) Option {
 }
 
 // WithDenialCache bounds the keys whose denials the Limiter remembers, and
-// 0 turns the cache off. A remembered denial answers the same request, or a
-// costlier one, without the store until the RetryAfter the store gave has
+// 0 turns the cache off. A remembered denial answers the same request (key,
+// plans and cost) without the store until the RetryAfter the store gave has
 // passed; before then the store would deny it too, so the cache never
 // admits and never denies what the store would admit, except after a Reset
 // by another instance, which is seen once that RetryAfter has passed. A key
@@ -154,6 +155,7 @@ type Limiter struct {
 	defaults []Plan
 
 	outageStart atomic.Int64 // UnixNano when the current outage began; 0 when none
+	outageMu    sync.Mutex   // orders outage changes with their reports
 }
 
 var _ RateLimiter = (*Limiter)(nil)
@@ -317,6 +319,16 @@ func (l *Limiter) decideInto(ctx context.Context, r *Result, key string, cost, m
 		*r, err = l.degraded(ctx, key, cost, plans, errBreakerOpen)
 		return err
 	}
+	if probe {
+		// A probe that ends in a panic (the store's, or an Observer's)
+		// must not hold the breaker half-open for ever.
+		defer func() {
+			if p := recover(); p != nil {
+				l.breaker.abandon()
+				panic(p)
+			}
+		}()
+	}
 	*r, err = l.callStore(ctx, key, cost, plans)
 	switch {
 	case err == nil:
@@ -381,28 +393,39 @@ func (l *Limiter) degraded(ctx context.Context, key string, cost int64, plans []
 	return r, nil
 }
 
-// failing logs the start of an outage, once.
+// failing logs and reports the start of an outage, once.
 func (l *Limiter) failing(err error) {
-	if l.outageStart.CompareAndSwap(0, time.Now().UnixNano()) {
+	if l.outageStart.Load() != 0 {
+		return
+	}
+	if l.reportOutage(func() bool { return l.outageStart.CompareAndSwap(0, time.Now().UnixNano()) }, true) {
 		l.log.Warn("tollgate: store failing; deciding by failure policy until it recovers",
 			"policy", l.policy.String(), "error", err)
-		if l.obs != nil {
-			l.obs.ObserveFallback(true)
-		}
 	}
 }
 
-// recovered logs the end of an outage, once.
+// recovered logs and reports the end of an outage, once.
 func (l *Limiter) recovered() {
 	if l.outageStart.Load() == 0 {
 		return
 	}
-	if start := l.outageStart.Swap(0); start != 0 {
+	var start int64
+	if l.reportOutage(func() bool { start = l.outageStart.Swap(0); return start != 0 }, false) {
 		l.log.Info("tollgate: store recovered", "outage", time.Duration(time.Now().UnixNano()-start))
-		if l.obs != nil {
-			l.obs.ObserveFallback(false)
-		}
 	}
+}
+
+// reportOutage makes an outage change and reports it to the Observer under
+// one lock, so reports arrive in the order of the changes, and reports
+// whether change changed anything.
+func (l *Limiter) reportOutage(change func() bool, active bool) bool {
+	l.outageMu.Lock()
+	defer l.outageMu.Unlock()
+	changed := change()
+	if changed && l.obs != nil {
+		l.obs.ObserveFallback(active)
+	}
+	return changed
 }
 
 // Reset makes the buckets of key for the named plans full again, in the
@@ -434,7 +457,7 @@ func (l *Limiter) Reset(ctx context.Context, key string, plans ...string) error 
 		return fmt.Errorf("%w: %w", ErrStoreUnavailable, err)
 	}
 	if l.denials != nil {
-		l.denials.forget(key) // after the store: no stale denial can follow
+		l.denials.forget(key) // also refuses denials asked before the Reset
 	}
 	return nil
 }

@@ -492,3 +492,87 @@ func BenchmarkObserverOverhead(b *testing.B) {
 		})
 	}
 }
+
+// panickyStore panics while armed.
+type panickyStore struct {
+	*flakyStore
+	armed atomic.Bool
+}
+
+func (p *panickyStore) Take(ctx context.Context, key string, cost int64, plans []Plan) (Result, error) {
+	if p.armed.Load() {
+		panic("store bug")
+	}
+	return p.flakyStore.Take(ctx, key, cost, plans)
+}
+
+func TestPanickingProbeReleasesTheBreaker(t *testing.T) {
+	ctx := context.Background()
+	s := &panickyStore{flakyStore: newFlakyStore()}
+	l := newTestLimiter(t, s, WithFailurePolicy(FailClosed), WithBreaker(BreakerSettings{Failures: 1, Cooldown: time.Millisecond}))
+	s.fail(errors.New("down"))
+	_, err := l.Allow(ctx, "k")
+	require.ErrorIs(t, err, ErrStoreUnavailable)
+	time.Sleep(2 * time.Millisecond)
+	s.armed.Store(true)
+	assert.Panics(t, func() { _, _ = l.Allow(ctx, "k") }, "the probe panics")
+	s.armed.Store(false)
+	s.fail(nil)
+	time.Sleep(2 * time.Millisecond)
+	_, err = l.Allow(ctx, "k")
+	assert.NoError(t, err, "the next call probes again and closes the breaker")
+	assert.Equal(t, BreakerClosed, l.breaker.current())
+}
+
+// panickyObserver panics once in each reporting method it is armed for.
+type panickyObserver struct {
+	NopObserver
+	fallback, breaker atomic.Bool
+}
+
+func (o *panickyObserver) ObserveFallback(bool) {
+	if o.fallback.CompareAndSwap(true, false) {
+		panic("observer bug")
+	}
+}
+
+func (o *panickyObserver) ObserveBreaker(_, _ BreakerState) {
+	if o.breaker.CompareAndSwap(true, false) {
+		panic("observer bug")
+	}
+}
+
+func TestPanickingObserverLocksNothing(t *testing.T) {
+	ctx := context.Background()
+	obs := &panickyObserver{}
+	f := newFlakyStore()
+	l := newTestLimiter(t, f, WithObserver(obs), WithBreaker(BreakerSettings{Failures: 1, Cooldown: time.Millisecond}))
+	f.fail(errors.New("down"))
+	obs.fallback.Store(true)
+	assert.Panics(t, func() { _, _ = l.Allow(ctx, "k") })
+	f.fail(nil)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for i := 0; i < 3; i++ {
+			_, _ = l.Allow(ctx, "k")
+			time.Sleep(2 * time.Millisecond)
+		}
+	}()
+	select {
+	case <-done:
+	case <-time.After(2 * time.Second):
+		t.Fatal("a decision hung after an Observer panicked")
+	}
+
+	// A panic while reporting Open→HalfOpen undoes the change, so the
+	// breaker cannot stay half-open with no probe.
+	f.fail(errors.New("down"))
+	_, err := l.Allow(ctx, "k")
+	require.NoError(t, err)
+	require.Equal(t, BreakerOpen, l.breaker.current())
+	time.Sleep(2 * time.Millisecond)
+	obs.breaker.Store(true)
+	assert.Panics(t, func() { _, _ = l.Allow(ctx, "k") })
+	assert.Equal(t, BreakerOpen, l.breaker.current())
+}

@@ -5,9 +5,14 @@ import "time"
 // Observer receives what a Limiter and a RedisStore do, for metrics. The
 // adapters in the observability modules implement it for Prometheus and
 // OpenTelemetry; its methods are called synchronously on the caller's
-// goroutine, never under a lock of tollgate's, so they must be fast and
-// safe for concurrent use. Embed NopObserver to implement only some
-// methods. With no Observer set, observing costs nothing.
+// goroutine, so they must be fast and safe for concurrent use. Embed
+// NopObserver to implement only some methods. With no Observer set,
+// observing costs nothing.
+//
+// ObserveFallback and ObserveBreaker are called under a lock that keeps
+// their reports in the order of the changes they report, so a gauge that
+// follows them ends on the true state; they must not call back into the
+// Limiter. The other methods are called under no lock of tollgate's.
 type Observer interface {
 	// ObserveDecision reports one decision of Allow, AllowN, Peek or Wait
 	// that returned no error.
