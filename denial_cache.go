@@ -1,6 +1,7 @@
 package tollgate
 
 import (
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -13,8 +14,7 @@ const DefaultDenialCacheKeys = 10_000
 // denialCache remembers denials until the request could pass, so a key
 // under attack costs the store one round trip per refill instead of one per
 // request. A remembered denial is exact: before its time the store would
-// deny the same request (or a costlier one) too, since buckets only gain
-// tokens by refilling. Only a Reset can make it stale: Limiter.Reset drops
+// deny the same request too, since buckets only gain tokens by refilling. Only a Reset can make it stale: Limiter.Reset drops
 // the key's entries; a Reset by another instance is seen once the entry
 // ends, within the RetryAfter the store gave. Plans never change within a
 // Limiter. It is safe for concurrent use.
@@ -22,14 +22,15 @@ type denialCache struct {
 	max   int
 	epoch time.Time // the cache's monotonic clock starts here
 
-	mu   sync.Mutex
-	keys map[string][]denial // by caller's key
+	mu       sync.Mutex
+	keys     map[string][]denial // by caller's key
+	forgotAt int64               // when forget last ran, on the cache's clock
 }
 
 // denial is one remembered denial of the plans named in plans.
 type denial struct {
 	plans string // the plan names asked, joined by planSep
-	cost  int64  // requests of this cost or more are denied
+	cost  int64  // the cost asked
 	until int64  // ns on the cache's clock: the request could pass then
 	res   Result // the store's answer; RetryAfter and ResetAfter as of at
 	at    int64  // ns on the cache's clock when the store was asked
@@ -54,19 +55,20 @@ func planKey(names []string) string {
 }
 
 // get returns the remembered denial of a request, with its waits brought
-// up to date, and whether there is one.
+// up to date, and whether there is one. Only the same plans and cost
+// match: a costlier request would wait longer, and a cheaper one may pass.
 func (c *denialCache) get(key, plans string, cost int64) (Result, bool) {
 	now := c.now()
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	for _, d := range c.keys[key] {
-		if d.plans == plans && cost >= d.cost && now < d.until {
+		if d.plans == plans && d.cost == cost && now < d.until {
 			r := d.res
 			elapsed := time.Duration(now - d.at)
 			r.RetryAfter = time.Duration(d.until - now)
 			r.ResetAfter = max(0, r.ResetAfter-elapsed)
 			if r.Plans != nil {
-				r.Plans = append([]PlanResult(nil), r.Plans...)
+				r.Plans = slices.Clone(r.Plans)
 				for i := range r.Plans {
 					r.Plans[i].RetryAfter = max(0, r.Plans[i].RetryAfter-elapsed)
 					r.Plans[i].ResetAfter = max(0, r.Plans[i].ResetAfter-elapsed)
@@ -78,29 +80,47 @@ func (c *denialCache) get(key, plans string, cost int64) (Result, bool) {
 	return Result{}, false
 }
 
+// maxDenialsPerKey bounds the denials remembered for one key, whatever
+// costs and plan chains its requests ask for.
+const maxDenialsPerKey = 4
+
 // put remembers a denial the store gave to a request sent at asked. The
 // store's clock read its TIME between asked and now, so counting RetryAfter
 // from asked ends the denial no later than the store would: the round trip
-// must not delay admissions.
+// must not delay admissions. A denial asked before the key's last forget
+// may predate a Reset, and is not remembered.
 func (c *denialCache) put(key, plans string, cost int64, r Result, asked int64) {
 	now := c.now()
+	r.Plans = slices.Clone(r.Plans) // the caller owns its Result
 	d := denial{plans: plans, cost: cost, until: asked + int64(r.RetryAfter), res: r, at: asked}
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	if asked <= c.forgotAt {
+		return
+	}
 	list, ok := c.keys[key]
 	if !ok && len(c.keys) >= c.max {
 		c.evict(now)
 	}
+	// Replace the same request's entry, or an ended one, or at the bound
+	// the one that ends first.
+	slot := -1
 	for i := range list {
 		if list[i].plans == plans && list[i].cost == cost || list[i].until <= now {
-			list[i] = d
-			return
+			slot = i
+			break
+		}
+		if len(list) >= maxDenialsPerKey && (slot < 0 || list[i].until < list[slot].until) {
+			slot = i
 		}
 	}
-	if !ok {
-		key = strings.Clone(key) // keep no caller's buffer alive
+	if slot >= 0 {
+		list[slot] = d
+		return
 	}
-	c.keys[key] = append(list, d)
+	// A fresh key string: assigning to an existing string key replaces the
+	// map's copy, and the caller's may pin a larger buffer.
+	c.keys[strings.Clone(key)] = append(list, d)
 }
 
 // evict drops the keys whose denials have all ended among a sample and,
@@ -133,9 +153,11 @@ func allEnded(list []denial, now int64) bool {
 	return true
 }
 
-// forget drops every remembered denial of key.
+// forget drops every remembered denial of key, and refuses denials of
+// requests sent before now, which may predate the Reset that forgets.
 func (c *denialCache) forget(key string) {
 	c.mu.Lock()
 	delete(c.keys, key)
+	c.forgotAt = c.now()
 	c.mu.Unlock()
 }

@@ -48,6 +48,11 @@ func TestDenialCacheSparesTheStore(t *testing.T) {
 	}
 	assert.Equal(t, int64(2), s.calls.Load(), "one call to drain, one to learn the denial")
 
+	// A costlier request must get its own, longer wait from the store.
+	r0, err := l.AllowN(ctx, "hot", 3, "gold")
+	require.NoError(t, err)
+	assert.Greater(t, r0.RetryAfter, time.Second, "cost 3 waits 1.5 s, not cost 1's 0.5 s")
+
 	// A cheaper request may pass where the remembered one may not.
 	_, err = l.AllowN(ctx, "cheap", 4, "gold")
 	require.NoError(t, err)
@@ -136,4 +141,44 @@ func TestDenialCacheOffForMemoryStore(t *testing.T) {
 	assert.NotNil(t, l.denials)
 	l = newTestLimiter(t, newCountingStore(), WithDenialCache(0))
 	assert.Nil(t, l.denials)
+}
+
+func TestDenialCacheRefusesDenialsOlderThanAReset(t *testing.T) {
+	c := newDenialCache(10)
+	asked := c.now()
+	c.forget("k") // a Reset while the denied request was in flight
+	c.put("k", "p", 1, Result{RetryAfter: time.Hour}, asked)
+	_, ok := c.get("k", "p", 1)
+	assert.False(t, ok, "a denial asked before the Reset may be stale")
+	c.put("k", "p", 1, Result{RetryAfter: time.Hour}, c.now())
+	_, ok = c.get("k", "p", 1)
+	assert.True(t, ok)
+}
+
+func TestDenialCacheBoundsEachKey(t *testing.T) {
+	c := newDenialCache(10)
+	for cost := int64(1); cost <= 1000; cost++ {
+		c.put("k", "p", cost, Result{RetryAfter: time.Hour}, c.now())
+	}
+	assert.LessOrEqual(t, len(c.keys["k"]), maxDenialsPerKey)
+	_, ok := c.get("k", "p", 1000)
+	assert.True(t, ok, "the newest denial is kept")
+}
+
+func TestDenialCacheOwnsItsResults(t *testing.T) {
+	ctx := context.Background()
+	l := newTestLimiter(t, newCountingStore())
+	_, err := l.AllowN(ctx, "k", 4, "gold", "daily")
+	require.NoError(t, err)
+	r1, err := l.Allow(ctx, "k", "gold", "daily")
+	require.NoError(t, err)
+	require.False(t, r1.Allowed)
+	r1.Plans[0].Plan = "scribbled"
+	r2, err := l.Allow(ctx, "k", "gold", "daily")
+	require.NoError(t, err)
+	assert.Equal(t, "gold", r2.Plans[0].Plan)
+	r2.Plans[0].Plan = "scribbled"
+	r3, err := l.Allow(ctx, "k", "gold", "daily")
+	require.NoError(t, err)
+	assert.Equal(t, "gold", r3.Plans[0].Plan)
 }
