@@ -18,9 +18,10 @@ const DefaultMaxKeys = 100_000
 //
 // A key's buckets are dropped once they are all full again, since a missing
 // bucket reads as full: at the latest when the store needs room. The store
-// never holds more than MaxKeys keys; when it is at the bound and no key is
-// full, it drops the key closest to full among a sample, and that key may
-// get those few tokens early. This keeps a flood of distinct keys from
+// never holds more than MaxKeys keys (bounded per shard, of at least 64
+// keys each); when a shard is at its bound and no key is full, it drops the
+// key closest to full among a sample of 16, and that key may get those few
+// tokens early. This keeps a flood of distinct keys from
 // exhausting memory.
 type MemoryStore struct {
 	seed   maphash.Seed
@@ -80,7 +81,11 @@ func WithMaxKeys(n int) MemoryOption {
 
 // maxShards bounds the shards of a MemoryStore; a parallel benchmark shows
 // no lock contention left at this count on the machines we measured.
-const maxShards = 64
+// Smaller stores have fewer, so that each shard holds minShardKeys.
+const (
+	maxShards    = 64
+	minShardKeys = 64
+)
 
 // Keys an insertion examines: a few on every insertion, so that full keys
 // go without pressure; a larger sample once the shard is at its bound, to
@@ -102,8 +107,12 @@ func NewMemoryStore(opts ...MemoryOption) *MemoryStore {
 	if maxKeys < 1 {
 		maxKeys = DefaultMaxKeys
 	}
+	// The bound holds per shard, so a shard must hold enough keys for the
+	// sample to find a good victim: a store of 100 keys in 64 shards would
+	// evict a drained key, and give back its quota, to make room for one
+	// newcomer that happened to land in its shard.
 	n := maxShards
-	for n > 1 && n > maxKeys {
+	for n > 1 && maxKeys/n < minShardKeys {
 		n /= 2
 	}
 	m.shards = make([]memShard, n)

@@ -112,55 +112,57 @@ func TestMemoryStoreDropsFullBuckets(t *testing.T) {
 	assert.Less(t, m.Len(), 1100, "full buckets are dropped as new ones arrive")
 }
 
-// keysInShard returns n keys that land in shard 0 of m.
-func keysInShard(m *MemoryStore, n int) []string {
-	var keys []string
-	for i := 0; len(keys) < n; i++ {
-		if k := fmt.Sprint("k", i); m.shard(k) == &m.shards[0] {
-			keys = append(keys, k)
-		}
-	}
-	return keys
-}
-
 func TestMemoryStoreEvictsClosestToFull(t *testing.T) {
 	ctx := context.Background()
 	now := t0
-	m := NewMemoryStore(WithMaxKeys(2 * maxShards))
+	m := NewMemoryStore(WithMaxKeys(minShardKeys)) // one shard, exact bound
 	m.now = func() int64 { return now }
-	require.Equal(t, 2, m.perCap)
+	require.Len(t, m.shards, 1)
 	p := Plan{Name: "p", Capacity: 10, Rate: 1}
-	keys := keysInShard(m, 3)
-	_, err := m.Take(ctx, keys[0], 9, []Plan{p}) // full in 9 s
+	_, err := m.Take(ctx, "drained", 10, []Plan{p}) // full in 10 s
 	require.NoError(t, err)
-	_, err = m.Take(ctx, keys[1], 1, []Plan{p}) // full in 1 s
+	for i := 1; i < minShardKeys; i++ { // full in 1 s each
+		_, err := m.Take(ctx, fmt.Sprint("k", i), 1, []Plan{p})
+		require.NoError(t, err)
+	}
+	require.Equal(t, minShardKeys, m.Len())
+	for i := 0; i < 20; i++ { // no room: one must go each time
+		_, err := m.Take(ctx, fmt.Sprint("new", i), 1, []Plan{p})
+		require.NoError(t, err)
+	}
+	assert.Equal(t, minShardKeys, m.Len())
+	r, err := m.Take(ctx, "drained", 0, []Plan{p})
 	require.NoError(t, err)
-	_, err = m.Take(ctx, keys[2], 1, []Plan{p}) // no room: one must go
+	assert.Equal(t, int64(0), r.Remaining, "the drained key is the last to go")
+}
+
+func TestMemoryStoreSmallBoundDoesNotGiveQuotasBack(t *testing.T) {
+	ctx := context.Background()
+	m := NewMemoryStore(WithMaxKeys(100))
+	daily := []Plan{{Name: "daily", Capacity: 10, Rate: Per(10, 24*time.Hour)}}
+	_, err := m.Take(ctx, "victim", 10, daily)
 	require.NoError(t, err)
-	assert.Len(t, m.shards[0].keys, 2)
-	r, err := m.Take(ctx, keys[0], 0, []Plan{p})
+	for i := 0; i < 50; i++ {
+		_, err := m.Take(ctx, fmt.Sprint("other-", i), 1, daily)
+		require.NoError(t, err)
+	}
+	r, err := m.Take(ctx, "victim", 1, daily)
 	require.NoError(t, err)
-	assert.Equal(t, int64(1), r.Remaining, "the emptier bucket stays")
-	r, err = m.Take(ctx, keys[1], 0, []Plan{p})
-	require.NoError(t, err)
-	assert.Equal(t, int64(10), r.Remaining, "the bucket closest to full went")
+	assert.False(t, r.Allowed, "50 keys in a store of 100 must not evict the drained one")
 }
 
 func TestMemoryStoreChainIsOneKey(t *testing.T) {
 	ctx := context.Background()
 	now := t0
-	m := NewMemoryStore(WithMaxKeys(maxShards)) // one key per shard
+	m := NewMemoryStore(WithMaxKeys(minShardKeys))
 	m.now = func() int64 { return now }
-	require.Equal(t, 1, m.perCap)
 	chain := []Plan{{Name: "a", Capacity: 10, Rate: 1}, {Name: "b", Capacity: 10, Rate: 1}}
-	key := keysInShard(m, 1)[0]
-	_, err := m.Take(ctx, key, 9, chain)
+	_, err := m.Take(ctx, "k", 9, chain)
 	require.NoError(t, err)
-	r, err := m.Take(ctx, key, 1, chain)
+	r, err := m.Take(ctx, "k", 1, chain)
 	require.NoError(t, err)
-	assert.Equal(t, []int64{0, 0}, []int64{r.Plans[0].Remaining, r.Plans[1].Remaining},
-		"the plans of one key count as one key against the bound")
-	assert.Equal(t, 1, m.Len())
+	assert.Equal(t, []int64{0, 0}, []int64{r.Plans[0].Remaining, r.Plans[1].Remaining})
+	assert.Equal(t, 1, m.Len(), "the plans of one key count as one key against the bound")
 }
 
 func TestMemoryStoreReset(t *testing.T) {
