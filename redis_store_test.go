@@ -67,6 +67,16 @@ func TestRedisStoreReplacesForeignData(t *testing.T) {
 			return c.HSet(ctx, key, "t", "abc", "ts", "1.5", "v", "1").Err()
 		}},
 		{"negative tokens", func(c *redis.Client, key string) error { return c.HSet(ctx, key, "t", "-5", "ts", "1", "v", "1").Err() }},
+		{"tokens beyond 2^53", func(c *redis.Client, key string) error {
+			return c.HSet(ctx, key, "t", "1e20", "ts", "1", "v", "1").Err()
+		}},
+		{"infinite tokens", func(c *redis.Client, key string) error {
+			return c.HSet(ctx, key, "t", "inf", "ts", "1", "v", "1").Err()
+		}},
+		{"negative stamp", func(c *redis.Client, key string) error { return c.HSet(ctx, key, "t", "0", "ts", "-1", "v", "1").Err() }},
+		{"stamp beyond 2^53", func(c *redis.Client, key string) error {
+			return c.HSet(ctx, key, "t", "0", "ts", "1e300", "v", "1").Err()
+		}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

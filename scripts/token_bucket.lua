@@ -34,7 +34,8 @@ for i = 1, #KEYS do
   if h.err == nil and h[3] == '1' then
     t, ts = tonumber(h[1]), tonumber(h[2])
   end
-  if t == nil or ts == nil or t < 0 or t ~= math.floor(t) or ts ~= math.floor(ts) then
+  if t == nil or ts == nil or t ~= math.floor(t) or ts ~= math.floor(ts)
+      or t < 0 or t > 9007199254740992 or ts < 0 or ts > 9007199254740992 then
     if h.err ~= nil or h[1] or h[2] or h[3] then
       foreign = foreign or {}
       foreign[i] = true
