@@ -168,6 +168,13 @@ func checkBucketArgs(prefix, key string, plans []string) error {
 	if key == "" {
 		return usagef("KEY is empty")
 	}
+	// Flags end at KEY, so "reset alice -prefix staging gold" would act on
+	// the default prefix with plans "-prefix" and "staging": refuse it.
+	for _, a := range plans {
+		if strings.HasPrefix(a, "-") {
+			return usagef("flag-like argument %q after KEY: flags go before KEY", a)
+		}
+	}
 	if len(key) > tollgate.MaxKeyLen {
 		return usagef("KEY is %d bytes, longer than %d", len(key), tollgate.MaxKeyLen)
 	}

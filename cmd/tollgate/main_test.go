@@ -70,6 +70,7 @@ func TestUsageAndExitCodes(t *testing.T) {
 		{name: "long key", args: []string{"inspect", strings.Repeat("k", tollgate.MaxKeyLen+1), "gold"}, code: exitUsage, stderr: "KEY is 1025 bytes, longer than 1024", notInPrint: "kkkk"},
 		{name: "bad plan name", args: []string{"inspect", "alice", "bad plan"}, code: exitUsage, stderr: `tollgate: invalid plan: name "bad plan"`},
 		{name: "plan twice", args: []string{"reset", "alice", "gold", "gold"}, code: exitUsage, stderr: `name "gold" appears twice`},
+		{name: "flag after KEY", args: []string{"reset", "alice", "-prefix", "staging", "gold"}, code: exitUsage, stderr: `flag-like argument "-prefix" after KEY: flags go before KEY`},
 		{name: "bad URL hides password", args: []string{"inspect", "-redis", "redis://u:secret@[::1", "alice", "gold"}, code: exitUsage, stderr: "bad Redis URL: missing ']' in host", notInPrint: "secret"},
 		{name: "bad scheme", args: []string{"inspect", "-redis", "http://localhost", "alice", "gold"}, code: exitUsage, stderr: "bad Redis URL"},
 		{name: "Redis down", args: []string{"inspect", "-redis", "redis://u:secret@" + dead, "alice", "gold"}, code: exitError, stderr: "connection refused", notInPrint: "secret"},

@@ -25,6 +25,8 @@
 package tgprom
 
 import (
+	"fmt"
+	"math"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -103,7 +105,8 @@ var (
 // prometheus.DefaultRegisterer. It fails, registering nothing, if reg
 // already holds metrics of the same names and const labels (a
 // prometheus.AlreadyRegisteredError), or if a const label is invalid, such
-// as one named plan, decision, source or to.
+// as one named plan, decision, source or to, or if the duration buckets do
+// not increase strictly.
 func New(reg prometheus.Registerer, opts ...Option) (*Observer, error) {
 	c := config{buckets: DefaultDurationBuckets}
 	for _, o := range opts {
@@ -111,6 +114,12 @@ func New(reg prometheus.Registerer, opts ...Option) (*Observer, error) {
 	}
 	if reg == nil {
 		reg = prometheus.DefaultRegisterer
+	}
+	// prometheus.NewHistogram panics on these; New returns an error.
+	for i, b := range c.buckets {
+		if math.IsNaN(b) || i > 0 && b <= c.buckets[i-1] {
+			return nil, fmt.Errorf("tgprom: duration buckets must increase strictly, got %v", c.buckets)
+		}
 	}
 	cl := c.constLabels
 	o := &Observer{

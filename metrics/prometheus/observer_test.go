@@ -3,6 +3,7 @@ package tgprom_test
 import (
 	"context"
 	"errors"
+	"math"
 	"strings"
 	"sync"
 	"testing"
@@ -393,4 +394,13 @@ func TestConcurrentNewPlans(t *testing.T) {
 	}
 	assert.Equal(t, 800.0, total)
 	assert.Equal(t, 18, testutil.CollectAndCount(obs, "tollgate_decisions_total"))
+}
+
+func TestBadDurationBucketsAreAnError(t *testing.T) {
+	for _, b := range [][]float64{{1, 0.5}, {1, 1}, {math.NaN()}} {
+		_, err := tgprom.New(prometheus.NewRegistry(), tgprom.WithDurationBuckets(b))
+		assert.Error(t, err, "buckets %v", b)
+	}
+	_, err := tgprom.New(prometheus.NewRegistry(), tgprom.WithDurationBuckets([]float64{0.001, 0.01}))
+	assert.NoError(t, err)
 }
