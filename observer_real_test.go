@@ -68,22 +68,11 @@ func TestObserverOnRealOutage(t *testing.T) {
 		WithBreaker(BreakerSettings{Failures: 3, Cooldown: 100 * time.Millisecond}))
 	require.NoError(t, err)
 
-	stop := make(chan struct{})
-	var wg sync.WaitGroup
-	for g := 0; g < 4; g++ {
-		wg.Go(func() {
-			for i := 0; ; i++ {
-				select {
-				case <-stop:
-					return
-				default:
-				}
-				_, err := l.Allow(context.Background(), fmt.Sprint("user-", g, "-", i%10), "gold")
-				assert.NoError(t, err, "Fallback hides the outage from callers")
-				time.Sleep(time.Millisecond)
-			}
-		})
-	}
+	stop := loadUntilStopped(4, func(g, i int) {
+		_, err := l.Allow(context.Background(), fmt.Sprint("user-", g, "-", i%10), "gold")
+		assert.NoError(t, err, "Fallback hides the outage from callers")
+		time.Sleep(time.Millisecond)
+	})
 	count := func(s Source) int {
 		obs.mu.Lock()
 		defer obs.mu.Unlock()
@@ -99,8 +88,7 @@ func TestObserverOnRealOutage(t *testing.T) {
 	waitMore(SourceFallback, 2*time.Second)
 	srv.Restart() // with an empty script cache
 	waitMore(SourceStore, 3*time.Second)
-	close(stop)
-	wg.Wait()
+	stop()
 
 	obs.mu.Lock()
 	defer obs.mu.Unlock()

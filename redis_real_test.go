@@ -145,6 +145,30 @@ func TestPollingRefillOnRealRedis(t *testing.T) {
 	assert.InDelta(t, 2*elapsed, float64(admitted), 1.0)
 }
 
+// loadUntilStopped runs workers goroutines, each calling decide(g, i) with
+// its number g and a count i, until the returned stop is called; stop waits
+// for them to return.
+func loadUntilStopped(workers int, decide func(g, i int)) (stop func()) {
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	for g := 0; g < workers; g++ {
+		wg.Go(func() {
+			for i := 0; ; i++ {
+				select {
+				case <-done:
+					return
+				default:
+				}
+				decide(g, i)
+			}
+		})
+	}
+	return func() {
+		close(done)
+		wg.Wait()
+	}
+}
+
 // ownServer returns a redis-server of the test's own, which it may flush,
 // kill and restart, or skips the test.
 func ownServer(t *testing.T) *redistest.Server {
@@ -176,27 +200,15 @@ func TestNoscriptUnderLoad(t *testing.T) {
 			require.NoError(t, err)
 			admin := newRealClient(t, &redis.Options{Addr: srv.Addr()})
 			var ta tally
-			stop := make(chan struct{})
-			var wg sync.WaitGroup
-			for g := 0; g < 16; g++ {
-				wg.Go(func() {
-					for i := 0; ; i++ {
-						select {
-						case <-stop:
-							return
-						default:
-						}
-						ta.record(l.Allow(context.Background(), fmt.Sprint("user-", i%50), "gold", "daily"))
-					}
-				})
-			}
+			stop := loadUntilStopped(16, func(g, i int) {
+				ta.record(l.Allow(context.Background(), fmt.Sprint("user-", i%50), "gold", "daily"))
+			})
 			flushes := 0
 			for deadline := time.Now().Add(time.Second); time.Now().Before(deadline); flushes++ {
 				require.NoError(t, admin.ScriptFlush(context.Background()).Err())
 				time.Sleep(5 * time.Millisecond)
 			}
-			close(stop)
-			wg.Wait()
+			stop()
 			t.Logf("%d flushes, %d reloads, %d decisions", flushes, store.ScriptLoads(), ta.allowed.Load()+ta.denied.Load())
 			assert.Zero(t, ta.errs.Load(), "first error: %v", ta.firstErr.Load())
 			assert.Zero(t, ta.fallback.Load())
@@ -223,32 +235,21 @@ func TestOutageFallbackRecovery(t *testing.T) {
 		slowest time.Duration
 		last    atomic.Int32 // the Source of the latest decision
 	)
-	stop := make(chan struct{})
-	var wg sync.WaitGroup
-	for g := 0; g < 4; g++ {
-		wg.Go(func() {
-			for i := 0; ; i++ {
-				select {
-				case <-stop:
-					return
-				default:
-				}
-				began := time.Now()
-				r, err := l.Allow(context.Background(), fmt.Sprint("user-", g, "-", i%10), "gold")
-				took := time.Since(began)
-				mu.Lock()
-				if err != nil {
-					errs = append(errs, err)
-				} else {
-					sources[r.Source]++
-					last.Store(int32(r.Source))
-				}
-				slowest = max(slowest, took)
-				mu.Unlock()
-				time.Sleep(time.Millisecond)
-			}
-		})
-	}
+	stop := loadUntilStopped(4, func(g, i int) {
+		began := time.Now()
+		r, err := l.Allow(context.Background(), fmt.Sprint("user-", g, "-", i%10), "gold")
+		took := time.Since(began)
+		mu.Lock()
+		if err != nil {
+			errs = append(errs, err)
+		} else {
+			sources[r.Source]++
+			last.Store(int32(r.Source))
+		}
+		slowest = max(slowest, took)
+		mu.Unlock()
+		time.Sleep(time.Millisecond)
+	})
 	waitFor := func(src Source, within time.Duration) time.Duration {
 		began := time.Now()
 		for time.Since(began) < within {
@@ -267,8 +268,7 @@ func TestOutageFallbackRecovery(t *testing.T) {
 	srv.Restart()
 	toStore := waitFor(SourceStore, 3*time.Second)
 	time.Sleep(50 * time.Millisecond)
-	close(stop)
-	wg.Wait()
+	stop()
 
 	t.Logf("to fallback in %s, back to Redis in %s after restart; slowest decision %s; sources %v", toFallback, toStore, slowest, sources)
 	assert.Empty(t, errs, "no error may reach the caller under Fallback")
