@@ -365,13 +365,13 @@ func (l *Limiter) callStore(ctx context.Context, key string, cost int64, plans [
 	if l.obs == nil {
 		return l.taker.take(ctx, key, cost, plans)
 	}
-	start := time.Now()
+	start := l.breaker.now() // monotonic only: time.Now reads the wall clock too
 	r, err := l.taker.take(ctx, key, cost, plans)
 	failure := err
 	if err != nil && (isCallerError(err) || ctx.Err() != nil) {
 		failure = nil
 	}
-	l.obs.ObserveStore(time.Since(start), failure)
+	l.obs.ObserveStore(time.Duration(l.breaker.now()-start), failure)
 	return r, err
 }
 
