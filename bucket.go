@@ -84,8 +84,8 @@ func (b TokenBucket) Take(p Plan, now, cost int64) (TokenBucket, bool) {
 func TakeAll(plans []Plan, buckets []TokenBucket, now, cost int64) bool {
 	need := cost * MicroTokens
 	ok := true
-	for i, p := range plans {
-		buckets[i] = buckets[i].Refill(p, now)
+	for i := range plans {
+		buckets[i] = buckets[i].Refill(plans[i], now)
 		ok = ok && buckets[i].Tokens >= need
 	}
 	if ok {

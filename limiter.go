@@ -147,6 +147,7 @@ type Limiter struct {
 	log     *slog.Logger
 	denials *denialCache // nil when off
 	debug   bool         // log every decision: the logger had debug enabled at New
+	reports bool         // debug, or an Observer: report every decision
 	obs     Observer
 
 	// byName maps a plan name to a one-element slice, so a decision on one
@@ -191,6 +192,7 @@ func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
 	}
 	l.policy, l.log, l.obs = c.policy, c.log, c.obs
 	l.debug = l.log.Enabled(context.Background(), slog.LevelDebug)
+	l.reports = l.debug || l.obs != nil
 	l.breaker = newBreaker(c.breaker)
 	if l.obs != nil {
 		l.breaker.onChange = l.obs.ObserveBreaker
@@ -254,7 +256,7 @@ func (l *Limiter) resolve(names []string) ([]Plan, error) {
 
 // Allow is AllowN with cost 1.
 func (l *Limiter) Allow(ctx context.Context, key string, plans ...string) (Result, error) {
-	return l.AllowN(ctx, key, 1, plans...)
+	return l.decide(ctx, key, 1, 1, plans)
 }
 
 // AllowN takes cost tokens, at least 1, from the bucket of every named plan
@@ -275,28 +277,41 @@ func (l *Limiter) Peek(ctx context.Context, key string, plans ...string) (Result
 	return l.decide(ctx, key, 0, 0, plans)
 }
 
-func (l *Limiter) decide(ctx context.Context, key string, cost, minCost int64, names []string) (Result, error) {
-	var r Result
-	err := l.decideInto(ctx, &r, key, cost, minCost, names)
-	if err == nil {
-		if l.obs != nil {
-			l.obs.ObserveDecision(Decision{Plan: r.Plan, Allowed: r.Allowed, Source: r.Source, Cost: cost})
-		}
-		if l.debug {
-			l.log.LogAttrs(ctx, slog.LevelDebug, "tollgate: decision", slog.String("plan", r.Plan),
-				slog.Bool("allowed", r.Allowed), slog.Int64("remaining", r.Remaining),
-				slog.Duration("retry_after", r.RetryAfter), slog.String("source", r.Source.String()))
-		}
-	}
+// decide is small enough to inline into Allow, AllowN and Peek, so that
+// the Result is built where they return it instead of being copied there.
+func (l *Limiter) decide(ctx context.Context, key string, cost, minCost int64, names []string) (r Result, err error) {
+	err = l.decideInto(ctx, &r, key, cost, minCost, names)
 	return r, err
 }
 
-// decideInto makes the decision into *r, which saves copying a Result
-// through one more call on the hot path.
-func (l *Limiter) decideInto(ctx context.Context, r *Result, key string, cost, minCost int64, names []string) (err error) {
-	plans, err := l.resolve(names)
-	if err != nil {
-		return err
+// decideInto makes the decision into *r and reports it.
+func (l *Limiter) decideInto(ctx context.Context, r *Result, key string, cost, minCost int64, names []string) error {
+	err := l.makeDecision(ctx, r, key, cost, minCost, names)
+	if err == nil && l.reports {
+		l.report(ctx, r, cost)
+	}
+	return err
+}
+
+// report tells the Observer and the debug log of a decision.
+func (l *Limiter) report(ctx context.Context, r *Result, cost int64) {
+	if l.obs != nil {
+		l.obs.ObserveDecision(Decision{Plan: r.Plan, Allowed: r.Allowed, Source: r.Source, Cost: cost})
+	}
+	if l.debug {
+		l.log.LogAttrs(ctx, slog.LevelDebug, "tollgate: decision", slog.String("plan", r.Plan),
+			slog.Bool("allowed", r.Allowed), slog.Int64("remaining", r.Remaining),
+			slog.Duration("retry_after", r.RetryAfter), slog.String("source", r.Source.String()))
+	}
+}
+
+// makeDecision makes the decision into *r.
+func (l *Limiter) makeDecision(ctx context.Context, r *Result, key string, cost, minCost int64, names []string) (err error) {
+	plans := l.defaults
+	if len(names) > 0 {
+		if plans, err = l.resolve(names); err != nil {
+			return err
+		}
 	}
 	if err := checkKey(key); err != nil {
 		return err
@@ -316,8 +331,7 @@ func (l *Limiter) decideInto(ctx context.Context, r *Result, key string, cost, m
 	}
 	ok, probe := l.breaker.allow()
 	if !ok {
-		*r, err = l.degraded(ctx, key, cost, plans, errBreakerOpen)
-		return err
+		return l.degraded(ctx, r, key, cost, plans, errBreakerOpen)
 	}
 	if probe {
 		// A probe that ends in a panic (the store's, or an Observer's)
@@ -329,7 +343,7 @@ func (l *Limiter) decideInto(ctx context.Context, r *Result, key string, cost, m
 			}
 		}()
 	}
-	*r, err = l.callStore(ctx, key, cost, plans)
+	err = l.callStore(ctx, r, key, cost, plans)
 	switch {
 	case err == nil:
 		l.breaker.success()
@@ -356,41 +370,42 @@ func (l *Limiter) decideInto(ctx context.Context, r *Result, key string, cost, m
 	}
 	l.breaker.failure()
 	l.failing(err)
-	*r, err = l.degraded(ctx, key, cost, plans, err)
-	return err
+	return l.degraded(ctx, r, key, cost, plans, err)
 }
 
 // callStore calls the store, timing the call when an Observer wants it.
-func (l *Limiter) callStore(ctx context.Context, key string, cost int64, plans []Plan) (Result, error) {
+func (l *Limiter) callStore(ctx context.Context, r *Result, key string, cost int64, plans []Plan) error {
 	if l.obs == nil {
-		return l.taker.take(ctx, key, cost, plans)
+		return takeInto(ctx, r, l.taker, key, cost, plans)
 	}
 	start := l.breaker.now() // monotonic only: time.Now reads the wall clock too
-	r, err := l.taker.take(ctx, key, cost, plans)
+	err := takeInto(ctx, r, l.taker, key, cost, plans)
 	failure := err
 	if err != nil && (isCallerError(err) || ctx.Err() != nil) {
 		failure = nil
 	}
 	l.obs.ObserveStore(time.Duration(l.breaker.now()-start), failure)
-	return r, err
+	return err
 }
 
 var errBreakerOpen = errors.New("circuit breaker open")
 
-// degraded decides by the failure policy, without the store.
-func (l *Limiter) degraded(ctx context.Context, key string, cost int64, plans []Plan, cause error) (Result, error) {
+// degraded decides by the failure policy, without the store, into *r.
+func (l *Limiter) degraded(ctx context.Context, r *Result, key string, cost int64, plans []Plan, cause error) error {
 	switch l.policy {
 	case FailOpen:
-		return failOpenResult(plans), nil
+		*r = failOpenResult(plans)
+		return nil
 	case FailClosed:
-		return Result{}, fmt.Errorf("%w: %w", ErrStoreUnavailable, cause)
+		*r = Result{}
+		return fmt.Errorf("%w: %w", ErrStoreUnavailable, cause)
 	}
-	r, err := l.fallbackTaker.take(ctx, key, cost, plans)
-	if err != nil {
-		return Result{}, fmt.Errorf("%w: fallback store failed too: %w", ErrStoreUnavailable, err)
+	if err := takeInto(ctx, r, l.fallbackTaker, key, cost, plans); err != nil {
+		*r = Result{}
+		return fmt.Errorf("%w: fallback store failed too: %w", ErrStoreUnavailable, err)
 	}
 	r.Source = SourceFallback
-	return r, nil
+	return nil
 }
 
 // failing logs and reports the start of an outage, once.

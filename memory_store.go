@@ -30,7 +30,7 @@ type MemoryStore struct {
 
 	epoch      time.Time // monotonic clock base
 	epochMicro int64
-	now        func() int64 // microseconds; tests replace it
+	fakeNow    func() int64 // replaces the clock in tests
 }
 
 type memShard struct {
@@ -49,16 +49,34 @@ type memBucket struct {
 	TokenBucket
 }
 
-// index returns the position of plan name's bucket, or -1.
-func (e *memEntry) index(name string) int {
+// bucket returns the stored bucket of plan p, or a full one at now if
+// there is none. e may be nil: a key without buckets.
+func (e *memEntry) bucket(p Plan, now int64) TokenBucket {
 	if e != nil {
 		for i := range e.buckets {
-			if e.buckets[i].plan.Name == name {
-				return i
+			if e.buckets[i].plan.Name == p.Name {
+				return e.buckets[i].TokenBucket
 			}
 		}
 	}
-	return -1
+	return FullBucket(p, now)
+}
+
+// store sets the bucket of plan p.
+func (e *memEntry) store(p Plan, b TokenBucket) {
+	for i := range e.buckets {
+		switch eb := &e.buckets[i]; {
+		case eb.plan.Name != p.Name:
+		case eb.plan.Capacity != p.Capacity || eb.plan.Rate != p.Rate:
+			// Another Limiter with other plans of that name shares the store.
+			*eb = memBucket{p, b}
+			return
+		default: // no pointer written, no write barrier
+			eb.TokenBucket = b
+			return
+		}
+	}
+	e.buckets = append(e.buckets, memBucket{p, b})
 }
 
 // fullAt returns when every bucket of the entry is full again.
@@ -99,7 +117,6 @@ const (
 func NewMemoryStore(opts ...MemoryOption) *MemoryStore {
 	m := &MemoryStore{seed: maphash.MakeSeed(), epoch: time.Now()}
 	m.epochMicro = m.epoch.UnixMicro()
-	m.now = m.monotonicMicros
 	for _, o := range opts {
 		o(m)
 	}
@@ -123,9 +140,13 @@ func NewMemoryStore(opts ...MemoryOption) *MemoryStore {
 	return m
 }
 
-// monotonicMicros reads the wall clock once, at construction, and the
-// monotonic clock after that, so a stepped wall clock cannot refill buckets.
-func (m *MemoryStore) monotonicMicros() int64 {
+// now returns the time in microseconds since the Unix epoch. It reads the
+// wall clock once, at construction, and the monotonic clock after that,
+// so a stepped wall clock cannot refill buckets.
+func (m *MemoryStore) now() int64 {
+	if m.fakeNow != nil {
+		return m.fakeNow()
+	}
 	return m.epochMicro + int64(time.Since(m.epoch)/time.Microsecond)
 }
 
@@ -155,10 +176,16 @@ func (m *MemoryStore) Take(ctx context.Context, key string, cost int64, plans []
 
 // take is Take for a request already checked.
 func (m *MemoryStore) take(_ context.Context, key string, cost int64, plans []Plan) (Result, error) {
-	// Fixed arrays keep a decision on up to four chained plans off the heap.
-	var bufB, bufS [4]TokenBucket
-	var bufI [4]int
-	buckets, at := bufB[:0], bufI[:0]
+	var r Result
+	m.takeInto(&r, key, cost, plans)
+	return r, nil
+}
+
+// takeInto is take with its Result built in *r.
+func (m *MemoryStore) takeInto(r *Result, key string, cost int64, plans []Plan) {
+	// A fixed array keeps a decision on up to four chained plans off the heap.
+	var buf [4]TokenBucket
+	buckets := buf[:0]
 
 	s := m.shard(key)
 	s.mu.Lock()
@@ -168,35 +195,25 @@ func (m *MemoryStore) take(_ context.Context, key string, cost int64, plans []Pl
 	now := m.now()
 	e := s.keys[key]
 	for _, p := range plans {
-		i := e.index(p.Name)
-		b := FullBucket(p, now)
-		if i >= 0 {
-			b = e.buckets[i].TokenBucket
-		}
-		buckets, at = append(buckets, b), append(at, i)
+		buckets = append(buckets, e.bucket(p, now))
 	}
-	stored := append(bufS[:0], buckets...) // what a denial or a read leaves
 	allowed := TakeAll(plans, buckets, now, cost)
 	if allowed && cost > 0 {
-		stored = buckets
 		if e == nil {
 			e = &memEntry{buckets: make([]memBucket, 0, len(plans))}
 			s.insert(strings.Clone(key), e, m.perCap, now)
 		}
 		for i, p := range plans {
-			switch j := at[i]; {
-			case j < 0:
-				e.buckets = append(e.buckets, memBucket{p, buckets[i]})
-			case e.buckets[j].plan.Capacity != p.Capacity || e.buckets[j].plan.Rate != p.Rate:
-				// Another Limiter with other plans of that name shares the store.
-				e.buckets[j] = memBucket{p, buckets[i]}
-			default: // no pointer written, no write barrier
-				e.buckets[j].TokenBucket = buckets[i]
-			}
+			e.store(p, buckets[i])
+		}
+	} else {
+		// A denial or a read leaves the buckets as they were.
+		for i, p := range plans {
+			buckets[i] = e.bucket(p, now)
 		}
 	}
 	s.mu.Unlock()
-	return newResult(plans, stored, now, cost, allowed), nil
+	r.describe(plans, buckets, now, cost, allowed)
 }
 
 // insert adds a key, dropping full keys it comes across and, at the bound,

@@ -84,7 +84,7 @@ func TestMemoryStoreBoundsKeys(t *testing.T) {
 	ctx := context.Background()
 	now := t0
 	m := NewMemoryStore(WithMaxKeys(1000))
-	m.now = func() int64 { return now }
+	m.fakeNow = func() int64 { return now }
 	p := Plan{Name: "p", Capacity: 10, Rate: 0.001} // nothing refills during the test
 	for i := 0; i < 50_000; i++ {
 		_, err := m.Take(ctx, fmt.Sprint("flood-", i), 1, []Plan{p})
@@ -116,7 +116,7 @@ func TestMemoryStoreEvictsClosestToFull(t *testing.T) {
 	ctx := context.Background()
 	now := t0
 	m := NewMemoryStore(WithMaxKeys(minShardKeys)) // one shard, exact bound
-	m.now = func() int64 { return now }
+	m.fakeNow = func() int64 { return now }
 	require.Len(t, m.shards, 1)
 	p := Plan{Name: "p", Capacity: 10, Rate: 1}
 	_, err := m.Take(ctx, "drained", 10, []Plan{p}) // full in 10 s
@@ -155,7 +155,7 @@ func TestMemoryStoreChainIsOneKey(t *testing.T) {
 	ctx := context.Background()
 	now := t0
 	m := NewMemoryStore(WithMaxKeys(minShardKeys))
-	m.now = func() int64 { return now }
+	m.fakeNow = func() int64 { return now }
 	chain := []Plan{{Name: "a", Capacity: 10, Rate: 1}, {Name: "b", Capacity: 10, Rate: 1}}
 	_, err := m.Take(ctx, "k", 9, chain)
 	require.NoError(t, err)

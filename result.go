@@ -92,12 +92,20 @@ func (r Result) PlanResults() []PlanResult {
 // measured from the stored state, as the next decision will refill it.
 // Both stores build their results here, so they agree field by field.
 func newResult(plans []Plan, buckets []TokenBucket, now, cost int64, allowed bool) Result {
-	if len(plans) == 1 { // built in place: the common case, and hot
-		r := Result{Allowed: allowed, Plan: plans[0].Name, Limit: plans[0].Capacity}
+	var r Result
+	r.describe(plans, buckets, now, cost, allowed)
+	return r
+}
+
+// describe is newResult into *r, which it overwrites whole: the memory
+// store's hot path builds its Result in place this way.
+func (r *Result) describe(plans []Plan, buckets []TokenBucket, now, cost int64, allowed bool) {
+	if len(plans) == 1 { // the common case, and hot
+		*r = Result{Allowed: allowed, Plan: plans[0].Name, Limit: plans[0].Capacity}
 		r.Remaining, r.RetryAfter, r.ResetAfter = bucketState(plans[0], buckets[0], now, cost, allowed)
-		return r
+		return
 	}
-	r := Result{Allowed: allowed, Plans: make([]PlanResult, len(plans))}
+	*r = Result{Allowed: allowed, Plans: make([]PlanResult, len(plans))}
 	bind := 0
 	for i, p := range plans {
 		pr := &r.Plans[i]
@@ -110,7 +118,6 @@ func newResult(plans []Plan, buckets []TokenBucket, now, cost int64, allowed boo
 	}
 	b := r.Plans[bind]
 	r.Plan, r.Limit, r.Remaining, r.RetryAfter, r.ResetAfter = b.Plan, b.Limit, b.Remaining, b.RetryAfter, b.ResetAfter
-	return r
 }
 
 // bucketState returns what a Result reports of one stored bucket.

@@ -66,7 +66,7 @@ func newMiniredisStore(t *testing.T) (*RedisStore, *miniredis.Miniredis, func(in
 // newClockedMemoryStore returns a MemoryStore whose clock is *now.
 func newClockedMemoryStore(now *int64) *MemoryStore {
 	m := NewMemoryStore()
-	m.now = func() int64 { return *now }
+	m.fakeNow = func() int64 { return *now }
 	return m
 }
 
