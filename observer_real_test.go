@@ -94,7 +94,13 @@ func TestObserverOnRealOutage(t *testing.T) {
 	defer obs.mu.Unlock()
 	t.Logf("decisions %v, store calls %d (%d failed), breaker %v, script loads %d",
 		obs.sources, obs.storeCalls, obs.storeErrs, obs.transitions, obs.scriptLoads)
-	assert.Equal(t, []bool{true, false}, obs.fallback, "one start and one end of the outage")
+	// A starved machine can time out a call after the restart and see a
+	// second, short outage; each must start before it ends.
+	require.NotEmpty(t, obs.fallback)
+	require.Zero(t, len(obs.fallback)%2, "every outage that started ended: %v", obs.fallback)
+	for i, active := range obs.fallback {
+		assert.Equal(t, i%2 == 0, active, "outage starts and ends alternate: %v", obs.fallback)
+	}
 	assert.GreaterOrEqual(t, obs.storeErrs, 3, "the failures that opened the breaker")
 	assert.Less(t, obs.storeErrs, obs.storeCalls, "calls skipped by the open breaker are not reported")
 	require.NotEmpty(t, obs.transitions)

@@ -270,6 +270,15 @@ func TestLuaAgreesWithGoOnRealRedis(t *testing.T) {
 		assert.Equal(t, []TokenBucket{written}, got, "case %d: planted %+v, cost %d, plan %+v", i, planted, cost, p)
 		stored, err := c.HMGet(ctx, key, "t", "ts").Result()
 		require.NoError(t, err)
+		if stored[0] == nil && allowed && cost > 0 {
+			// The key expired before it was read back (a slow machine and
+			// a fast plan): that may only happen once it is full again.
+			serverNow, err := c.Time(ctx).Result()
+			require.NoError(t, err)
+			assert.GreaterOrEqual(t, serverNow.UnixMicro(), written.FullAt(p, now),
+				"case %d: the bucket expired before it was full", i)
+			continue
+		}
 		assert.Equal(t, []any{strconv.FormatInt(written.Tokens, 10), strconv.FormatInt(written.Stamp, 10)}, stored,
 			"case %d: the stored state is digit for digit the Go state", i)
 		require.NoError(t, c.Del(ctx, key).Err())
