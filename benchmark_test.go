@@ -64,6 +64,26 @@ func BenchmarkLimiterAllow(b *testing.B) {
 			_, _ = l.Allow(ctx, "user-1")
 		}
 	})
+	b.Run("redis/client-only", func(b *testing.B) {
+		// The client's work alone: a hook answers every command with a
+		// canned reply, so no byte reaches a network.
+		c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
+		defer c.Close()
+		c.AddHook(cannedReply{[]any{int64(1), int64(1 << 50), int64(1 << 40), int64(1 << 50)}})
+		l, _ := New(NewRedisStore(c), benchPlan)
+		keys := benchKeys(10_000)
+		var next atomic.Int64
+		b.ReportAllocs()
+		b.RunParallel(func(pb *testing.PB) {
+			i := int(next.Add(1)) * 7919
+			for pb.Next() {
+				i++
+				if _, err := l.Allow(ctx, keys[i%len(keys)]); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	})
 	b.Run("redis/parallel", func(b *testing.B) {
 		c := redis.NewClient(&redis.Options{Addr: redistest.Addr(b), PoolSize: 64})
 		defer c.Close()
@@ -80,4 +100,20 @@ func BenchmarkLimiterAllow(b *testing.B) {
 			}
 		})
 	})
+}
+
+// cannedReply is a go-redis hook that answers every command with reply.
+type cannedReply struct{ reply []any }
+
+func (h cannedReply) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (h cannedReply) ProcessHook(redis.ProcessHook) redis.ProcessHook {
+	return func(_ context.Context, cmd redis.Cmder) error {
+		cmd.(*redis.Cmd).SetVal(h.reply)
+		return nil
+	}
+}
+
+func (h cannedReply) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
 }
