@@ -58,7 +58,13 @@ func planKey(names []string) string {
 // up to date, and whether there is one. Only the same plans and cost
 // match: a costlier request would wait longer, and a cheaper one may pass.
 func (c *denialCache) get(key, plans string, cost int64) (Result, bool) {
-	now := c.now()
+	return c.getAt(key, plans, cost, c.now())
+}
+
+// getAt is get at now, a reading of the cache's clock: a Limiter reads it
+// once per decision, for getAt and, on a miss, as the time it asked the
+// store, since a clock read costs as much as the lookup.
+func (c *denialCache) getAt(key, plans string, cost int64, now int64) (Result, bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	for _, d := range c.keys[key] {
