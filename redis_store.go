@@ -119,7 +119,8 @@ func (s *RedisStore) take(ctx context.Context, key string, cost int64, plans []P
 	if err != nil {
 		return Result{}, err
 	}
-	allowed, now, buckets, err := parseReply(reply, plans)
+	var stack [4]TokenBucket // up to four plans without allocating
+	allowed, now, buckets, err := parseReplyInto(stack[:0], reply, plans)
 	if err != nil {
 		return Result{}, err
 	}
@@ -132,12 +133,15 @@ func (s *RedisStore) take(ctx context.Context, key string, cost int64, plans []P
 // stamp after now (Redis TIME stepped back) or tokens above a capacity
 // that shrank are for Refill to judge, as the next decision will.
 func parseReply(reply any, plans []Plan) (allowed bool, now int64, buckets []TokenBucket, err error) {
+	return parseReplyInto(nil, reply, plans)
+}
+
+// parseReplyInto is parseReply appending the buckets to dst.
+func parseReplyInto(dst []TokenBucket, reply any, plans []Plan) (allowed bool, now int64, buckets []TokenBucket, err error) {
 	vals, ok := reply.([]any)
 	if !ok || len(vals) != 2+2*len(plans) {
 		return false, 0, nil, fmt.Errorf("%w: want an array of %d integers, got %T", ErrBadReply, 2+2*len(plans), reply)
 	}
-	var ints [2 + 2*4]int64 // up to four plans without allocating
-	n := ints[:0]
 	for i, v := range vals {
 		x, ok := v.(int64)
 		if !ok {
@@ -146,16 +150,15 @@ func parseReply(reply any, plans []Plan) (allowed bool, now int64, buckets []Tok
 		if x < 0 || x > 1<<53 {
 			return false, 0, nil, fmt.Errorf("%w: element %d out of range", ErrBadReply, i)
 		}
-		n = append(n, x)
 	}
-	if n[0] > 1 {
-		return false, 0, nil, fmt.Errorf("%w: allowed flag is %d", ErrBadReply, n[0])
+	flag := vals[0].(int64)
+	if flag > 1 {
+		return false, 0, nil, fmt.Errorf("%w: allowed flag is %d", ErrBadReply, flag)
 	}
-	buckets = make([]TokenBucket, len(plans))
 	for i := range plans {
-		buckets[i] = TokenBucket{Tokens: n[2+2*i], Stamp: n[3+2*i]}
+		dst = append(dst, TokenBucket{Tokens: vals[2+2*i].(int64), Stamp: vals[3+2*i].(int64)})
 	}
-	return n[0] == 1, n[1], buckets, nil
+	return flag == 1, vals[1].(int64), dst, nil
 }
 
 // Reset implements Store: it deletes the buckets, which then read as full.

@@ -2,10 +2,14 @@ package tollgate
 
 import (
 	"context"
+	"fmt"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/alicebob/miniredis/v2"
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -216,4 +220,84 @@ func TestKeyScheme(t *testing.T) {
 			assert.NotEqual(t, rk, tag, "key %q: the tag must not be empty", k)
 		}
 	}
+}
+
+// TestRedisStoreManyPlans chains more plans than the store's fixed-size
+// buffers hold, on miniredis.
+func TestRedisStoreManyPlans(t *testing.T) {
+	ctx := context.Background()
+	s, _, _ := newMiniredisStore(t)
+	var plans []Plan
+	for i := range 10 {
+		plans = append(plans, Plan{Name: fmt.Sprint("p", i), Capacity: int64(10 + i), Rate: 1})
+	}
+	r, err := s.Take(ctx, "k", 3, plans)
+	require.NoError(t, err)
+	assert.True(t, r.Allowed)
+	require.Len(t, r.Plans, 10)
+	for i, pr := range r.Plans {
+		assert.Equal(t, int64(10+i-3), pr.Remaining, "plan %d", i)
+	}
+	assert.Equal(t, "p0", r.Plan)
+}
+
+// scriptCounter is a go-redis hook that counts the script commands sent
+// alone and sent in pipelines.
+type scriptCounter struct {
+	alone, piped atomic.Int64
+}
+
+func isScriptCmd(cmd redis.Cmder) bool {
+	return cmd.Name() == "evalsha" || cmd.Name() == "eval"
+}
+
+func (h *scriptCounter) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (h *scriptCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if isScriptCmd(cmd) {
+			h.alone.Add(1)
+		}
+		return next(ctx, cmd)
+	}
+}
+
+func (h *scriptCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		for _, cmd := range cmds {
+			if isScriptCmd(cmd) {
+				h.piped.Add(1)
+			}
+		}
+		return next(ctx, cmds)
+	}
+}
+
+// TestRedisStoreAutoPipelines checks that decisions made through go-redis's
+// auto-pipeliner are pipelined: it runs raw Do commands outside its
+// pipeline, one round trip each, so the store must not use Do.
+func TestRedisStoreAutoPipelines(t *testing.T) {
+	ctx := context.Background()
+	mr := miniredis.RunT(t)
+	c := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	t.Cleanup(func() { _ = c.Close() })
+	require.NoError(t, c.ScriptLoad(ctx, tokenBucketLua).Err()) // no NOSCRIPT, and no EVAL
+	var h scriptCounter
+	c.AddHook(&h)
+	ap, err := c.AutoPipeline()
+	require.NoError(t, err)
+	s := NewRedisStore(ap)
+	var wg sync.WaitGroup
+	for g := range 32 {
+		wg.Go(func() {
+			for i := range 10 {
+				_, err := s.Take(ctx, fmt.Sprint("k", g, "-", i), 1, []Plan{gold})
+				assert.NoError(t, err)
+			}
+		})
+	}
+	wg.Wait()
+	// A batch of one may go alone; most must not.
+	assert.Equal(t, int64(320), h.alone.Load()+h.piped.Load())
+	assert.Greater(t, h.piped.Load(), 3*h.alone.Load(), "script commands sent outside the auto-pipeline")
 }
