@@ -142,6 +142,11 @@ type Limiter struct {
 	// the Limiter has made them.
 	taker, fallbackTaker checkedTaker
 
+	// local is the store when it is a MemoryStore and neither an Observer
+	// nor the denial cache wants to hear of its calls: it never fails, so
+	// its decisions skip the breaker and the failure policy.
+	local *MemoryStore
+
 	policy  FailurePolicy
 	breaker *breaker
 	log     *slog.Logger
@@ -212,6 +217,9 @@ func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
 		l.fallback = NewMemoryStore()
 	}
 	l.taker = takerOf(store)
+	if m, ok := store.(*MemoryStore); ok && l.obs == nil && l.denials == nil {
+		l.local = m
+	}
 	if l.fallback != nil {
 		l.fallbackTaker = takerOf(l.fallback)
 	}
@@ -318,6 +326,10 @@ func (l *Limiter) makeDecision(ctx context.Context, r *Result, key string, cost,
 	}
 	if err := checkCost(cost, minCost, plans); err != nil {
 		return err
+	}
+	if l.local != nil {
+		l.local.takeInto(r, key, cost, plans)
+		return nil
 	}
 	var pk string   // the denial cache's name for plans
 	var asked int64 // when the store was asked, on the denial cache's clock
