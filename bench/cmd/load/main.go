@@ -2,9 +2,15 @@
 // decision at a time against one Redis, as fast as it answers, for a fixed
 // time. It reports decisions per second and latency percentiles for
 // tollgate (plain and auto-pipelined go-redis client), go-redis/redis_rate
-// and ulule/limiter, side by side in one run, and Redis memory per bucket (on fresh redis-server processes it starts).
+// and ulule/limiter, side by side in one run, and Redis memory per bucket
+// (on fresh redis-server processes it starts). A PING loop shows the round
+// trips the machine allows.
 //
-//	go run ./cmd/load -redis redis://127.0.0.1:6379/0 -duration 5s -callers 1,8,64
+// Each concurrency runs for several rounds, the contenders in a rotated
+// order each round; it prints the median of the rounds and the median of
+// each round's ratio to redis_rate, since machines drift between runs.
+//
+//	go run ./cmd/load -redis redis://127.0.0.1:6379/0 -duration 5s -callers 1,8,64 -rounds 3
 package main
 
 import (
@@ -47,6 +53,10 @@ const (
 )
 
 var contenders = []contender{
+	{"ping", func(opt *redis.Options, _ string) (decider, func()) {
+		c := redis.NewClient(opt)
+		return func(ctx context.Context, _ string) error { return c.Ping(ctx).Err() }, func() { _ = c.Close() }
+	}},
 	{"tollgate", func(opt *redis.Options, prefix string) (decider, func()) {
 		c := redis.NewClient(opt)
 		return tollgateDecider(c, prefix), func() { _ = c.Close() }
@@ -101,6 +111,7 @@ func main() {
 	nkeys := flag.Int("keys", 10_000, "distinct keys")
 	only := flag.String("only", "", "comma-separated contenders to run (default all)")
 	memKeys := flag.Int("memkeys", 100_000, "keys for the memory-per-bucket measure; 0 skips it")
+	rounds := flag.Int("rounds", 3, "rounds per concurrency; medians are reported")
 	flag.Parse()
 
 	opt, err := redis.ParseURL(*url)
@@ -112,21 +123,49 @@ func main() {
 	for i := range keys {
 		keys[i] = "user-" + strconv.Itoa(i)
 	}
-	fmt.Printf("%-22s %7s %12s %10s %10s %10s %7s\n", "contender", "callers", "decisions/s", "p50", "p99", "p99.9", "errors")
+	fmt.Printf("%-22s %7s %12s %10s %10s %10s %7s %s\n", "contender", "callers", "decisions/s", "p50", "p99", "p99.9", "errors", "× redis_rate (range)")
 	for _, n := range strings.Split(*callersFlag, ",") {
 		callers, err := strconv.Atoi(n)
 		if err != nil {
 			log.Fatal(err)
 		}
+		var active []contender
 		for _, c := range contenders {
-			if *only != "" && !slices.Contains(strings.Split(*only, ","), c.name) {
-				continue
+			if *only == "" || slices.Contains(strings.Split(*only, ","), c.name) {
+				active = append(active, c)
 			}
-			prefix := fmt.Sprintf("bench-%s-%d-%d:", c.name, callers, time.Now().UnixNano())
-			decide, cleanup := c.setup(opt, prefix)
-			r := run(decide, keys, callers, *duration)
-			cleanup()
-			fmt.Printf("%-22s %7d %12.0f %10s %10s %10s %7d\n", c.name, callers, r.rate, r.p(0.50), r.p(0.99), r.p(0.999), r.errs)
+		}
+		results := make([][]result, len(active)) // by contender, then round
+		for round := range *rounds {
+			for k := range active {
+				i := (k + round) % len(active) // rotated, so drift spreads evenly
+				c := active[i]
+				prefix := fmt.Sprintf("bench-%s-%d-%d:", c.name, callers, time.Now().UnixNano())
+				decide, cleanup := c.setup(opt, prefix)
+				results[i] = append(results[i], run(decide, keys, callers, *duration))
+				cleanup()
+			}
+		}
+		base := slices.IndexFunc(active, func(c contender) bool { return c.name == "redis_rate" })
+		for i, c := range active {
+			r := median(results[i], func(r result) float64 { return r.rate })
+			vs := ""
+			if base >= 0 {
+				ratios := make([]float64, *rounds)
+				for k := range ratios {
+					ratios[k] = results[i][k].rate / results[base][k].rate
+				}
+				slices.Sort(ratios)
+				vs = fmt.Sprintf("%.2f (%.2f–%.2f)", ratios[len(ratios)/2], ratios[0], ratios[len(ratios)-1])
+			}
+			q := func(p float64) time.Duration {
+				return time.Duration(median(results[i], func(r result) float64 { return float64(r.p(p)) }))
+			}
+			errs := int64(0)
+			for _, r := range results[i] {
+				errs += r.errs
+			}
+			fmt.Printf("%-22s %7d %12.0f %10s %10s %10s %7d %s\n", c.name, callers, r, q(0.50), q(0.99), q(0.999), errs, vs)
 		}
 	}
 	if *memKeys > 0 {
@@ -138,6 +177,16 @@ type result struct {
 	rate      float64
 	latencies []time.Duration
 	errs      int64
+}
+
+// median returns the median of f over rs.
+func median(rs []result, f func(result) float64) float64 {
+	v := make([]float64, len(rs))
+	for i, r := range rs {
+		v[i] = f(r)
+	}
+	slices.Sort(v)
+	return v[len(v)/2]
 }
 
 func (r result) p(q float64) time.Duration {
