@@ -46,10 +46,14 @@ type contender struct {
 }
 
 // A limit no contender reaches during a run, so every decision does the
-// full work of an admission: read, refill, write.
+// full work of an admission: read, refill, write. The refill is slow, one
+// token a second, so that a bucket is never full again between visits: a
+// fast one would be full, and expired, before the key's next visit, and
+// tollgate would create a key where redis_rate updates one (its expiry
+// is rounded up to whole seconds). ulule counts a fixed window instead.
 const (
 	burst  = 1 << 30
-	perSec = 1 << 20
+	perSec = 1
 )
 
 var contenders = []contender{
@@ -84,7 +88,7 @@ var contenders = []contender{
 		if err != nil {
 			log.Fatal(err)
 		}
-		l := ulule.New(store, ulule.Rate{Period: time.Second, Limit: perSec})
+		l := ulule.New(store, ulule.Rate{Period: time.Second, Limit: burst})
 		return func(ctx context.Context, key string) error {
 			_, err := l.Get(ctx, key)
 			return err
