@@ -192,6 +192,11 @@ func TestNoscriptUnderLoad(t *testing.T) {
 			require.NoError(t, err)
 			return ap
 		}},
+		{"autopipeline-full-duplex", func(c *redis.Client) redis.UniversalClient {
+			ap, err := c.AutoPipelineWithOptions(&redis.AutoPipelineOptions{FullDuplex: true})
+			require.NoError(t, err)
+			return ap
+		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			store := NewRedisStore(tc.client(newRealClient(t, &redis.Options{Addr: srv.Addr()})))
@@ -219,12 +224,34 @@ func TestNoscriptUnderLoad(t *testing.T) {
 
 // TestOutageFallbackRecovery kills the Redis under load, checks that
 // decisions go on from the fallback with no error, then restarts it and
-// checks that decisions return to Redis.
+// checks that decisions return to Redis: through a plain client, and
+// through go-redis's auto-pipeliners, which README recommends under load.
 func TestOutageFallbackRecovery(t *testing.T) {
-	srv := ownServer(t)
+	for _, tc := range []struct {
+		name string
+		opts *redis.AutoPipelineOptions // nil: a plain client
+	}{
+		{"client", nil},
+		{"autopipeline", redis.DefaultBlockingAutoPipelineOptions()},
+		{"autopipeline-full-duplex", &redis.AutoPipelineOptions{FullDuplex: true}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			srv := ownServer(t)
+			var client redis.UniversalClient = newRealClient(t, failFast(srv.Addr()))
+			if tc.opts != nil {
+				ap, err := client.(*redis.Client).AutoPipelineWithOptions(tc.opts)
+				require.NoError(t, err)
+				client = ap
+			}
+			testOutageFallbackRecovery(t, srv, client)
+		})
+	}
+}
+
+func testOutageFallbackRecovery(t *testing.T, srv *redistest.Server, client redis.UniversalClient) {
 	logs := &logCounter{}
 	// No denial cache: every decision must meet the outage.
-	l, err := New(NewRedisStore(newRealClient(t, failFast(srv.Addr()))), testPlans, WithDenialCache(0),
+	l, err := New(NewRedisStore(client), testPlans, WithDenialCache(0),
 		WithLogger(slog.New(logs)), WithBreaker(BreakerSettings{Failures: 3, Cooldown: 200 * time.Millisecond}))
 	require.NoError(t, err)
 

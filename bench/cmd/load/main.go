@@ -1,7 +1,8 @@
 // Command load is a closed-loop load generator: N callers each make one
 // decision at a time against one Redis, as fast as it answers, for a fixed
 // time. It reports decisions per second and latency percentiles for
-// tollgate (plain and auto-pipelined go-redis client), go-redis/redis_rate
+// tollgate (plain go-redis client, auto-pipelined, and auto-pipelined in
+// full duplex), go-redis/redis_rate
 // and ulule/limiter, side by side in one run, and Redis memory per bucket
 // (on fresh redis-server processes it starts). A PING loop shows the round
 // trips the machine allows.
@@ -68,6 +69,14 @@ var contenders = []contender{
 	{"tollgate-autopipeline", func(opt *redis.Options, prefix string) (decider, func()) {
 		c := redis.NewClient(opt)
 		ap, err := c.AutoPipeline()
+		if err != nil {
+			log.Fatal(err)
+		}
+		return tollgateDecider(ap, prefix), func() { _ = c.Close() }
+	}},
+	{"tollgate-fullduplex", func(opt *redis.Options, prefix string) (decider, func()) {
+		c := redis.NewClient(opt)
+		ap, err := c.AutoPipelineWithOptions(&redis.AutoPipelineOptions{FullDuplex: true})
 		if err != nil {
 			log.Fatal(err)
 		}
