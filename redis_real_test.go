@@ -301,7 +301,17 @@ func testOutageFallbackRecovery(t *testing.T, srv *redistest.Server, client redi
 	assert.Empty(t, errs, "no error may reach the caller under Fallback")
 	assert.Greater(t, sources[SourceFallback], 100, "decisions go on at full speed during the outage")
 	assert.Less(t, toStore, 1500*time.Millisecond, "back to Redis within about a second")
-	assert.Equal(t, []slog.Level{slog.LevelWarn, slog.LevelInfo}, logs.levels, "one line per outage and one per recovery")
+	// One line per outage and one per recovery; a starved machine may see
+	// a second, short outage after the restart.
+	require.NotEmpty(t, logs.levels)
+	require.Zero(t, len(logs.levels)%2, "every outage logged its recovery: %v", logs.levels)
+	for i, level := range logs.levels {
+		want := slog.LevelWarn
+		if i%2 == 1 {
+			want = slog.LevelInfo
+		}
+		assert.Equal(t, want, level, "outage and recovery lines alternate: %v", logs.levels)
+	}
 }
 
 // adversarialKeys are keys that would break a naive key scheme: braces
