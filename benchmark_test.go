@@ -34,16 +34,7 @@ func BenchmarkLimiterAllow(b *testing.B) {
 	})
 	b.Run("memory/many-keys-parallel", func(b *testing.B) {
 		l, _ := New(NewMemoryStore(), benchPlan)
-		keys := benchKeys(10_000)
-		var next atomic.Int64
-		b.ReportAllocs()
-		b.RunParallel(func(pb *testing.PB) {
-			i := int(next.Add(1)) * 7919
-			for pb.Next() {
-				i++
-				_, _ = l.Allow(ctx, keys[i%len(keys)])
-			}
-		})
+		allowParallel(b, l)
 	})
 	b.Run("memory/chained", func(b *testing.B) {
 		l, _ := New(NewMemoryStore(), []Plan{benchPlan[0], {Name: "q", Capacity: 1 << 30, Rate: 1}})
@@ -71,34 +62,33 @@ func BenchmarkLimiterAllow(b *testing.B) {
 		defer c.Close()
 		c.AddHook(cannedReply{[]any{int64(1), int64(1 << 50), int64(1 << 40), int64(1 << 50)}})
 		l, _ := New(NewRedisStore(c), benchPlan)
-		keys := benchKeys(10_000)
-		var next atomic.Int64
-		b.ReportAllocs()
-		b.RunParallel(func(pb *testing.PB) {
-			i := int(next.Add(1)) * 7919
-			for pb.Next() {
-				i++
-				if _, err := l.Allow(ctx, keys[i%len(keys)]); err != nil {
-					b.Fatal(err)
-				}
-			}
-		})
+		allowParallel(b, l)
 	})
 	b.Run("redis/parallel", func(b *testing.B) {
 		c := redis.NewClient(&redis.Options{Addr: redistest.Addr(b), PoolSize: 64})
 		defer c.Close()
 		l, _ := New(NewRedisStore(c, WithKeyPrefix(testPrefix(b))), benchPlan)
-		keys := benchKeys(10_000)
-		var next atomic.Int64
-		b.ReportAllocs()
 		b.SetParallelism(32)
-		b.RunParallel(func(pb *testing.PB) {
-			i := int(next.Add(1)) * 7919
-			for pb.Next() {
-				i++
-				_, _ = l.Allow(ctx, keys[i%len(keys)])
+		allowParallel(b, l)
+	})
+}
+
+// allowParallel runs Allow from parallel goroutines over 10,000 keys, each
+// goroutine starting at a key of its own, and fails on any error.
+func allowParallel(b *testing.B, l *Limiter) {
+	ctx := context.Background()
+	keys := benchKeys(10_000)
+	var next atomic.Int64
+	b.ReportAllocs()
+	b.RunParallel(func(pb *testing.PB) {
+		i := int(next.Add(1)) * 7919
+		for pb.Next() {
+			i++
+			if _, err := l.Allow(ctx, keys[i%len(keys)]); err != nil {
+				b.Error(err)
+				return
 			}
-		})
+		}
 	})
 }
 

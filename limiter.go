@@ -152,7 +152,6 @@ type Limiter struct {
 	log     *slog.Logger
 	denials *denialCache // nil when off
 	debug   bool         // log every decision: the logger had debug enabled at New
-	reports bool         // debug, or an Observer: report every decision
 	obs     Observer
 
 	// byName maps a plan name to a one-element slice, so a decision on one
@@ -197,7 +196,6 @@ func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
 	}
 	l.policy, l.log, l.obs = c.policy, c.log, c.obs
 	l.debug = l.log.Enabled(context.Background(), slog.LevelDebug)
-	l.reports = l.debug || l.obs != nil
 	l.breaker = newBreaker(c.breaker)
 	if l.obs != nil {
 		l.breaker.onChange = l.obs.ObserveBreaker
@@ -295,7 +293,7 @@ func (l *Limiter) decide(ctx context.Context, key string, cost, minCost int64, n
 // decideInto makes the decision into *r and reports it.
 func (l *Limiter) decideInto(ctx context.Context, r *Result, key string, cost, minCost int64, names []string) error {
 	err := l.makeDecision(ctx, r, key, cost, minCost, names)
-	if err == nil && l.reports {
+	if err == nil && (l.obs != nil || l.debug) {
 		l.report(ctx, r, cost)
 	}
 	return err
