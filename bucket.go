@@ -2,10 +2,10 @@ package tollgate
 
 import "math"
 
-// MicroTokens is the number of micro-tokens in one token. Buckets count in
+// microTokens is the number of micro-tokens in one token. Buckets count in
 // micro-tokens so that fractional refills are whole numbers, exact in Go
 // and in Lua (see docs/adr/0001-token-representation.md).
-const MicroTokens = 1_000_000
+const microTokens = 1_000_000
 
 // TokenBucket is the state of one plan's bucket and the arithmetic that
 // refills and drains it. It does no I/O and reads no clock: every method
@@ -17,7 +17,7 @@ const MicroTokens = 1_000_000
 // their receiver.
 type TokenBucket struct {
 	// Tokens is the number of micro-tokens held at Stamp, 0 to the plan's
-	// Capacity × MicroTokens.
+	// Capacity × 1,000,000: buckets count in millionths of a token.
 	Tokens int64
 
 	// Stamp is the time of the last refill, in microseconds. It may lag the
@@ -27,10 +27,10 @@ type TokenBucket struct {
 	Stamp int64
 }
 
-// FullBucket returns a bucket holding p.Capacity tokens at now, the state of
+// fullBucket returns a bucket holding p.Capacity tokens at now, the state of
 // a key that has not been seen or whose bucket expired.
-func FullBucket(p Plan, now int64) TokenBucket {
-	return TokenBucket{Tokens: p.Capacity * MicroTokens, Stamp: now}
+func fullBucket(p Plan, now int64) TokenBucket {
+	return TokenBucket{Tokens: p.Capacity * microTokens, Stamp: now}
 }
 
 // Refill returns the bucket as of now: the tokens accrued at p.Rate since
@@ -41,7 +41,7 @@ func FullBucket(p Plan, now int64) TokenBucket {
 // the clock under the bucket's lock, as MemoryStore does: a now read
 // before a long pause could look like such garbage.
 func (b TokenBucket) Refill(p Plan, now int64) TokenBucket {
-	full := p.Capacity * MicroTokens
+	full := p.Capacity * microTokens
 	if now <= b.Stamp {
 		// A stamp more than a whole refill ahead is no clock step but
 		// garbage, or a clock so far back that the bucket would have
@@ -74,15 +74,15 @@ func (b TokenBucket) Refill(p Plan, now int64) TokenBucket {
 // always succeeds.
 func (b TokenBucket) Take(p Plan, now, cost int64) (TokenBucket, bool) {
 	one := [1]TokenBucket{b}
-	ok := TakeAll([]Plan{p}, one[:], now, cost)
+	ok := takeAll([]Plan{p}, one[:], now, cost)
 	return one[0], ok
 }
 
-// TakeAll is Take for chained plans, all or nothing: it refills every
+// takeAll is Take for chained plans, all or nothing: it refills every
 // bucket to now, and takes cost tokens from each only if each holds them.
 // buckets[i] is the bucket of plans[i] and is updated in place.
-func TakeAll(plans []Plan, buckets []TokenBucket, now, cost int64) bool {
-	need := cost * MicroTokens
+func takeAll(plans []Plan, buckets []TokenBucket, now, cost int64) bool {
+	need := cost * microTokens
 	ok := true
 	for i := range plans {
 		buckets[i] = buckets[i].Refill(plans[i], now)
@@ -98,7 +98,7 @@ func TakeAll(plans []Plan, buckets []TokenBucket, now, cost int64) bool {
 
 // Remaining is the number of whole tokens in the bucket as last refilled.
 func (b TokenBucket) Remaining() int64 {
-	return b.Tokens / MicroTokens
+	return b.Tokens / microTokens
 }
 
 // ReadyAt returns the time, in microseconds, at which Take will find cost
@@ -107,20 +107,20 @@ func (b TokenBucket) Remaining() int64 {
 // answer is exact for the bucket as stored. cost must not exceed
 // p.Capacity.
 func (b TokenBucket) ReadyAt(p Plan, now, cost int64) int64 {
-	if b.Refill(p, now).Tokens >= cost*MicroTokens {
+	if b.Refill(p, now).Tokens >= cost*microTokens {
 		return now
 	}
 	// Not there yet, so Refill did not find the stamp garbage: the tokens
 	// accrue from Stamp until floor(elapsed × rate) covers the deficit,
 	// which is also when a refill would reach a full bucket.
-	b.Tokens = min(b.Tokens, p.Capacity*MicroTokens)
+	b.Tokens = min(b.Tokens, p.Capacity*microTokens)
 	return b.readyAt(p, now, cost)
 }
 
-// readyAt is ReadyAt for a bucket as Refill or TakeAll left it at now,
+// readyAt is ReadyAt for a bucket as Refill or takeAll left it at now,
 // which needs no second refill.
 func (b TokenBucket) readyAt(p Plan, now, cost int64) int64 {
-	need := cost * MicroTokens
+	need := cost * microTokens
 	if b.Tokens >= need {
 		return now
 	}

@@ -1,8 +1,10 @@
 package tollgate
 
 import (
+	"encoding/binary"
 	"math"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -54,7 +56,7 @@ func TestTokenBucketSteps(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			b := FullBucket(p, t0)
+			b := fullBucket(p, t0)
 			for i, s := range tt.steps {
 				now := t0 + s.at
 				assert.Equal(t, t0+s.readyAt, b.ReadyAt(p, now, s.cost), "step %d: ReadyAt", i)
@@ -118,7 +120,7 @@ func TestMillionOperationsExact(t *testing.T) {
 		{Name: "frac", Capacity: 7, Rate: 33.3},
 		{Name: "slow", Capacity: 5, Rate: 0.7},
 	} {
-		b := FullBucket(p, t0)
+		b := fullBucket(p, t0)
 		now, admitted := t0, int64(0)
 		x := uint64(88172645463325252)
 		for i := 0; i < 1_000_000; i++ {
@@ -132,7 +134,7 @@ func TestMillionOperationsExact(t *testing.T) {
 			}
 		}
 		bound := float64(p.Capacity) + p.Rate*float64(now-t0)/1e6
-		left := float64(b.Refill(p, now).Tokens) / MicroTokens
+		left := float64(b.Refill(p, now).Tokens) / microTokens
 		assert.LessOrEqual(t, float64(admitted), bound, "plan %s", p.Name)
 		assert.InDelta(t, bound, float64(admitted)+left, 1, "plan %s: admitted %d + left %.6f vs bound %.6f", p.Name, admitted, left, bound)
 	}
@@ -140,10 +142,10 @@ func TestMillionOperationsExact(t *testing.T) {
 
 func TestTakeAllIsAllOrNothing(t *testing.T) {
 	plans := []Plan{{Name: "burst", Capacity: 5, Rate: 1}, {Name: "daily", Capacity: 2, Rate: 0.001}}
-	buckets := []TokenBucket{FullBucket(plans[0], t0), FullBucket(plans[1], t0)}
-	require.True(t, TakeAll(plans, buckets, t0, 2))
+	buckets := []TokenBucket{fullBucket(plans[0], t0), fullBucket(plans[1], t0)}
+	require.True(t, takeAll(plans, buckets, t0, 2))
 	assert.Equal(t, []int64{3_000_000, 0}, []int64{buckets[0].Tokens, buckets[1].Tokens})
-	require.False(t, TakeAll(plans, buckets, t0, 1), "daily is empty")
+	require.False(t, takeAll(plans, buckets, t0, 1), "daily is empty")
 	assert.Equal(t, int64(3_000_000), buckets[0].Tokens, "burst must not pay for a denied request")
 }
 
@@ -162,7 +164,93 @@ func TestFarFutureStampReadsFull(t *testing.T) {
 	b := TokenBucket{Tokens: 0, Stamp: t0 + 2_000_000}
 	assert.Equal(t, TokenBucket{Tokens: 0, Stamp: t0 + 2_000_000}, b.Refill(p, t0), "a clock step of a full refill is kept")
 	b.Stamp++
-	assert.Equal(t, FullBucket(p, t0), b.Refill(p, t0), "beyond a full refill the stamp is garbage")
+	assert.Equal(t, fullBucket(p, t0), b.Refill(p, t0), "beyond a full refill the stamp is garbage")
 	b.Stamp = t0 + 10*365*24*3600*1_000_000
 	assert.Equal(t, t0, b.ReadyAt(p, t0, 2), "a stamp ten years ahead must not block the key")
+}
+
+// FuzzBucket drives one bucket through a fuzzed plan and a fuzzed sequence
+// of takes (cost 0 is a read) at times that jump forwards and backwards,
+// and checks after every step that the tokens stay within 0 and the
+// capacity, that the stamp never moves back (unless the clock stepped back
+// by more than a full refill) nor past the time, that Take
+// succeeds exactly when ReadyAt says the tokens are there, and that a denied
+// request passes at ReadyAt and not a microsecond earlier. At the end, the tokens admitted may not exceed capacity + rate ×
+// elapsed, elapsed being how far time ever got past the start.
+func FuzzBucket(f *testing.F) {
+	f.Add(int64(3), 2.0, []byte{0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 1, 0x01, 0xf4, 1})
+	f.Add(int64(1), 1.0/3, []byte{1, 0, 1, 1, 2, 0xff, 0xff, 1, 2, 0, 3, 1})
+	f.Add(int64(maxCapacity), 1e9, []byte{3, 0x7f, 0xff, 0xff, 0, 0, 1, 0xff})
+	f.Add(int64(1000), Per(1000, 24*time.Hour), []byte{2, 0, 86, 200, 3, 0x80, 0, 7})
+	f.Add(int64(17), 7.77, []byte{0, 0, 3, 17, 1, 0, 128, 1, 0, 0x80, 0x01, 2})
+	f.Fuzz(func(t *testing.T, capacity int64, rate float64, ops []byte) {
+		p := Plan{Name: "f", Capacity: capacity, Rate: rate}
+		if p.validateNumbers() != nil {
+			return // New rejects such plans
+		}
+		full := capacity * microTokens
+		b := fullBucket(p, t0)
+		now, reached := t0, t0
+		admitted, steps := int64(0), int64(0) // micro-tokens admitted
+		resets := int64(0)                    // clock steps back by more than a full refill
+		segment, accrued := t0, 0.0           // a reset starts a new span of time to accrue in
+		for len(ops) >= 4 {
+			op := ops[:4]
+			ops = ops[4:]
+			steps++
+			// op[0] picks the scale of the time step, op[1:3] its size and
+			// sign, op[3] the cost.
+			scale := []int64{1, 1_000, 1_000_000, 1_000_000_000}[op[0]%4]
+			now += int64(int16(binary.BigEndian.Uint16(op[1:3]))) * scale
+			now = min(max(now, 0), t0+MaxRefillPeriod.Microseconds()) // Redis TIME: after 1970, before 2123
+			cost := int64(op[3])
+			if op[0]&4 != 0 {
+				cost = capacity // the largest cost
+			}
+			cost = min(cost, capacity)
+
+			ready := b.ReadyAt(p, now, cost)
+			next, ok := b.Take(p, now, cost)
+			if next.Tokens < 0 || next.Tokens > full {
+				t.Fatalf("step %d: %d micro-tokens, outside 0..%d", steps, next.Tokens, full)
+			}
+			if next.Stamp < b.Stamp {
+				// Only a stamp more than a full refill ahead gives way: the
+				// bucket then reads as full as of now.
+				if float64(b.Stamp-now) <= float64(full)/rate || b.Refill(p, now) != fullBucket(p, now) {
+					t.Fatalf("step %d: stamp moved back from %d to %d", steps, b.Stamp, next.Stamp)
+				}
+				resets++
+				accrued += rate * float64(reached-segment)
+				segment, reached = now, now
+			}
+			if next.Stamp > max(now, b.Stamp) {
+				t.Fatalf("step %d: stamp %d is past now %d", steps, next.Stamp, now)
+			}
+			if ready < now || ok != (ready == now) {
+				t.Fatalf("step %d: Take(%d) = %v but ReadyAt = %d (now %d)", steps, cost, ok, ready, now)
+			}
+			if !ok {
+				if _, ok := b.Take(p, ready, cost); !ok {
+					t.Fatalf("step %d: denied at ReadyAt %d (bucket %+v, cost %d)", steps, ready, b, cost)
+				}
+				// ReadyAt is the first microsecond at which Take finds the
+				// tokens in the bucket as stored: no earlier.
+				if _, early := b.Take(p, ready-1, cost); early && ready-1 > now {
+					t.Fatalf("step %d: passes at %d, before ReadyAt %d (bucket %+v, cost %d)", steps, ready-1, ready, b, cost)
+				}
+			}
+			if ok {
+				admitted += cost * microTokens
+			}
+			b, reached = next, max(reached, now)
+		}
+		// Each refill may round up by less than a micro-token; steps covers
+		// it. Each reset by a clock step back gives one more bucketful.
+		accrued += rate * float64(reached-segment)
+		bound := float64(full)*float64(1+resets) + accrued + float64(steps)
+		if float64(admitted) > bound {
+			t.Fatalf("admitted %d micro-tokens after %d resets; bound %.0f", admitted, resets, bound)
+		}
+	})
 }

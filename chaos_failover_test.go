@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/tollgate-go/tollgate/internal/redisscript"
 	"github.com/tollgate-go/tollgate/internal/redistest"
 )
 
@@ -47,7 +48,7 @@ func scriptCached(t *testing.T, addr string) bool {
 	t.Helper()
 	c := redis.NewClient(&redis.Options{Addr: addr})
 	defer c.Close()
-	ok, err := c.ScriptExists(context.Background(), tokenBucketSHA).Result()
+	ok, err := c.ScriptExists(context.Background(), redisscript.New(tokenBucketLua).SHA()).Result()
 	require.NoError(t, err)
 	return ok[0]
 }

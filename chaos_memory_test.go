@@ -16,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
+	"github.com/tollgate-go/tollgate/breaker"
 	"github.com/tollgate-go/tollgate/internal/redistest"
 )
 
@@ -42,7 +43,7 @@ func TestChaosKeyFlood(t *testing.T) {
 	// A bucket of 10 that refills in an hour: no bucket is full again during
 	// the flood, so eviction, not the sweep of full buckets, keeps the bound.
 	lim, err := New(down, []Plan{{Name: "flood", Capacity: 10, Rate: Per(10, time.Hour)}},
-		WithFallback(fallback), WithLogger(nil), WithBreaker(BreakerSettings{Cooldown: time.Hour}))
+		WithFallback(fallback), WithLogger(nil), WithBreaker(breaker.Settings{Cooldown: time.Hour}))
 	require.NoError(t, err)
 
 	base := heapInuse()
@@ -122,7 +123,7 @@ func TestChaosGoroutineLeaks(t *testing.T) {
 	decisions := 0
 	for i, c := range clients {
 		l, err := New(NewRedisStore(c, WithKeyPrefix(testPrefix(t))), []Plan{chaosPlan}, WithLogger(nil),
-			WithBreaker(BreakerSettings{Failures: 1, Cooldown: 10 * time.Millisecond}))
+			WithBreaker(breaker.Settings{Failures: 1, Cooldown: 10 * time.Millisecond}))
 		require.NoError(t, err)
 		for n := 0; n < 200; n++ {
 			r, err := l.Allow(ctx, strconv.Itoa(n%7))
@@ -137,7 +138,7 @@ func TestChaosGoroutineLeaks(t *testing.T) {
 	// An outage and a recovery on the plain client: dials that fail, the
 	// breaker, probes, the fallback.
 	l, err := New(NewRedisStore(clients[0], WithKeyPrefix(testPrefix(t))), []Plan{chaosPlan}, WithLogger(nil),
-		WithBreaker(BreakerSettings{Failures: 1, Cooldown: 10 * time.Millisecond}))
+		WithBreaker(breaker.Settings{Failures: 1, Cooldown: 10 * time.Millisecond}))
 	require.NoError(t, err)
 	srv.Kill()
 	for n := 0; n < 100; n++ {

@@ -1,6 +1,10 @@
 package tollgate
 
-import "errors"
+import (
+	"errors"
+
+	"github.com/tollgate-go/tollgate/internal/redisscript"
+)
 
 // Errors returned by tollgate. They are wrapped with detail, so match them
 // with errors.Is. No error text ever contains a caller's key: keys may be
@@ -32,16 +36,11 @@ var (
 
 	// ErrBadReply means Redis answered the script with a reply of the
 	// wrong shape. It counts as a store failure.
-	ErrBadReply = errors.New("tollgate: unexpected reply from Redis")
+	ErrBadReply = redisscript.ErrBadReply
 
 	// ErrWaitExceedsDeadline means Wait would have to wait past the
 	// context's deadline, so it returned at once.
 	ErrWaitExceedsDeadline = errors.New("tollgate: wait would exceed context deadline")
-
-	// ErrNoKey means a KeyFunc found no rate limit key in a request: a
-	// header is missing or empty, the client address is not an IP address,
-	// or the context holds no principal. Middleware answers 400 by default.
-	ErrNoKey = errors.New("tollgate: no rate limit key in request")
 )
 
 // isCallerError reports whether err is the caller's fault (bad input or

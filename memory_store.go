@@ -9,8 +9,8 @@ import (
 	"time"
 )
 
-// DefaultMaxKeys is the default bound on the keys a MemoryStore holds.
-const DefaultMaxKeys = 100_000
+// defaultMaxKeys is the default bound on the keys a MemoryStore holds.
+const defaultMaxKeys = 100_000
 
 // MemoryStore is a Store that keeps buckets in this process, for a single
 // instance and as the fallback while Redis is down. It is safe for
@@ -59,7 +59,7 @@ func (e *memEntry) bucket(p Plan, now int64) TokenBucket {
 			}
 		}
 	}
-	return FullBucket(p, now)
+	return fullBucket(p, now)
 }
 
 // store sets the bucket of plan p.
@@ -92,7 +92,7 @@ func (e *memEntry) fullAt(now int64) int64 {
 type MemoryOption func(*MemoryStore)
 
 // WithMaxKeys bounds the keys a MemoryStore holds. Values below 1 mean the
-// default, DefaultMaxKeys.
+// default, 100,000 keys.
 func WithMaxKeys(n int) MemoryOption {
 	return func(m *MemoryStore) { m.perCap = n }
 }
@@ -122,7 +122,7 @@ func NewMemoryStore(opts ...MemoryOption) *MemoryStore {
 	}
 	maxKeys := m.perCap
 	if maxKeys < 1 {
-		maxKeys = DefaultMaxKeys
+		maxKeys = defaultMaxKeys
 	}
 	// The bound holds per shard, so a shard must hold enough keys for the
 	// sample to find a good victim: a store of 100 keys in 64 shards would
@@ -166,22 +166,21 @@ func (m *MemoryStore) shard(key string) *memShard {
 	return &m.shards[maphash.String(m.seed, key)&uint64(len(m.shards)-1)]
 }
 
-// Take implements Store. ctx is unused: the store never blocks on I/O.
-func (m *MemoryStore) Take(ctx context.Context, key string, cost int64, plans []Plan) (Result, error) {
+// Take implements Store. The store never blocks on I/O; like a RedisStore,
+// it takes nothing for a ctx that has ended, and returns ctx's error.
+func (m *MemoryStore) Take(ctx context.Context, key string, cost int64, plans []Plan) (r Result, err error) {
 	if err := checkTake(key, cost, plans); err != nil {
 		return Result{}, err
 	}
-	return m.take(ctx, key, cost, plans)
-}
-
-// take is Take for a request already checked.
-func (m *MemoryStore) take(_ context.Context, key string, cost int64, plans []Plan) (Result, error) {
-	var r Result
+	if err := ctx.Err(); err != nil {
+		return Result{}, err
+	}
 	m.takeInto(&r, key, cost, plans)
 	return r, nil
 }
 
-// takeInto is take with its Result built in *r.
+// takeInto is Take for a request already checked, with its Result built
+// in *r.
 func (m *MemoryStore) takeInto(r *Result, key string, cost int64, plans []Plan) {
 	// A fixed array keeps a decision on up to four chained plans off the heap.
 	var buf [4]TokenBucket
@@ -197,7 +196,7 @@ func (m *MemoryStore) takeInto(r *Result, key string, cost int64, plans []Plan) 
 	for _, p := range plans {
 		buckets = append(buckets, e.bucket(p, now))
 	}
-	allowed := TakeAll(plans, buckets, now, cost)
+	allowed := takeAll(plans, buckets, now, cost)
 	if allowed && cost > 0 {
 		if e == nil {
 			e = &memEntry{buckets: make([]memBucket, 0, len(plans))}

@@ -9,9 +9,9 @@ import (
 // MaxKeyLen is the longest key, in bytes, that a Limiter or Store accepts.
 const MaxKeyLen = 1024
 
-// MaxCapacity is the largest Plan.Capacity: 2^53 micro-tokens, the largest
+// maxCapacity is the largest Plan.Capacity: 2^53 micro-tokens, the largest
 // whole number a Lua number holds exactly.
-const MaxCapacity = (1 << 53) / MicroTokens
+const maxCapacity = (1 << 53) / microTokens
 
 // MaxRefillPeriod is the longest time a plan may take to refill an empty
 // bucket (Capacity / Rate): 100 years, so that every wait fits a
@@ -24,7 +24,8 @@ type Plan struct {
 	// of [A-Za-z0-9_.-].
 	Name string
 	// Capacity is the bucket size, the largest burst, in tokens: 1 to
-	// MaxCapacity.
+	// 9,007,199,254 (2^53 micro-tokens, the largest whole number a Lua
+	// number holds exactly).
 	Capacity int64
 	// Rate is the refill rate in tokens per second: positive, finite, and
 	// at least Capacity / MaxRefillPeriod. Per converts "n per duration".
@@ -58,8 +59,8 @@ func (p Plan) validate() error {
 // depends on. Stores call it on every request, since they accept plans
 // from callers other than Limiter.
 func (p Plan) validateNumbers() error {
-	if p.Capacity < 1 || p.Capacity > MaxCapacity {
-		return fmt.Errorf("%w: capacity must be 1 to %d, got %d", ErrInvalidPlan, MaxCapacity, p.Capacity)
+	if p.Capacity < 1 || p.Capacity > maxCapacity {
+		return fmt.Errorf("%w: capacity must be 1 to %d, got %d", ErrInvalidPlan, maxCapacity, p.Capacity)
 	}
 	if !(p.Rate > 0) || math.IsInf(p.Rate, 0) { // also rejects NaN
 		return fmt.Errorf("%w: rate must be positive and finite, got %v", ErrInvalidPlan, p.Rate)

@@ -2,27 +2,22 @@ package tollgate
 
 import (
 	"context"
-	"crypto/sha1"
 	_ "embed"
-	"encoding/hex"
 	"fmt"
 	"strconv"
 	"strings"
-	"sync/atomic"
 
 	"github.com/redis/go-redis/v9"
+
+	"github.com/tollgate-go/tollgate/internal/redisscript"
 )
 
 //go:embed scripts/token_bucket.lua
 var tokenBucketLua string
 
-var tokenBucketSHA = func() string {
-	sum := sha1.Sum([]byte(tokenBucketLua))
-	return hex.EncodeToString(sum[:])
-}()
-
-// DefaultKeyPrefix is the default first part of every Redis key.
-const DefaultKeyPrefix = "tollgate"
+// defaultKeyPrefix is the first part of every Redis key unless
+// WithKeyPrefix says otherwise.
+const defaultKeyPrefix = "tollgate"
 
 // RedisStore is a Store that keeps buckets in Redis, shared by every
 // instance that uses the same Redis and key prefix. It is safe for
@@ -32,6 +27,8 @@ const DefaultKeyPrefix = "tollgate"
 // every chained plan, with Redis TIME as the only clock. When Redis answers
 // NOSCRIPT (after a restart, SCRIPT FLUSH or failover) the store sends the
 // script with EVAL, which loads it, and carries on: callers never see it.
+// Errors Redis answers reach the caller as their class ("OOM",
+// "READONLY", ...) without Redis's text, which can quote a key.
 //
 // It works with every go-redis client: Client, ClusterClient, the failover
 // (Sentinel) client and Ring. It needs Redis 5.0 or later, which replicates
@@ -40,10 +37,8 @@ const DefaultKeyPrefix = "tollgate"
 type RedisStore struct {
 	client redis.UniversalClient
 	prefix string
-	err    error // a bad option, returned by every call
-	obs    Observer
-
-	scriptLoads atomic.Int64
+	err    error // a wiring mistake: New reports it, and so does every call
+	script *redisscript.Script
 }
 
 // RedisOption configures a RedisStore.
@@ -51,21 +46,17 @@ type RedisOption func(*RedisStore)
 
 // WithKeyPrefix sets the first part of every Redis key; instances share
 // buckets only when they share it. It must not contain '{' or '}', which
-// would move the Cluster hash tag. The default is DefaultKeyPrefix.
+// would move the Cluster hash tag. The default is "tollgate".
 func WithKeyPrefix(prefix string) RedisOption {
 	return func(s *RedisStore) { s.prefix = prefix }
 }
 
-// WithRedisObserver sets an Observer of the store's script reloads. Give
-// it the Observer given to the Limiter. The default is none.
-func WithRedisObserver(o Observer) RedisOption {
-	return func(s *RedisStore) { s.obs = o }
-}
-
-// NewRedisStore returns a RedisStore that uses client. A bad option, or a
-// nil client, is reported by every call of the store as ErrInvalidOption.
+// NewRedisStore returns a RedisStore that uses client. A nil client or an
+// unusable option is a wiring mistake, reported as ErrInvalidOption by New
+// when the store is given to a Limiter, so that it shows at startup, and
+// by every call of a store used on its own.
 func NewRedisStore(client redis.UniversalClient, opts ...RedisOption) *RedisStore {
-	s := &RedisStore{client: client, prefix: DefaultKeyPrefix}
+	s := &RedisStore{client: client, prefix: defaultKeyPrefix, script: redisscript.New(tokenBucketLua)}
 	for _, o := range opts {
 		o(s)
 	}
@@ -78,10 +69,10 @@ func NewRedisStore(client redis.UniversalClient, opts ...RedisOption) *RedisStor
 	return s
 }
 
-// ScriptLoads returns how many times the store has reloaded its script
-// after Redis answered NOSCRIPT.
+// ScriptLoads returns how many times the store has sent its script's
+// source after Redis answered NOSCRIPT.
 func (s *RedisStore) ScriptLoads() int64 {
-	return s.scriptLoads.Load()
+	return s.script.Loads()
 }
 
 // Take implements Store.
@@ -92,73 +83,52 @@ func (s *RedisStore) Take(ctx context.Context, key string, cost int64, plans []P
 	if err := checkTake(key, cost, plans); err != nil {
 		return Result{}, err
 	}
-	return s.take(ctx, key, cost, plans)
-}
-
-// take is Take for a request already checked.
-func (s *RedisStore) take(ctx context.Context, key string, cost int64, plans []Plan) (Result, error) {
-	if s.err != nil {
-		return Result{}, s.err
-	}
 	keys := make([]string, len(plans))
 	args := make([]any, 1+2*len(plans))
 	args[0] = cost
 	for i, p := range plans {
 		keys[i] = s.Key(key, p.Name)
 		args[1+2*i] = p.Capacity
-		args[2+2*i] = strconv.FormatFloat(p.Rate, 'g', -1, 64) // shortest text that parses back exactly
+		args[2+2*i] = formatRate(p.Rate)
 	}
-	reply, err := s.client.EvalSha(ctx, tokenBucketSHA, keys, args...).Result()
-	if err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
-		s.scriptLoads.Add(1)
-		if s.obs != nil {
-			s.obs.ObserveScriptLoad()
-		}
-		reply, err = s.client.Eval(ctx, tokenBucketLua, keys, args...).Result()
-	}
+	reply, err := s.script.Run(ctx, s.client, keys, args...)
 	if err != nil {
 		return Result{}, err
 	}
 	var stack [4]TokenBucket // up to four plans without allocating
-	allowed, now, buckets, err := parseReplyInto(stack[:0], reply, plans)
+	allowed, now, buckets, err := parseReply(stack[:0], reply, plans)
 	if err != nil {
 		return Result{}, err
 	}
 	return newResult(plans, buckets, now, cost, allowed), nil
 }
 
-// parseReply checks the shape of the script's reply instead of trusting it:
-// {allowed, now, tokens_1, stamp_1, ...}, all integers, with tokens and
-// stamps that Lua's doubles hold exactly. The buckets are as stored; a
-// stamp after now (Redis TIME stepped back) or tokens above a capacity
-// that shrank are for Refill to judge, as the next decision will.
-func parseReply(reply any, plans []Plan) (allowed bool, now int64, buckets []TokenBucket, err error) {
-	return parseReplyInto(nil, reply, plans)
+// formatRate writes a rate as the shortest decimal that parses back to it
+// exactly, never in exponent form: gopher-lua's tonumber, which miniredis
+// runs, reads "1e-05" as nil.
+func formatRate(rate float64) string {
+	return strconv.FormatFloat(rate, 'f', -1, 64)
 }
 
-// parseReplyInto is parseReply appending the buckets to dst.
-func parseReplyInto(dst []TokenBucket, reply any, plans []Plan) (allowed bool, now int64, buckets []TokenBucket, err error) {
-	vals, ok := reply.([]any)
-	if !ok || len(vals) != 2+2*len(plans) {
-		return false, 0, nil, fmt.Errorf("%w: want an array of %d integers, got %T", ErrBadReply, 2+2*len(plans), reply)
+// parseReply checks the shape of the script's reply instead of trusting it:
+// {allowed, now, tokens_1, stamp_1, ...}, all integers, with tokens and
+// stamps that Lua's doubles hold exactly, and appends the buckets to dst.
+// The buckets are as stored; a stamp after now (Redis TIME stepped back)
+// or tokens above a capacity that shrank are for Refill to judge, as the
+// next decision will.
+func parseReply(dst []TokenBucket, reply any, plans []Plan) (allowed bool, now int64, buckets []TokenBucket, err error) {
+	var stack [2 + 2*4]int64
+	vals, err := redisscript.Ints(stack[:0], reply, 2+2*len(plans))
+	if err != nil {
+		return false, 0, nil, err
 	}
-	for i, v := range vals {
-		x, ok := v.(int64)
-		if !ok {
-			return false, 0, nil, fmt.Errorf("%w: element %d is %T, not an integer", ErrBadReply, i, v)
-		}
-		if x < 0 || x > 1<<53 {
-			return false, 0, nil, fmt.Errorf("%w: element %d out of range", ErrBadReply, i)
-		}
-	}
-	flag := vals[0].(int64)
-	if flag > 1 {
-		return false, 0, nil, fmt.Errorf("%w: allowed flag is %d", ErrBadReply, flag)
+	if vals[0] > 1 {
+		return false, 0, nil, fmt.Errorf("%w: allowed flag is %d", ErrBadReply, vals[0])
 	}
 	for i := range plans {
-		dst = append(dst, TokenBucket{Tokens: vals[2+2*i].(int64), Stamp: vals[3+2*i].(int64)})
+		dst = append(dst, TokenBucket{Tokens: vals[2+2*i], Stamp: vals[3+2*i]})
 	}
-	return flag == 1, vals[1].(int64), dst, nil
+	return vals[0] == 1, vals[1], dst, nil
 }
 
 // Reset implements Store: it deletes the buckets, which then read as full.
@@ -176,5 +146,5 @@ func (s *RedisStore) Reset(ctx context.Context, key string, plans []Plan) error 
 	for i, p := range plans {
 		keys[i] = s.Key(key, p.Name)
 	}
-	return s.client.Del(ctx, keys...).Err()
+	return redisscript.Sanitize(s.client.Del(ctx, keys...).Err())
 }

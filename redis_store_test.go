@@ -2,8 +2,14 @@ package tollgate
 
 import (
 	"context"
+	"encoding/binary"
+	"errors"
 	"fmt"
-	"strings"
+	"log/slog"
+	"math"
+	"math/rand/v2"
+	"slices"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -13,6 +19,8 @@ import (
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"github.com/tollgate-go/tollgate/breaker"
+	"github.com/tollgate-go/tollgate/internal/redistest"
 )
 
 var gold = Plan{Name: "gold", Capacity: 4, Rate: 2}
@@ -176,49 +184,13 @@ func TestParseReply(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			_, _, _, err := parseReply(tt.reply, plans)
+			_, _, _, err := parseReply(nil, tt.reply, plans)
 			if tt.ok {
 				assert.NoError(t, err)
 			} else {
 				assert.ErrorIs(t, err, ErrBadReply)
 			}
 		})
-	}
-}
-
-// hashTag returns the part of a Redis key that Cluster hashes, by the rule
-// of the Cluster specification.
-func hashTag(key string) string {
-	if i := strings.IndexByte(key, '{'); i >= 0 {
-		if j := strings.IndexByte(key[i+1:], '}'); j > 0 {
-			return key[i+1 : i+1+j]
-		}
-	}
-	return key
-}
-
-func TestKeyScheme(t *testing.T) {
-	s := NewRedisStore(redis.NewClient(&redis.Options{}))
-	assert.Equal(t, "tollgate:{user:42}:gold", s.Key("user:42", "gold"), "plain keys are verbatim")
-	keys := []string{
-		"a", "}", "{", "{}", "}{", "a}b", "{a}", "=", "=a", "==", "a=", "=YQ", "x}:gold", "\x00", "\xff\xfe",
-		"tollgate:{a}:gold", strings.Repeat("}", 1024), strings.Repeat("é", 512),
-	}
-	seen := map[string]string{}
-	for _, k := range keys {
-		var tag string
-		for _, plan := range []string{"gold", "daily", "a.b-c_d"} {
-			rk := s.Key(k, plan)
-			if prev, dup := seen[rk]; dup {
-				t.Errorf("key %q plan %s collides with %s", k, plan, prev)
-			}
-			seen[rk] = k + "/" + plan
-			if tag == "" {
-				tag = hashTag(rk)
-			}
-			assert.Equal(t, tag, hashTag(rk), "key %q: plans must share a hash tag", k)
-			assert.NotEqual(t, rk, tag, "key %q: the tag must not be empty", k)
-		}
 	}
 }
 
@@ -300,4 +272,783 @@ func TestRedisStoreAutoPipelines(t *testing.T) {
 	// A batch of one may go alone; most must not.
 	assert.Equal(t, int64(320), h.alone.Load()+h.piped.Load())
 	assert.Greater(t, h.piped.Load(), 3*h.alone.Load(), "script commands sent outside the auto-pipeline")
+}
+
+// replyReader builds a script reply, and the plans it is for, from fuzzed
+// bytes: every shape go-redis can hand over (integers, strings, nil,
+// nested arrays, floats, errors, bytes, booleans) and, often, the shape
+// the script returns with values near the bounds.
+type replyReader struct{ b []byte }
+
+// wellFormed is parseReply's contract, written independently: an array of
+// 2+2n integers, a flag of 0 or 1, each bucket's tokens within 0 and its
+// plan's capacity.
+func wellFormed(reply any, plans []Plan) bool {
+	arr, ok := reply.([]any)
+	if !ok || len(arr) != 2+2*len(plans) {
+		return false
+	}
+	for _, v := range arr {
+		if _, ok := v.(int64); !ok {
+			return false
+		}
+	}
+	for _, v := range arr {
+		if x := v.(int64); x < 0 || x > 1<<53 {
+			return false // beyond what Lua's doubles hold exactly
+		}
+	}
+	return arr[0].(int64) <= 1 // the allowed flag
+}
+
+// FuzzParseReply hands parseReply replies of fuzzed shapes: it never
+// panics, and it accepts exactly the well-formed ones, returning their
+// values; every other reply is an error wrapping ErrBadReply.
+func FuzzParseReply(f *testing.F) {
+	// data: plans-1, then per plan a, b, m (capacity 1+a×b, maxCapacity
+	// if m%8 == 0), then the reply; tag 10 is the script's shape, whose
+	// values are chosen by near.
+	f.Add([]byte{0, 1, 3, 1, 10, 1, 5, 3, 5})                                              // good: tokens at the capacity
+	f.Add([]byte{0, 1, 3, 1, 10, 1, 5, 4, 5})                                              // tokens one above the capacity: Refill clamps
+	f.Add([]byte{0, 1, 3, 1, 10, 2, 5, 0, 5})                                              // flag -1
+	f.Add([]byte{0, 1, 3, 1, 5, 0, 2, 0, 3, 6, 0, 0, 0, 0, 0, 0, 0, 0, 9, 1})              // the right length, wrong types
+	f.Add([]byte{0, 1, 3, 1, 4, 3, 4, 2, 4, 1, 4, 0})                                      // nested arrays
+	f.Add([]byte{3, 1, 1, 0, 2, 2, 1, 3, 3, 1, 4, 4, 1, 10, 0, 5, 3, 5, 0, 5, 1, 5, 3, 6}) // four plans, one of maxCapacity
+	f.Fuzz(func(t *testing.T, data []byte) {
+		r := &replyReader{b: data}
+		plans := make([]Plan, 1+r.byte()%4)
+		for i := range plans {
+			plans[i] = Plan{Name: "p", Capacity: 1 + int64(r.byte())*int64(r.byte())}
+			if r.byte()%8 == 0 {
+				plans[i].Capacity = maxCapacity
+			}
+		}
+		reply := r.value(plans, 0)
+		allowed, now, buckets, err := parseReply(nil, reply, plans)
+		if !wellFormed(reply, plans) {
+			if !errors.Is(err, ErrBadReply) {
+				t.Fatalf("reply %#v for %d plans: err %v, want ErrBadReply", reply, len(plans), err)
+			}
+			return
+		}
+		if err != nil {
+			t.Fatalf("well-formed reply %#v rejected: %v", reply, err)
+		}
+		arr := reply.([]any)
+		if allowed != (arr[0] == int64(1)) || now != arr[1] || len(buckets) != len(plans) {
+			t.Fatalf("reply %#v parsed as %v, %d, %v", reply, allowed, now, buckets)
+		}
+		for i, b := range buckets {
+			if b.Tokens != arr[2+2*i] || b.Stamp != arr[3+2*i] {
+				t.Fatalf("reply %#v: bucket %d parsed as %+v", reply, i, b)
+			}
+		}
+	})
+}
+
+func (r *replyReader) byte() byte {
+	if len(r.b) == 0 {
+		return 0
+	}
+	c := r.b[0]
+	r.b = r.b[1:]
+	return c
+}
+
+func (r *replyReader) int64() int64 {
+	var buf [8]byte
+	n := copy(buf[:], r.b)
+	r.b = r.b[n:]
+	return int64(binary.BigEndian.Uint64(buf[:]))
+}
+
+// near returns a value near the edges a reply's integer must respect.
+func (r *replyReader) near(limit int64) int64 {
+	switch r.byte() % 8 {
+	case 0:
+		return 0
+	case 1:
+		return 1
+	case 2:
+		return -1
+	case 3:
+		return limit
+	case 4:
+		return limit + 1
+	case 5:
+		return t0
+	case 6:
+		return math.MinInt64
+	}
+	return r.int64()
+}
+
+func (r *replyReader) value(plans []Plan, depth int) any {
+	switch tag := r.byte(); tag % 11 {
+	case 0:
+		return r.int64()
+	case 1:
+		return int64(int8(r.byte()))
+	case 2:
+		return string(make([]byte, r.byte()%8))
+	case 3:
+		return nil
+	case 4, 5:
+		n := int(r.byte() % 8)
+		if tag%11 == 5 {
+			n = 2 + 2*len(plans) // the right length, maybe the wrong contents
+		}
+		if depth > 3 {
+			n = 0
+		}
+		arr := make([]any, n)
+		for i := range arr {
+			arr[i] = r.value(plans, depth+1)
+		}
+		return arr
+	case 6:
+		return math.Float64frombits(uint64(r.int64()))
+	case 7:
+		return errors.New("ERR fuzzed")
+	case 8:
+		return []byte{r.byte()}
+	case 9:
+		return r.byte()%2 == 0
+	}
+	// The script's shape: {allowed, now, tokens_1, stamp_1, ...}.
+	arr := []any{r.near(1), r.near(t0)}
+	for _, p := range plans {
+		arr = append(arr, r.near(p.Capacity*microTokens), r.near(t0))
+	}
+	return arr
+}
+
+// agreementPlans have rates whose products round in every way: whole,
+// fractional, tiny and large.
+var agreementPlans = []Plan{
+	{Name: "whole", Capacity: 5, Rate: 2},
+	{Name: "third", Capacity: 3, Rate: 1.0 / 3},
+	{Name: "odd", Capacity: 17, Rate: 7.77},
+	{Name: "daily", Capacity: 1000, Rate: Per(1000, 24*time.Hour)},
+	{Name: "fast", Capacity: 100_000, Rate: 123_456.789},
+}
+
+type agreementStep struct {
+	advance int64 // µs since the previous step; negative steps the clock back
+	cost    int64 // 0 reads, as Peek does
+	plans   []Plan
+}
+
+// agreementOp is a step on one of several keys, or a Reset.
+type agreementOp struct {
+	agreementStep
+	key   int  // which of the sequence's keys
+	reset bool // Reset the plans of key instead of taking
+}
+
+// onOneKey turns steps into takes on one key.
+func onOneKey(steps []agreementStep) []agreementOp {
+	ops := make([]agreementOp, len(steps))
+	for i, s := range steps {
+		ops[i] = agreementOp{agreementStep: s}
+	}
+	return ops
+}
+
+// newMiniredisStore returns a RedisStore on a fresh miniredis whose TIME is
+// set by the returned function, in µs.
+func newMiniredisStore(t *testing.T) (*RedisStore, *miniredis.Miniredis, func(int64)) {
+	t.Helper()
+	mr := miniredis.RunT(t)
+	c := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	t.Cleanup(func() { _ = c.Close() })
+	setTime := func(us int64) {
+		mr.SetTime(time.UnixMicro(us))
+	}
+	setTime(t0)
+	return NewRedisStore(c), mr, setTime
+}
+
+// newClockedMemoryStore returns a MemoryStore whose clock is *now.
+func newClockedMemoryStore(now *int64) *MemoryStore {
+	m := NewMemoryStore()
+	m.fakeNow = func() int64 { return *now }
+	return m
+}
+
+// runAgreement feeds the same steps to the Lua script (on miniredis, whose
+// TIME the test sets), to MemoryStore (whose clock the test sets) and to
+// the pure TokenBucket, and demands identical answers and identical state.
+func runAgreement(t *testing.T, steps []agreementOp) {
+	t.Helper()
+	ctx := context.Background()
+	rs, mr, setTime := newMiniredisStore(t)
+	now := t0
+	ms := newClockedMemoryStore(&now)
+	// MemoryStore forgets a bucket once it is full again, which no clock
+	// that only moves forward can tell from keeping it; the steps here move
+	// the clock back too. Giving each key a shard of its own keeps inserting
+	// one key from sweeping another.
+	keys := keysInOwnShards(ms, steps)
+	pure := map[string]TokenBucket{} // by key and plan name
+	for i, s := range steps {
+		now += s.advance
+		setTime(now)
+		key := keys[s.key]
+		if s.reset {
+			require.NoError(t, rs.Reset(ctx, key, s.plans), "step %d", i)
+			require.NoError(t, ms.Reset(ctx, key, s.plans), "step %d", i)
+			for _, p := range s.plans {
+				delete(pure, key+"/"+p.Name)
+				assert.False(t, mr.Exists(rs.Key(key, p.Name)), "step %d plan %s: Reset leaves no bucket in Redis", i, p.Name)
+			}
+			continue
+		}
+		got, err := rs.Take(ctx, key, s.cost, s.plans)
+		require.NoError(t, err, "step %d", i)
+		want, err := ms.Take(ctx, key, s.cost, s.plans)
+		require.NoError(t, err, "step %d", i)
+		assert.Equal(t, want, got, "step %d: Lua and MemoryStore disagree", i)
+
+		buckets := make([]TokenBucket, len(s.plans))
+		for j, p := range s.plans {
+			b, ok := pure[key+"/"+p.Name]
+			if !ok {
+				b = fullBucket(p, now)
+			}
+			buckets[j] = b
+		}
+		stored := slices.Clone(buckets) // what a denial or a read leaves
+		allowed := takeAll(s.plans, buckets, now, s.cost)
+		if allowed && s.cost > 0 {
+			stored = buckets
+		}
+		assert.Equal(t, newResult(s.plans, stored, now, s.cost, allowed), got, "step %d: Lua and TokenBucket disagree", i)
+		if !allowed || s.cost == 0 {
+			continue // nothing is written
+		}
+		for j, p := range s.plans {
+			pure[key+"/"+p.Name] = buckets[j]
+			rk := rs.Key(key, p.Name)
+			assert.Equal(t, strconv.FormatInt(buckets[j].Tokens, 10), mr.HGet(rk, "t"), "step %d plan %s: tokens", i, p.Name)
+			assert.Equal(t, strconv.FormatInt(buckets[j].Stamp, 10), mr.HGet(rk, "ts"), "step %d plan %s: stamp", i, p.Name)
+		}
+	}
+}
+
+// keysInOwnShards names the keys the steps use, each in a shard of m's
+// own.
+func keysInOwnShards(m *MemoryStore, steps []agreementOp) []string {
+	n := 1
+	for _, s := range steps {
+		n = max(n, s.key+1)
+	}
+	taken := map[*memShard]bool{}
+	var keys []string
+	for i := 0; len(keys) < n; i++ {
+		if k := fmt.Sprint("user-", i); !taken[m.shard(k)] {
+			taken[m.shard(k)] = true
+			keys = append(keys, k)
+		}
+	}
+	return keys
+}
+
+// randomSteps returns n random steps on agreementPlans: chains of one to
+// three plans, costs from 0 to 4 or, one time in eight, the smallest
+// capacity asked. With keys > 1 and resets, steps spread over that many
+// keys and one in fifteen is a Reset; with backwards, one in five steps the
+// clock back by up to 5 s.
+func randomSteps(rng *rand.Rand, n, keys int, resets, backwards bool) []agreementOp {
+	steps := make([]agreementOp, n)
+	for i := range steps {
+		var plans []Plan
+		for _, j := range rng.Perm(len(agreementPlans))[:1+rng.IntN(3)] {
+			plans = append(plans, agreementPlans[j])
+		}
+		limit := plans[0].Capacity
+		for _, p := range plans {
+			limit = min(limit, p.Capacity)
+		}
+		s := agreementOp{
+			agreementStep: agreementStep{
+				advance: []int64{0, 1, 999, rng.Int64N(1_000_000), rng.Int64N(60_000_000)}[rng.IntN(5)],
+				cost:    rng.Int64N(min(limit, 4) + 1),
+				plans:   plans,
+			},
+			key:   rng.IntN(keys),
+			reset: resets && rng.IntN(15) == 0,
+		}
+		if rng.IntN(8) == 0 {
+			s.cost = limit
+		}
+		if backwards && rng.IntN(5) == 0 {
+			s.advance = -[]int64{1, rng.Int64N(1_000_000), rng.Int64N(5_000_000)}[rng.IntN(3)]
+		}
+		steps[i] = s
+	}
+	return steps
+}
+
+func TestLuaAgreesWithGoTable(t *testing.T) {
+	whole, third, odd, daily := agreementPlans[0:1], agreementPlans[1:2], agreementPlans[2:3], agreementPlans[3:4]
+	chain := []Plan{agreementPlans[0], agreementPlans[3]}
+	tests := []struct {
+		name  string
+		steps []agreementStep
+	}{
+		{"burst, deny, refill", []agreementStep{
+			{0, 1, whole}, {0, 4, whole}, {0, 1, whole}, {499_999, 1, whole}, {1, 1, whole},
+		}},
+		{"fractional rate carries", []agreementStep{
+			{0, 3, third}, {1, 1, third}, {2_999_999, 1, third}, {1, 1, third}, {1_500_000, 0, third},
+		}},
+		{"odd rate, uneven steps", []agreementStep{
+			{0, 17, odd}, {1, 1, odd}, {128_700, 1, odd}, {3, 1, odd}, {777, 2, odd}, {1_000_000, 5, odd},
+		}},
+		{"slow plan polled every ms", []agreementStep{
+			{0, 1000, daily}, {1000, 1, daily}, {1000, 1, daily}, {86_400_000, 1, daily}, {1000, 0, daily},
+		}},
+		{"chain is all or nothing", []agreementStep{
+			{0, 5, whole}, {0, 995, daily}, {1_000_000, 2, chain}, {0, 3, chain}, {100_000_000, 5, chain},
+		}},
+		{"clock steps back", []agreementStep{
+			{0, 5, whole}, {-2_000_000, 1, whole}, {2_600_000, 1, whole},
+		}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) { runAgreement(t, onOneKey(tt.steps)) })
+	}
+}
+
+func TestLuaAgreesWithGoRandom(t *testing.T) {
+	for seed := uint64(1); seed <= 4; seed++ {
+		t.Run(fmt.Sprint("seed", seed), func(t *testing.T) {
+			runAgreement(t, randomSteps(rand.New(rand.NewPCG(seed, 42)), 300, 1, false, false))
+		})
+	}
+}
+
+// TestStoresAgreeOnRandomOperations is the property test of the three
+// implementations of the bucket: random sequences of takes of every cost
+// (0 is what Peek does), chains, Resets, on several keys, with the clock
+// jumping forwards and back, must give identical answers and state from the
+// pure TokenBucket, the MemoryStore and the script on miniredis.
+func TestStoresAgreeOnRandomOperations(t *testing.T) {
+	for seed := uint64(1); seed <= 8; seed++ {
+		t.Run(fmt.Sprint("seed", seed), func(t *testing.T) {
+			runAgreement(t, randomSteps(rand.New(rand.NewPCG(seed, 7)), 400, 4, true, true))
+		})
+	}
+}
+
+// TestLuaAgreesWithGoOnRealRedis plants bucket states in a real Redis and
+// checks the script's answer against takeAll at the time the script read.
+func TestLuaAgreesWithGoOnRealRedis(t *testing.T) {
+	c := redis.NewClient(&redis.Options{Addr: redistest.Addr(t)})
+	t.Cleanup(func() { _ = c.Close() })
+	ctx := context.Background()
+	s := NewRedisStore(c, WithKeyPrefix(testPrefix(t)))
+	rng := rand.New(rand.NewPCG(7, 7))
+	for i := 0; i < 500; i++ {
+		p := agreementPlans[rng.IntN(len(agreementPlans))]
+		key := s.Key("user", p.Name)
+		nowApprox := time.Now().UnixMicro()
+		planted := TokenBucket{
+			Tokens: rng.Int64N(p.Capacity*microTokens + 1),
+			Stamp:  nowApprox - rng.Int64N(int64(float64(p.Capacity)/p.Rate*1e6)+1),
+		}
+		require.NoError(t, c.HSet(ctx, key, "t", planted.Tokens, "ts", planted.Stamp, "v", 1).Err())
+		cost := rng.Int64N(min(p.Capacity, 5) + 1)
+		keys := []string{key}
+		args := []any{cost, p.Capacity, strconv.FormatFloat(p.Rate, 'g', -1, 64)}
+		reply, err := c.Eval(ctx, tokenBucketLua, keys, args...).Result()
+		require.NoError(t, err)
+		allowed, now, got, err := parseReply(nil, reply, []Plan{p})
+		require.NoError(t, err)
+		want := []TokenBucket{planted}
+		wantAllowed := takeAll([]Plan{p}, want, now, cost)
+		assert.Equal(t, wantAllowed, allowed, "case %d", i)
+		written := planted // denials and reads write nothing
+		if allowed && cost > 0 {
+			written = want[0]
+		}
+		assert.Equal(t, []TokenBucket{written}, got, "case %d: planted %+v, cost %d, plan %+v", i, planted, cost, p)
+		stored, err := c.HMGet(ctx, key, "t", "ts").Result()
+		require.NoError(t, err)
+		if stored[0] == nil && allowed && cost > 0 {
+			// The key expired before it was read back (a slow machine and
+			// a fast plan): that may only happen once it is full again.
+			serverNow, err := c.Time(ctx).Result()
+			require.NoError(t, err)
+			assert.GreaterOrEqual(t, serverNow.UnixMicro(), written.FullAt(p, now),
+				"case %d: the bucket expired before it was full", i)
+			continue
+		}
+		assert.Equal(t, []any{strconv.FormatInt(written.Tokens, 10), strconv.FormatInt(written.Stamp, 10)}, stored,
+			"case %d: the stored state is digit for digit the Go state", i)
+		require.NoError(t, c.Del(ctx, key).Err())
+	}
+}
+
+// testPrefix returns a key prefix of its own for a test on a shared Redis.
+func testPrefix(t testing.TB) string {
+	return fmt.Sprintf("tollgate-test-%d-%x", time.Now().UnixNano(), rand.Uint32())
+}
+
+// These tests run on real Redis: TOLLGATE_REDIS_ADDR, or servers they start
+// themselves when redis-server is on PATH. Otherwise they skip, and the
+// miniredis tests cover the same code.
+
+// failFast is the go-redis configuration README recommends: a dead Redis
+// costs a decision at most about 100 ms, and the breaker does the rest.
+func failFast(addr string) *redis.Options {
+	return &redis.Options{
+		Addr:                  addr,
+		DialTimeout:           100 * time.Millisecond,
+		ReadTimeout:           100 * time.Millisecond,
+		WriteTimeout:          100 * time.Millisecond,
+		PoolTimeout:           100 * time.Millisecond,
+		DialerRetries:         1,  // go-redis dials 5 times, 100 ms apart, by default
+		MaxRetries:            -1, // no retries: the failure policy is the retry
+		ContextTimeoutEnabled: true,
+	}
+}
+
+func newRealClient(t *testing.T, opt *redis.Options) *redis.Client {
+	c := redis.NewClient(opt)
+	t.Cleanup(func() { _ = c.Close() })
+	return c
+}
+
+// redisTime reads Redis TIME in µs, the clock the script decides by.
+func redisTime(t *testing.T, c redis.UniversalClient) int64 {
+	tm, err := c.Time(context.Background()).Result()
+	require.NoError(t, err)
+	return tm.UnixMicro()
+}
+
+// hammer runs workers goroutines that call decide until stop is closed,
+// and counts what they saw.
+type tally struct {
+	allowed, denied, errs, fallback atomic.Int64
+	firstErr                        atomic.Value
+}
+
+func (ta *tally) record(r Result, err error) {
+	switch {
+	case err != nil:
+		ta.errs.Add(1)
+		ta.firstErr.CompareAndSwap(nil, err.Error())
+	case r.Source != SourceStore:
+		ta.fallback.Add(1)
+	case r.Allowed:
+		ta.allowed.Add(1)
+	default:
+		ta.denied.Add(1)
+	}
+}
+
+// TestMultiInstanceExactOnRealRedis runs several Limiters, each with its own
+// client, from many goroutines on one key for half a second, and checks the
+// admitted count against capacity + rate × elapsed, elapsed read from Redis
+// TIME: never above, and close below, with the denial cache off (every
+// decision reaches Redis) and on (most are answered locally).
+func TestMultiInstanceExactOnRealRedis(t *testing.T) {
+	addr := redistest.Addr(t)
+	for _, tc := range []struct {
+		name  string
+		cache int
+	}{{"store", 0}, {"denial-cache", defaultDenialCacheKeys}} {
+		t.Run(tc.name, func(t *testing.T) {
+			prefix := testPrefix(t)
+			plans := []Plan{{Name: "p", Capacity: 20, Rate: 400}}
+			var limiters []*Limiter
+			for i := 0; i < 4; i++ {
+				l, err := New(NewRedisStore(newRealClient(t, &redis.Options{Addr: addr}), WithKeyPrefix(prefix)), plans,
+					WithFailurePolicy(FailClosed), WithLogger(nil), WithDenialCache(tc.cache))
+				require.NoError(t, err)
+				limiters = append(limiters, l)
+			}
+			probe := newRealClient(t, &redis.Options{Addr: addr})
+			var ta tally
+			start := redisTime(t, probe)
+			deadline := time.Now().Add(500 * time.Millisecond)
+			var wg sync.WaitGroup
+			for _, l := range limiters {
+				for g := 0; g < 8; g++ {
+					wg.Go(func() {
+						for time.Now().Before(deadline) {
+							ta.record(l.Allow(context.Background(), "shared"))
+						}
+					})
+				}
+			}
+			wg.Wait()
+			end := redisTime(t, probe)
+			require.Zero(t, ta.errs.Load(), "first error: %v", ta.firstErr.Load())
+			bound := float64(plans[0].Capacity) + plans[0].Rate*float64(end-start)/1e6
+			admitted := float64(ta.allowed.Load())
+			t.Logf("admitted %d of %d decisions in %.3f s; bound %.1f", ta.allowed.Load(), ta.allowed.Load()+ta.denied.Load(), float64(end-start)/1e6, bound)
+			assert.LessOrEqual(t, admitted, bound, "over-admission")
+			assert.Greater(t, admitted, 0.8*bound, "refills must be admitted, not lost")
+			assert.Positive(t, ta.denied.Load(), "the test must push past the limit")
+		})
+	}
+}
+
+// TestPollingRefillOnRealRedis polls every millisecond a bucket that
+// refills 2 tokens a second, and demands 2 admissions a second.
+func TestPollingRefillOnRealRedis(t *testing.T) {
+	c := newRealClient(t, &redis.Options{Addr: redistest.Addr(t)})
+	s := NewRedisStore(c, WithKeyPrefix(testPrefix(t)))
+	// Capacity 2 holds a second of refill, so a loaded machine's pause in
+	// polling loses no token; a floored refill would still admit nothing.
+	p := []Plan{{Name: "p", Capacity: 2, Rate: 2}}
+	ctx := context.Background()
+	r, err := s.Take(ctx, "poll", 2, p) // empty the bucket
+	require.NoError(t, err)
+	require.True(t, r.Allowed)
+	start := redisTime(t, c)
+	admitted := 0
+	for time.Since(time.UnixMicro(start)) < 2100*time.Millisecond {
+		r, err := s.Take(ctx, "poll", 1, p)
+		require.NoError(t, err)
+		if r.Allowed {
+			admitted++
+		}
+		time.Sleep(time.Millisecond)
+	}
+	elapsed := float64(redisTime(t, c)-start) / 1e6
+	t.Logf("%d admitted in %.3f s of polling", admitted, elapsed)
+	assert.InDelta(t, 2*elapsed, float64(admitted), 1.0)
+}
+
+// loadUntilStopped runs workers goroutines, each calling decide(g, i) with
+// its number g and a count i, until the returned stop is called; stop waits
+// for them to return.
+func loadUntilStopped(workers int, decide func(g, i int)) (stop func()) {
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	for g := 0; g < workers; g++ {
+		wg.Go(func() {
+			for i := 0; ; i++ {
+				select {
+				case <-done:
+					return
+				default:
+				}
+				decide(g, i)
+			}
+		})
+	}
+	return func() {
+		close(done)
+		wg.Wait()
+	}
+}
+
+// ownServer returns a redis-server of the test's own, which it may flush,
+// kill and restart, or skips the test.
+func ownServer(t *testing.T) *redistest.Server {
+	redistest.SkipIfUnavailable(t)
+	return redistest.StartServer(t)
+}
+
+// TestNoscriptUnderLoad flushes the script cache over and over while many
+// goroutines decide, through a plain client and through go-redis's
+// auto-pipeliner, where NOSCRIPT arrives inside a pipeline. Under
+// FailClosed any store failure would surface as an error, so none may.
+func TestNoscriptUnderLoad(t *testing.T) {
+	srv := ownServer(t)
+	for _, tc := range []struct {
+		name   string
+		client func(c *redis.Client) redis.UniversalClient
+	}{
+		{"client", func(c *redis.Client) redis.UniversalClient { return c }},
+		{"autopipeline", func(c *redis.Client) redis.UniversalClient {
+			ap, err := c.AutoPipeline()
+			require.NoError(t, err)
+			return ap
+		}},
+		{"autopipeline-full-duplex", func(c *redis.Client) redis.UniversalClient {
+			ap, err := c.AutoPipelineWithOptions(&redis.AutoPipelineOptions{FullDuplex: true})
+			require.NoError(t, err)
+			return ap
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			store := NewRedisStore(tc.client(newRealClient(t, &redis.Options{Addr: srv.Addr()})))
+			// No denial cache: every decision must meet the flushed cache.
+			l, err := New(store, testPlans, WithFailurePolicy(FailClosed), WithLogger(nil), WithDenialCache(0))
+			require.NoError(t, err)
+			admin := newRealClient(t, &redis.Options{Addr: srv.Addr()})
+			var ta tally
+			stop := loadUntilStopped(16, func(g, i int) {
+				ta.record(l.Allow(context.Background(), fmt.Sprint("user-", i%50), "gold", "daily"))
+			})
+			flushes := 0
+			for deadline := time.Now().Add(time.Second); time.Now().Before(deadline); flushes++ {
+				require.NoError(t, admin.ScriptFlush(context.Background()).Err())
+				time.Sleep(5 * time.Millisecond)
+			}
+			stop()
+			t.Logf("%d flushes, %d reloads, %d decisions", flushes, store.ScriptLoads(), ta.allowed.Load()+ta.denied.Load())
+			assert.Zero(t, ta.errs.Load(), "first error: %v", ta.firstErr.Load())
+			assert.Zero(t, ta.fallback.Load())
+			assert.GreaterOrEqual(t, store.ScriptLoads(), int64(flushes/2), "the flushes must have bitten")
+		})
+	}
+}
+
+// TestOutageFallbackRecovery kills the Redis under load, checks that
+// decisions go on from the fallback with no error, then restarts it and
+// checks that decisions return to Redis: through a plain client, and
+// through go-redis's auto-pipeliners, which README recommends under load.
+func TestOutageFallbackRecovery(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		opts *redis.AutoPipelineOptions // nil: a plain client
+	}{
+		{"client", nil},
+		{"autopipeline", redis.DefaultBlockingAutoPipelineOptions()},
+		{"autopipeline-full-duplex", &redis.AutoPipelineOptions{FullDuplex: true}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			srv := ownServer(t)
+			var client redis.UniversalClient = newRealClient(t, failFast(srv.Addr()))
+			if tc.opts != nil {
+				ap, err := client.(*redis.Client).AutoPipelineWithOptions(tc.opts)
+				require.NoError(t, err)
+				client = ap
+			}
+			testOutageFallbackRecovery(t, srv, client)
+		})
+	}
+}
+
+func testOutageFallbackRecovery(t *testing.T, srv *redistest.Server, client redis.UniversalClient) {
+	logs := &logCounter{}
+	// No denial cache: every decision must meet the outage.
+	l, err := New(NewRedisStore(client), testPlans, WithDenialCache(0),
+		WithLogger(slog.New(logs)), WithBreaker(breaker.Settings{Failures: 3, Cooldown: 200 * time.Millisecond}))
+	require.NoError(t, err)
+
+	var (
+		mu      sync.Mutex
+		sources = map[Source]int{}
+		errs    []error
+		slowest time.Duration
+		last    atomic.Int32 // the Source of the latest decision
+	)
+	stop := loadUntilStopped(4, func(g, i int) {
+		began := time.Now()
+		r, err := l.Allow(context.Background(), fmt.Sprint("user-", g, "-", i%10), "gold")
+		took := time.Since(began)
+		mu.Lock()
+		if err != nil {
+			errs = append(errs, err)
+		} else {
+			sources[r.Source]++
+			last.Store(int32(r.Source))
+		}
+		slowest = max(slowest, took)
+		mu.Unlock()
+		time.Sleep(time.Millisecond)
+	})
+	waitFor := func(src Source, within time.Duration) time.Duration {
+		began := time.Now()
+		for time.Since(began) < within {
+			if Source(last.Load()) == src {
+				return time.Since(began)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+		t.Fatalf("decisions did not move to %s within %s", src, within)
+		return 0
+	}
+	time.Sleep(100 * time.Millisecond)
+	srv.Kill()
+	toFallback := waitFor(SourceFallback, 2*time.Second)
+	time.Sleep(300 * time.Millisecond)
+	srv.Restart()
+	toStore := waitFor(SourceStore, 3*time.Second)
+	time.Sleep(50 * time.Millisecond)
+	stop()
+
+	t.Logf("to fallback in %s, back to Redis in %s after restart; slowest decision %s; sources %v", toFallback, toStore, slowest, sources)
+	assert.Empty(t, errs, "no error may reach the caller under Fallback")
+	assert.Greater(t, sources[SourceFallback], 100, "decisions go on at full speed during the outage")
+	assert.Less(t, toStore, 1500*time.Millisecond, "back to Redis within about a second")
+	// One line per outage and one per recovery; a starved machine may see
+	// a second, short outage after the restart.
+	require.NotEmpty(t, logs.levels)
+	require.Zero(t, len(logs.levels)%2, "every outage logged its recovery: %v", logs.levels)
+	for i, level := range logs.levels {
+		want := slog.LevelWarn
+		if i%2 == 1 {
+			want = slog.LevelInfo
+		}
+		assert.Equal(t, want, level, "outage and recovery lines alternate: %v", logs.levels)
+	}
+}
+
+// TestTopologies runs the same chained decisions through every go-redis
+// client kind.
+func TestTopologies(t *testing.T) {
+	redistest.SkipIfUnavailable(t)
+	check := func(t *testing.T, c redis.UniversalClient) {
+		l, err := New(NewRedisStore(c, WithKeyPrefix(testPrefix(t))), testPlans, WithFailurePolicy(FailClosed), WithLogger(nil))
+		require.NoError(t, err)
+		for _, key := range []string{"a", "b}", "c{x}"} {
+			for want := int64(3); want >= 0; want-- {
+				r, err := l.Allow(context.Background(), key, "gold", "daily")
+				require.NoError(t, err)
+				require.True(t, r.Allowed)
+				assert.Equal(t, want, r.Remaining)
+			}
+			r, err := l.Allow(context.Background(), key, "gold", "daily")
+			require.NoError(t, err)
+			assert.False(t, r.Allowed)
+			// One token at 2/s: at most 500 ms, less the time since the drain.
+			assert.LessOrEqual(t, r.RetryAfter, 500*time.Millisecond)
+			assert.Greater(t, r.RetryAfter, 250*time.Millisecond)
+		}
+	}
+	t.Run("client", func(t *testing.T) {
+		check(t, newRealClient(t, &redis.Options{Addr: redistest.StartServer(t).Addr()}))
+	})
+	t.Run("ring", func(t *testing.T) {
+		ring := redis.NewRing(&redis.RingOptions{Addrs: map[string]string{
+			"a": redistest.StartServer(t).Addr(), "b": redistest.StartServer(t).Addr(),
+		}})
+		t.Cleanup(func() { _ = ring.Close() })
+		check(t, ring)
+	})
+	t.Run("sentinel", func(t *testing.T) {
+		check(t, redistest.StartSentinel(t).Client(t, nil))
+	})
+	t.Run("cluster", func(t *testing.T) {
+		check(t, redistest.StartCluster(t, 3, 0).Client(t, nil))
+	})
+}
+
+// TestRealRedisForeignType checks the WRONGTYPE path on real Redis, whose
+// pcall error shape miniredis only imitates.
+func TestRealRedisForeignType(t *testing.T) {
+	c := newRealClient(t, &redis.Options{Addr: redistest.Addr(t)})
+	s := NewRedisStore(c, WithKeyPrefix(testPrefix(t)))
+	ctx := context.Background()
+	key := s.Key("k", "gold")
+	require.NoError(t, c.SAdd(ctx, key, "member").Err())
+	t.Cleanup(func() { c.Del(ctx, key) })
+	r, err := s.Take(ctx, "k", 1, []Plan{gold})
+	require.NoError(t, err)
+	assert.True(t, r.Allowed)
+	typ, err := c.Type(ctx, key).Result()
+	require.NoError(t, err)
+	assert.Equal(t, "hash", typ)
+	ttl, err := c.PTTL(ctx, key).Result()
+	require.NoError(t, err)
+	assert.InDelta(t, float64(500*time.Millisecond), float64(ttl), float64(5*time.Millisecond))
 }

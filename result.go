@@ -15,9 +15,15 @@ const (
 	// SourceFailOpen means the store was failing, and the request was
 	// allowed without any bucket (the FailOpen policy).
 	SourceFailOpen
+	// SourceCache means the Limiter's denial cache answered with a denial
+	// the store gave earlier, without asking the store (see
+	// WithDenialCache).
+	SourceCache
+
+	numSources = iota // the number of Sources
 )
 
-// String returns "store", "fallback" or "fail-open".
+// String returns "store", "fallback", "fail-open" or "cache".
 func (s Source) String() string {
 	switch s {
 	case SourceStore:
@@ -26,6 +32,8 @@ func (s Source) String() string {
 		return "fallback"
 	case SourceFailOpen:
 		return "fail-open"
+	case SourceCache:
+		return "cache"
 	}
 	return "unknown"
 }
@@ -54,8 +62,8 @@ type Result struct {
 	// Allowed reports whether the tokens were taken. A read (cost 0) is
 	// always allowed.
 	Allowed bool
-	// Source tells who decided: SourceStore, or, while the store fails,
-	// SourceFallback or SourceFailOpen.
+	// Source tells who decided: SourceStore, SourceCache for a remembered
+	// denial, or, while the store fails, SourceFallback or SourceFailOpen.
 	Source Source
 	// Remaining is the number of whole tokens left in the binding plan's
 	// bucket, for example 19.
@@ -139,7 +147,7 @@ func bucketState(p Plan, b TokenBucket, now, cost int64, allowed bool) (remainin
 func failOpenResult(plans []Plan) Result {
 	buckets := make([]TokenBucket, len(plans))
 	for i, p := range plans {
-		buckets[i] = FullBucket(p, 0)
+		buckets[i] = fullBucket(p, 0)
 	}
 	r := newResult(plans, buckets, 0, 0, true)
 	r.Source = SourceFailOpen

@@ -19,40 +19,10 @@ type Store interface {
 	Reset(ctx context.Context, key string, plans []Plan) error
 }
 
-// checkedTaker is implemented by the stores of this package: take is Take
-// without the checks, for requests a Limiter has already checked.
-type checkedTaker interface {
-	take(ctx context.Context, key string, cost int64, plans []Plan) (Result, error)
-}
-
-// storeTaker lets a Limiter call any Store through checkedTaker.
-type storeTaker struct{ Store }
-
-func (s storeTaker) take(ctx context.Context, key string, cost int64, plans []Plan) (Result, error) {
-	return s.Take(ctx, key, cost, plans)
-}
-
-// takerOf returns s itself for the stores of this package, which skip
-// their checks, and s wrapped otherwise.
-func takerOf(s Store) checkedTaker {
-	if c, ok := s.(checkedTaker); ok {
-		return c
-	}
-	return storeTaker{s}
-}
-
-// takeInto has t take, with the Result in *r. A MemoryStore builds it in
-// place, without the interface: a pointer passed through an interface
-// escapes to the heap, and copying the Result up the call chain cost a
-// fifth of a memory decision.
-func takeInto(ctx context.Context, r *Result, t checkedTaker, key string, cost int64, plans []Plan) (err error) {
-	if m, ok := t.(*MemoryStore); ok {
-		m.takeInto(r, key, cost, plans)
-		return nil
-	}
-	*r, err = t.take(ctx, key, cost, plans)
-	return err
-}
+var (
+	_ Store = (*MemoryStore)(nil)
+	_ Store = (*RedisStore)(nil)
+)
 
 // checkKey rejects keys no store accepts. The key itself never appears in
 // the error: it may be personal data. It is small enough to inline; the

@@ -17,6 +17,10 @@ import (
 // schemaVersion is the bucket hash's v field that the script writes.
 const schemaVersion = "1"
 
+// microTokens is the number of micro-tokens in a token: buckets count in
+// them (docs/adr/0001-token-representation.md).
+const microTokens = 1_000_000
+
 // inspect prints, for each plan, the bucket of key as Redis holds it. It
 // only reads (TIME, TYPE, PTTL, HGETALL), never runs the script, so it
 // changes nothing: the stored tokens are as of the refill stamp, before
@@ -62,7 +66,7 @@ func inspect(ctx context.Context, w io.Writer, c redis.UniversalClient, prefix, 
 func printBucket(w io.Writer, h map[string]string, ttl time.Duration, nowMicro int64) {
 	foreign := h["v"] != schemaVersion
 	if t, err := strconv.ParseInt(h["t"], 10, 64); err == nil && t >= 0 {
-		fmt.Fprintf(w, "  tokens    %d.%06d (t = %d micro-tokens, as of the stamp)\n", t/tollgate.MicroTokens, t%tollgate.MicroTokens, t)
+		fmt.Fprintf(w, "  tokens    %d.%06d (t = %d micro-tokens, as of the stamp)\n", t/microTokens, t%microTokens, t)
 	} else {
 		foreign = true
 		fmt.Fprintf(w, "  tokens    unreadable (t = %s)\n", quoteField(h, "t"))

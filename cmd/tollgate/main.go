@@ -196,7 +196,7 @@ func checkBucketArgs(prefix, key string, plans []string) error {
 func runBucketCommand(ctx context.Context, cmd string, args []string, stdout, stderr io.Writer, getenv func(string) string) error {
 	fs := newFlagSet(cmd, "tollgate "+cmd+" [-redis URL] [-prefix P] KEY PLAN...", stderr)
 	redisURL := fs.String("redis", "", "Redis `URL` (default $REDIS_URL, else "+defaultRedisURL+")")
-	prefix := fs.String("prefix", tollgate.DefaultKeyPrefix, "key `prefix` of the buckets, as given to WithKeyPrefix")
+	prefix := fs.String("prefix", "tollgate", "key `prefix` of the buckets, as given to WithKeyPrefix")
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}

@@ -69,7 +69,7 @@ func TestUsageAndExitCodes(t *testing.T) {
 		{name: "empty key", args: []string{"reset", "", "gold"}, code: exitUsage, stderr: "KEY is empty"},
 		{name: "long key", args: []string{"inspect", strings.Repeat("k", tollgate.MaxKeyLen+1), "gold"}, code: exitUsage, stderr: "KEY is 1025 bytes, longer than 1024", notInPrint: "kkkk"},
 		{name: "bad plan name", args: []string{"inspect", "alice", "bad plan"}, code: exitUsage, stderr: `tollgate: invalid plan: name "bad plan"`},
-		{name: "plan twice", args: []string{"reset", "alice", "gold", "gold"}, code: exitUsage, stderr: `name "gold" appears twice`},
+		{name: "plan twice", args: []string{"reset", "alice", "gold", "gold"}, code: exitUsage, stderr: `plan name "gold" is given twice`},
 		{name: "flag after KEY", args: []string{"reset", "alice", "-prefix", "staging", "gold"}, code: exitUsage, stderr: `flag-like argument "-prefix" after KEY: flags go before KEY`},
 		{name: "bad URL hides password", args: []string{"inspect", "-redis", "redis://u:secret@[::1", "alice", "gold"}, code: exitUsage, stderr: "bad Redis URL: missing ']' in host", notInPrint: "secret"},
 		{name: "bad scheme", args: []string{"inspect", "-redis", "http://localhost", "alice", "gold"}, code: exitUsage, stderr: "bad Redis URL"},
@@ -280,7 +280,7 @@ func TestBenchCountsErrors(t *testing.T) {
 	mr.SetError("ERR injected failure")
 	require.NoError(t, <-done, "decisions succeeded before the failure")
 	// miniredis fails the script's own redis.call too, so the text varies.
-	assert.Regexp(t, `errors +[1-9]\d*\nfirst error: tollgate: store unavailable: .*ERR injected failure`, out.String())
+	assert.Regexp(t, `errors +[1-9]\d*\nfirst error: tollgate: store unavailable: redis answered ERR`, out.String())
 	assert.Contains(t, errOut.String(), `level=WARN msg="tollgate: store failing; deciding by failure policy until it recovers" policy=fail-closed`)
 	assert.Contains(t, errOut.String(), "tollgate: cleanup: ERR injected failure; the bench's buckets expire by TTL within 5s")
 	assert.NotContains(t, out.String()+errOut.String(), "key-")

@@ -1,0 +1,278 @@
+package tollgate
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"time"
+)
+
+// decide makes one decision into *r. It is a pipeline of steps, each
+// readable alone: validate the request, answer a remembered denial from the
+// cache, ask the store behind its breaker and failure policy, and record
+// the decision. Allow, AllowN and Peek pass the Result they return, so it
+// is built in place rather than copied up the steps.
+func (l *Limiter) decide(ctx context.Context, r *Result, key string, cost, minCost int64, names []string) error {
+	plans, entry, err := l.validate(ctx, key, cost, minCost, names)
+	if err != nil {
+		return err
+	}
+	cache := l.denials != nil && cost > 0
+	var pk string   // the denial cache's name for plans
+	var asked int64 // when the store was asked, on the denial cache's clock
+	if cache {
+		pk, asked = planKey(names), l.denials.Now()
+		if l.cached(r, key, pk, cost, asked) {
+			l.record(ctx, r, cost, entry)
+			return nil
+		}
+	}
+	if err := l.ask(ctx, r, key, cost, plans); err != nil {
+		return err
+	}
+	if cache {
+		l.remember(key, pk, cost, r, asked)
+	}
+	l.record(ctx, r, cost, entry)
+	return nil
+}
+
+// validate checks a request and returns its plans, and the plan's entry
+// when there is one plan. A context that has ended is an error before
+// anything is consumed, whichever the store.
+func (l *Limiter) validate(ctx context.Context, key string, cost, minCost int64, names []string) (plans []Plan, entry *planEntry, err error) {
+	entry = l.defaults
+	plans = entry.one
+	if len(names) > 0 {
+		if plans, entry, err = l.resolve(names); err != nil {
+			return nil, nil, err
+		}
+	}
+	if err := checkKey(key); err != nil {
+		return nil, nil, err
+	}
+	if err := checkCost(cost, minCost, plans); err != nil {
+		return nil, nil, err
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, nil, err
+	}
+	return plans, entry, nil
+}
+
+// resolve maps plan names to plans, and returns the entry of a single plan.
+func (l *Limiter) resolve(names []string) ([]Plan, *planEntry, error) {
+	if len(names) == 1 {
+		if e, ok := l.byName[names[0]]; ok {
+			return e.one, e, nil
+		}
+		return nil, nil, fmt.Errorf("%w: %q", ErrUnknownPlan, names[0])
+	}
+	plans := make([]Plan, len(names))
+	for i, name := range names {
+		e, ok := l.byName[name]
+		if !ok {
+			return nil, nil, fmt.Errorf("%w: %q", ErrUnknownPlan, name)
+		}
+		for _, q := range plans[:i] {
+			if q.Name == name {
+				return nil, nil, fmt.Errorf("%w: plan %q is named twice in one call", ErrInvalidPlan, name)
+			}
+		}
+		plans[i] = e.one[0]
+	}
+	return plans, nil, nil
+}
+
+// planKey names the plans of a request for the denial cache. One name, the
+// common case, costs nothing; no names, the default plan, is "", which no
+// plan is called.
+func planKey(names []string) string {
+	if len(names) == 1 {
+		return names[0]
+	}
+	return strings.Join(names, ",") // a comma is in no plan name
+}
+
+// cached answers the request from a remembered denial, as of now, and
+// reports whether there was one.
+func (l *Limiter) cached(r *Result, key, pk string, cost, now int64) bool {
+	res, at, until, ok := l.denials.Get(key, pk, cost, now)
+	if !ok {
+		return false
+	}
+	elapsed := time.Duration(now - at)
+	res.Source = SourceCache
+	res.RetryAfter = time.Duration(until - now)
+	res.ResetAfter = max(0, res.ResetAfter-elapsed)
+	if res.Plans != nil {
+		plans := make([]PlanResult, len(res.Plans)) // the caller owns its Result
+		for i, pr := range res.Plans {
+			pr.RetryAfter = max(0, pr.RetryAfter-elapsed)
+			pr.ResetAfter = max(0, pr.ResetAfter-elapsed)
+			plans[i] = pr
+		}
+		res.Plans = plans
+	}
+	*r = res
+	return true
+}
+
+// remember keeps a denial the store gave to a request sent at asked. The
+// store read its clock after asked, so counting RetryAfter from asked ends
+// the denial no later than the store would: the round trip must not delay
+// admissions.
+func (l *Limiter) remember(key, pk string, cost int64, r *Result, asked int64) {
+	if r.Allowed || r.Source != SourceStore || r.RetryAfter <= 0 {
+		return
+	}
+	res := *r
+	if res.Plans != nil {
+		res.Plans = append([]PlanResult(nil), res.Plans...) // the caller owns its Result
+	}
+	l.denials.Put(key, pk, cost, res, asked, asked+int64(r.RetryAfter))
+}
+
+// errBreakerOpen is the cause of ErrStoreUnavailable while the breaker
+// keeps calls from the store.
+var errBreakerOpen = errors.New("circuit breaker open")
+
+// ask has the store decide, behind the breaker. While the store fails, the
+// failure policy decides instead. A store that cannot fail has no breaker.
+func (l *Limiter) ask(ctx context.Context, r *Result, key string, cost int64, plans []Plan) error {
+	if l.breaker == nil {
+		return take(ctx, r, l.store, key, cost, plans)
+	}
+	ok, probe := l.breaker.Allow()
+	if !ok {
+		return l.degrade(ctx, r, key, cost, plans, errBreakerOpen)
+	}
+	if probe {
+		// A probe that ends in a panic must not hold the breaker
+		// half-open for ever.
+		defer func() {
+			if p := recover(); p != nil {
+				l.breaker.Abandon()
+				panic(p)
+			}
+		}()
+	}
+	start := l.breaker.Now()
+	err := take(ctx, r, l.store, key, cost, plans)
+	elapsed := time.Duration(l.breaker.Now() - start)
+	if err == nil {
+		l.stats.storeCall(elapsed, nil)
+		l.breaker.Success()
+		l.recovered()
+		return nil
+	}
+	if cerr := callersFault(ctx, err); cerr != nil {
+		l.stats.storeCall(elapsed, nil)
+		if probe {
+			l.breaker.Abandon()
+		}
+		*r = Result{}
+		return cerr
+	}
+	l.stats.storeCall(elapsed, err)
+	l.breaker.Failure()
+	l.failing(err)
+	return l.degrade(ctx, r, key, cost, plans, err)
+}
+
+// take has s take, with the Result in *r. A MemoryStore builds it in place
+// and skips the checks the Limiter has made: through the Store interface a
+// pointer to the Result would escape to the heap, and the checks and
+// copies cost a seventh of a memory decision (BenchmarkLimiterAllow/memory).
+func take(ctx context.Context, r *Result, s Store, key string, cost int64, plans []Plan) (err error) {
+	if m, ok := s.(*MemoryStore); ok {
+		m.takeInto(r, key, cost, plans)
+		return nil
+	}
+	*r, err = s.Take(ctx, key, cost, plans)
+	return err
+}
+
+// deadlineSlack is how close to its deadline a caller may be for a failed
+// store call to count as the caller's: the store's client may time out at
+// the deadline a moment before the context's own timer marks it done.
+const deadlineSlack = time.Millisecond
+
+// callersFault returns the error to give the caller when a store call
+// failed through the caller's own doing, and nil when the store failed.
+// The caller's doing is bad input, a context that ended, or a deadline
+// that passed (or is within deadlineSlack): a call cut short by the
+// caller's deadline says nothing about the store, and must neither trip
+// the breaker nor fall back.
+func callersFault(ctx context.Context, err error) error {
+	if isCallerError(err) {
+		return err
+	}
+	if cerr := ctx.Err(); cerr != nil {
+		if errors.Is(err, cerr) {
+			return err
+		}
+		return cerr
+	}
+	if dl, ok := ctx.Deadline(); ok && time.Until(dl) <= deadlineSlack {
+		return context.DeadlineExceeded
+	}
+	return nil
+}
+
+// degrade decides by the failure policy, without the store, into *r.
+func (l *Limiter) degrade(ctx context.Context, r *Result, key string, cost int64, plans []Plan, cause error) error {
+	switch l.policy {
+	case FailOpen:
+		*r = failOpenResult(plans)
+		return nil
+	case FailClosed:
+		*r = Result{}
+		return fmt.Errorf("%w: %w", ErrStoreUnavailable, cause)
+	}
+	if err := take(ctx, r, l.fallback, key, cost, plans); err != nil {
+		*r = Result{}
+		return fmt.Errorf("%w: fallback store failed too: %w", ErrStoreUnavailable, err)
+	}
+	r.Source = SourceFallback
+	return nil
+}
+
+// failing logs the start of an outage, once.
+func (l *Limiter) failing(err error) {
+	if l.outageStart.Load() == 0 && l.outageStart.CompareAndSwap(0, time.Now().UnixNano()) {
+		l.log.Warn("tollgate: store failing; deciding by failure policy until it recovers",
+			"policy", l.policy.String(), "error", err)
+	}
+}
+
+// recovered logs the end of an outage, once.
+func (l *Limiter) recovered() {
+	if l.outageStart.Load() == 0 {
+		return
+	}
+	if start := l.outageStart.Swap(0); start != 0 {
+		l.log.Info("tollgate: store recovered", "outage", time.Duration(time.Now().UnixNano()-start))
+	}
+}
+
+// record counts a decision that took tokens, under its binding plan, and
+// logs it at debug level if the logger wants that. entry is the plan's
+// when one plan was asked, and nil for a chain.
+func (l *Limiter) record(ctx context.Context, r *Result, cost int64, entry *planEntry) {
+	if cost > 0 {
+		if entry == nil {
+			entry = l.byName[r.Plan] // nil if a foreign store named no plan of ours
+		}
+		if entry != nil {
+			l.stats.decision(entry.idx, r.Allowed, r.Source)
+		}
+	}
+	if l.debug {
+		l.log.LogAttrs(ctx, slog.LevelDebug, "tollgate: decision", slog.String("plan", r.Plan),
+			slog.Bool("allowed", r.Allowed), slog.Int64("remaining", r.Remaining),
+			slog.Duration("retry_after", r.RetryAfter), slog.String("source", r.Source.String()))
+	}
+}

@@ -1,0 +1,467 @@
+package tollgate
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"log/slog"
+	"net"
+	"os"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"github.com/tollgate-go/tollgate/breaker"
+)
+
+// flakyStore wraps a MemoryStore and fails while err is set.
+type flakyStore struct {
+	mu    sync.Mutex
+	err   error
+	calls int
+	inner *MemoryStore
+}
+
+func newFlakyStore() *flakyStore { return &flakyStore{inner: NewMemoryStore()} }
+
+// logCounter counts log records by level, from minLevel up.
+type logCounter struct {
+	minLevel slog.Level
+	mu       sync.Mutex
+	levels   []slog.Level
+	text     bytes.Buffer
+}
+
+func TestBadRequests(t *testing.T) {
+	ctx := context.Background()
+	const secret = "alice@example.com"
+	l := newTestLimiter(t, NewMemoryStore())
+	tests := []struct {
+		name  string
+		key   string
+		cost  int64
+		plans []string
+		want  error
+	}{
+		{"empty key", "", 1, nil, ErrInvalidKey},
+		{"key too long", secret + strings.Repeat("x", MaxKeyLen), 1, nil, ErrInvalidKey},
+		{"unknown plan", secret, 1, []string{"platinum"}, ErrUnknownPlan},
+		{"unknown plan in chain", secret, 1, []string{"gold", "platinum"}, ErrUnknownPlan},
+		{"plan named twice", secret, 1, []string{"gold", "gold"}, ErrInvalidPlan},
+		{"zero cost", secret, 0, nil, ErrInvalidCost},
+		{"negative cost", secret, -1, nil, ErrInvalidCost},
+		{"cost above capacity", secret, 5, []string{"gold"}, ErrInvalidCost},
+		{"cost above a chained capacity", secret, 5, []string{"daily", "gold"}, ErrInvalidCost},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := l.AllowN(ctx, tt.key, tt.cost, tt.plans...)
+			require.ErrorIs(t, err, tt.want)
+			assert.NotContains(t, err.Error(), secret, "keys stay out of error text")
+			assert.True(t, strings.HasPrefix(err.Error(), "tollgate: "), err.Error())
+		})
+	}
+	// The edges that are valid.
+	_, err := l.AllowN(ctx, strings.Repeat("k", MaxKeyLen), 4, "gold")
+	assert.NoError(t, err)
+	_, err = l.Peek(ctx, "x")
+	assert.NoError(t, err)
+	assert.ErrorIs(t, l.Reset(ctx, ""), ErrInvalidKey)
+	_, err = l.Wait(ctx, "", 1)
+	assert.ErrorIs(t, err, ErrInvalidKey)
+}
+
+func TestBadRequestsReachNoStoreEvenWhenOpen(t *testing.T) {
+	f := newFlakyStore()
+	f.fail(errors.New("down"))
+	l := newTestLimiter(t, f, WithFailurePolicy(FailOpen))
+	for i := 0; i < 5; i++ {
+		_, _ = l.Allow(context.Background(), "k")
+	}
+	_, err := l.Allow(context.Background(), "")
+	assert.ErrorIs(t, err, ErrInvalidKey, "FailOpen must not admit a bad key")
+}
+
+func TestFailurePolicies(t *testing.T) {
+	ctx := context.Background()
+	down := errors.New("connection refused")
+	t.Run("fallback", func(t *testing.T) {
+		f := newFlakyStore()
+		f.fail(down)
+		l := newTestLimiter(t, f)
+		for i := 0; i < 4; i++ {
+			r, err := l.Allow(ctx, "k", "gold")
+			require.NoError(t, err)
+			assert.True(t, r.Allowed)
+			assert.Equal(t, SourceFallback, r.Source)
+		}
+		r, err := l.Allow(ctx, "k", "gold")
+		require.NoError(t, err)
+		assert.False(t, r.Allowed, "the fallback enforces the plan")
+	})
+	t.Run("fail open", func(t *testing.T) {
+		f := newFlakyStore()
+		f.fail(down)
+		l := newTestLimiter(t, f, WithFailurePolicy(FailOpen))
+		for i := 0; i < 10; i++ {
+			r, err := l.Allow(ctx, "k", "gold", "daily")
+			require.NoError(t, err)
+			assert.True(t, r.Allowed)
+			assert.Equal(t, SourceFailOpen, r.Source)
+			assert.Len(t, r.Plans, 2)
+		}
+	})
+	t.Run("fail closed", func(t *testing.T) {
+		f := newFlakyStore()
+		f.fail(down)
+		l := newTestLimiter(t, f, WithFailurePolicy(FailClosed))
+		_, err := l.Allow(ctx, "k")
+		assert.ErrorIs(t, err, ErrStoreUnavailable)
+		assert.ErrorIs(t, err, down, "the cause is kept")
+	})
+}
+
+func TestBreakerSkipsDeadStoreAndProbes(t *testing.T) {
+	ctx := context.Background()
+	f := newFlakyStore()
+	f.fail(errors.New("down"))
+	l := newTestLimiter(t, f, WithBreaker(breaker.Settings{Failures: 3, Cooldown: 50 * time.Millisecond}))
+	for i := 0; i < 100; i++ {
+		_, err := l.Allow(ctx, "k")
+		require.NoError(t, err)
+	}
+	assert.Equal(t, 3, f.Calls(), "after 3 failures the store is not called")
+	assert.Equal(t, breaker.Open, l.breaker.State())
+
+	time.Sleep(60 * time.Millisecond)
+	_, err := l.Allow(ctx, "k")
+	require.NoError(t, err)
+	assert.Equal(t, 4, f.Calls(), "one probe after the cooldown")
+	assert.Equal(t, breaker.Open, l.breaker.State(), "a failed probe reopens")
+
+	f.fail(nil)
+	time.Sleep(60 * time.Millisecond)
+	r, err := l.Allow(ctx, "k")
+	require.NoError(t, err)
+	assert.Equal(t, SourceStore, r.Source)
+	assert.Equal(t, breaker.Closed, l.breaker.State())
+	_, err = l.Allow(ctx, "k")
+	require.NoError(t, err)
+	assert.Equal(t, 6, f.Calls())
+}
+
+func TestOutageLoggedOnce(t *testing.T) {
+	ctx := context.Background()
+	logs := &logCounter{}
+	f := newFlakyStore()
+	l, err := New(f, testPlans, WithLogger(slog.New(logs)), WithBreaker(breaker.Settings{Cooldown: time.Millisecond}))
+	require.NoError(t, err)
+	f.fail(errors.New("down"))
+	for i := 0; i < 200; i++ {
+		_, err := l.Allow(ctx, "k")
+		require.NoError(t, err)
+		if i%50 == 0 {
+			time.Sleep(2 * time.Millisecond) // let probes fail too
+		}
+	}
+	assert.Equal(t, []slog.Level{slog.LevelWarn}, logs.levels)
+	f.fail(nil)
+	time.Sleep(2 * time.Millisecond)
+	for i := 0; i < 10; i++ {
+		_, err := l.Allow(ctx, "k")
+		require.NoError(t, err)
+	}
+	assert.Equal(t, []slog.Level{slog.LevelWarn, slog.LevelInfo}, logs.levels)
+	assert.Contains(t, logs.text.String(), "recovered")
+}
+
+func TestCallerCancellationIsNotAnOutage(t *testing.T) {
+	for _, store := range []Store{newFlakyStore(), NewMemoryStore()} {
+		l := newTestLimiter(t, store)
+		ctx, cancel := context.WithCancel(context.Background())
+		cancel()
+		r, err := l.AllowN(ctx, "k", 4, "gold")
+		assert.ErrorIs(t, err, context.Canceled, "%T", store)
+		assert.Equal(t, Result{}, r)
+		r, err = l.Peek(context.Background(), "k", "gold")
+		require.NoError(t, err)
+		assert.Equal(t, int64(4), r.Remaining, "%T: nothing consumed", store)
+	}
+
+	// A store call that fails as the caller's context ends, or once its
+	// deadline has passed while the context's timer has yet to mark it
+	// done, is the caller's doing.
+	f := newFlakyStore()
+	logs := &logCounter{}
+	l, err := New(f, testPlans, WithLogger(slog.New(logs)), WithBreaker(breaker.Settings{Failures: 1}))
+	require.NoError(t, err)
+	timeout := &net.OpError{Op: "read", Err: os.ErrDeadlineExceeded}
+	f.fail(timeout)
+	for i := 0; i < 5; i++ {
+		ctx := pastDeadline{context.Background(), time.Now().Add(-time.Microsecond)}
+		r, err := l.Allow(ctx, "k")
+		assert.ErrorIs(t, err, context.DeadlineExceeded)
+		assert.Equal(t, Result{}, r, "no fallback decision")
+	}
+	assert.Equal(t, 5, f.Calls(), "the breaker stayed closed")
+	assert.Equal(t, 0, logs.count())
+	assert.Equal(t, breaker.Closed, l.breaker.State())
+	s := l.Stats()
+	assert.Empty(t, s.StoreErrors)
+	assert.Zero(t, s.Plans[0].Allowed[SourceFallback])
+
+	// The same error well before the deadline is the store's.
+	ctx, cancel := context.WithTimeout(context.Background(), time.Hour)
+	defer cancel()
+	r, err := l.Allow(ctx, "k")
+	require.NoError(t, err)
+	assert.Equal(t, SourceFallback, r.Source)
+	assert.Equal(t, breaker.Open, l.breaker.State())
+}
+
+// pastDeadline is a context whose deadline has passed while its Err is
+// still nil, as a context is for a moment before its timer fires.
+type pastDeadline struct {
+	context.Context
+	deadline time.Time
+}
+
+func (c pastDeadline) Deadline() (time.Time, bool) { return c.deadline, true }
+
+func TestDebugLogsDecisionsWithoutKey(t *testing.T) {
+	logs := &logCounter{minLevel: slog.LevelDebug}
+	l, err := New(NewMemoryStore(), testPlans, WithLogger(slog.New(logs)))
+	require.NoError(t, err)
+	_, err = l.Allow(context.Background(), "alice@example.com")
+	require.NoError(t, err)
+	assert.Equal(t, []slog.Level{slog.LevelDebug}, logs.levels)
+	assert.NotContains(t, logs.text.String(), "alice")
+}
+
+// panickyStore panics while armed.
+type panickyStore struct {
+	*flakyStore
+	armed atomic.Bool
+}
+
+func TestPanickingProbeReleasesTheBreaker(t *testing.T) {
+	ctx := context.Background()
+	s := &panickyStore{flakyStore: newFlakyStore()}
+	l := newTestLimiter(t, s, WithFailurePolicy(FailClosed), WithBreaker(breaker.Settings{Failures: 1, Cooldown: time.Millisecond}))
+	s.fail(errors.New("down"))
+	_, err := l.Allow(ctx, "k")
+	require.ErrorIs(t, err, ErrStoreUnavailable)
+	time.Sleep(2 * time.Millisecond)
+	s.armed.Store(true)
+	assert.Panics(t, func() { _, _ = l.Allow(ctx, "k") }, "the probe panics")
+	s.armed.Store(false)
+	s.fail(nil)
+	time.Sleep(2 * time.Millisecond)
+	_, err = l.Allow(ctx, "k")
+	assert.NoError(t, err, "the next call probes again and closes the breaker")
+	assert.Equal(t, breaker.Closed, l.breaker.State())
+}
+
+// countingStore counts the calls that reach a MemoryStore. Not being a
+// *MemoryStore itself, it gets the denial cache by default, like RedisStore.
+type countingStore struct {
+	inner *MemoryStore
+	calls atomic.Int64
+}
+
+func newCountingStore() *countingStore { return &countingStore{inner: NewMemoryStore()} }
+
+func (c *countingStore) Take(ctx context.Context, key string, cost int64, plans []Plan) (Result, error) {
+	c.calls.Add(1)
+	return c.inner.Take(ctx, key, cost, plans)
+}
+
+func (c *countingStore) Reset(ctx context.Context, key string, plans []Plan) error {
+	return c.inner.Reset(ctx, key, plans)
+}
+
+func TestDenialCacheSparesTheStore(t *testing.T) {
+	ctx := context.Background()
+	s := newCountingStore()
+	l := newTestLimiter(t, s)
+	_, err := l.AllowN(ctx, "hot", 4, "gold")
+	require.NoError(t, err)
+	var last time.Duration
+	for i := 0; i < 1000; i++ {
+		r, err := l.Allow(ctx, "hot", "gold")
+		require.NoError(t, err)
+		require.False(t, r.Allowed)
+		want := SourceCache // the store's first denial answers the rest
+		if i == 0 {
+			want = SourceStore
+		}
+		require.Equal(t, want, r.Source)
+		if i > 0 {
+			assert.LessOrEqual(t, r.RetryAfter, last, "RetryAfter counts down")
+		}
+		last = r.RetryAfter
+	}
+	assert.Equal(t, int64(2), s.calls.Load(), "one call to drain, one to learn the denial")
+
+	// A costlier request must get its own, longer wait from the store.
+	r0, err := l.AllowN(ctx, "hot", 3, "gold")
+	require.NoError(t, err)
+	assert.Greater(t, r0.RetryAfter, time.Second, "cost 3 waits 1.5 s, not cost 1's 0.5 s")
+
+	// A cheaper request may pass where the remembered one may not.
+	_, err = l.AllowN(ctx, "cheap", 4, "gold")
+	require.NoError(t, err)
+	time.Sleep(600 * time.Millisecond) // 1.2 tokens refill
+	r, err := l.AllowN(ctx, "cheap", 2, "gold")
+	require.NoError(t, err)
+	require.False(t, r.Allowed)
+	r, err = l.AllowN(ctx, "cheap", 1, "gold")
+	require.NoError(t, err)
+	assert.True(t, r.Allowed, "a remembered denial of cost 2 must not deny cost 1")
+
+	// Reset forgets.
+	require.NoError(t, l.Reset(ctx, "hot"))
+	r, err = l.Allow(ctx, "hot", "gold")
+	require.NoError(t, err)
+	assert.True(t, r.Allowed)
+}
+
+func TestDenialCacheEndsWhenTheRequestCouldPass(t *testing.T) {
+	ctx := context.Background()
+	s := newCountingStore()
+	l, err := New(s, []Plan{{Name: "fast", Capacity: 1, Rate: 50}}, WithLogger(nil))
+	require.NoError(t, err)
+	_, err = l.Allow(ctx, "k")
+	require.NoError(t, err)
+	r, err := l.Allow(ctx, "k")
+	require.NoError(t, err)
+	require.False(t, r.Allowed)
+	time.Sleep(r.RetryAfter)
+	r, err = l.Allow(ctx, "k")
+	require.NoError(t, err)
+	assert.True(t, r.Allowed, "the cache must let the request through once it could pass")
+}
+
+// TestDenialCacheHotKeyRoundTrips hammers one key whose traffic is almost
+// all denied, and counts the store calls per decision.
+func TestDenialCacheHotKeyRoundTrips(t *testing.T) {
+	ctx := context.Background()
+	s := newCountingStore()
+	// Capacity 25 holds half a second of refill, so a loaded machine's
+	// pause loses no token and the lower bound stays honest.
+	p := Plan{Name: "p", Capacity: 25, Rate: 50}
+	l, err := New(s, []Plan{p}, WithLogger(nil))
+	require.NoError(t, err)
+	var allowed, decisions atomic.Int64
+	var wg sync.WaitGroup
+	start := time.Now()
+	deadline := start.Add(500 * time.Millisecond)
+	for g := 0; g < 8; g++ {
+		wg.Go(func() {
+			for time.Now().Before(deadline) {
+				r, err := l.Allow(ctx, "attacked", "p")
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				decisions.Add(1)
+				if r.Allowed {
+					allowed.Add(1)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	bound := float64(p.Capacity) + p.Rate*time.Since(start).Seconds()
+	perDecision := float64(s.calls.Load()) / float64(decisions.Load())
+	t.Logf("%d decisions, %d allowed (bound %.1f), %d store calls: %.4f per decision", decisions.Load(), allowed.Load(), bound, s.calls.Load(), perDecision)
+	assert.Less(t, float64(allowed.Load())/float64(decisions.Load()), 0.01, "the test must be a denial flood")
+	assert.LessOrEqual(t, perDecision, 0.05)
+	assert.LessOrEqual(t, float64(allowed.Load()), bound, "no over-admission")
+	assert.GreaterOrEqual(t, float64(allowed.Load()), 0.8*bound, "the cache must not starve the key")
+}
+
+func TestDenialCacheOffForMemoryStore(t *testing.T) {
+	l := newTestLimiter(t, NewMemoryStore())
+	assert.Nil(t, l.denials)
+	l = newTestLimiter(t, NewMemoryStore(), WithDenialCache(10))
+	assert.NotNil(t, l.denials)
+	l = newTestLimiter(t, newCountingStore(), WithDenialCache(0))
+	assert.Nil(t, l.denials)
+}
+
+func TestDenialCacheOwnsItsResults(t *testing.T) {
+	ctx := context.Background()
+	l := newTestLimiter(t, newCountingStore())
+	_, err := l.AllowN(ctx, "k", 4, "gold", "daily")
+	require.NoError(t, err)
+	r1, err := l.Allow(ctx, "k", "gold", "daily")
+	require.NoError(t, err)
+	require.False(t, r1.Allowed)
+	r1.Plans[0].Plan = "scribbled"
+	r2, err := l.Allow(ctx, "k", "gold", "daily")
+	require.NoError(t, err)
+	assert.Equal(t, "gold", r2.Plans[0].Plan)
+	r2.Plans[0].Plan = "scribbled"
+	r3, err := l.Allow(ctx, "k", "gold", "daily")
+	require.NoError(t, err)
+	assert.Equal(t, "gold", r3.Plans[0].Plan)
+}
+
+func (f *flakyStore) fail(err error) {
+	f.mu.Lock()
+	f.err = err
+	f.mu.Unlock()
+}
+
+func (f *flakyStore) Calls() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.calls
+}
+
+func (f *flakyStore) Take(ctx context.Context, key string, cost int64, plans []Plan) (Result, error) {
+	f.mu.Lock()
+	f.calls++
+	err := f.err
+	f.mu.Unlock()
+	if err != nil {
+		return Result{}, err
+	}
+	return f.inner.Take(ctx, key, cost, plans)
+}
+
+func (f *flakyStore) Reset(ctx context.Context, key string, plans []Plan) error {
+	return f.inner.Reset(ctx, key, plans)
+}
+
+func (c *logCounter) Enabled(_ context.Context, l slog.Level) bool { return l >= c.minLevel }
+
+func (c *logCounter) WithAttrs([]slog.Attr) slog.Handler { return c }
+
+func (c *logCounter) WithGroup(string) slog.Handler { return c }
+
+func (c *logCounter) Handle(_ context.Context, r slog.Record) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.levels = append(c.levels, r.Level)
+	c.text.WriteString(r.Message + "\n")
+	return nil
+}
+
+func (c *logCounter) count() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return len(c.levels)
+}
+
+func (p *panickyStore) Take(ctx context.Context, key string, cost int64, plans []Plan) (Result, error) {
+	if p.armed.Load() {
+		panic("store bug")
+	}
+	return p.flakyStore.Take(ctx, key, cost, plans)
+}

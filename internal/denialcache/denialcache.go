@@ -1,0 +1,143 @@
+// Package denialcache remembers denials until the request they denied could
+// pass, so that a key under attack costs the store one call per refill
+// instead of one per request. It stores any value and knows nothing of
+// buckets: the caller says until when each denial holds.
+package denialcache
+
+import (
+	"strings"
+	"sync"
+	"time"
+)
+
+// Cache remembers denials of requests, each named by a key, the plans asked
+// (joined into one string) and a cost. It is safe for concurrent use.
+type Cache[V any] struct {
+	max   int
+	epoch time.Time // the cache's monotonic clock starts here
+
+	mu       sync.Mutex
+	keys     map[string][]denial[V] // by caller's key
+	forgotAt int64                  // when Forget last ran, on the cache's clock
+}
+
+type denial[V any] struct {
+	plans string // the plan names asked
+	cost  int64  // the cost asked
+	until int64  // ns on the cache's clock: the request could pass then
+	at    int64  // ns on the cache's clock when the store was asked
+	val   V
+}
+
+// Keys a full cache examines to find room: keys whose denials have all
+// ended go, and if none has, one of the sample.
+const evictSample = 16
+
+// MaxPerKey bounds the denials remembered for one key, whatever costs and
+// plan chains its requests ask for.
+const MaxPerKey = 4
+
+// New returns a Cache that holds at most max keys.
+func New[V any](max int) *Cache[V] {
+	return &Cache[V]{max: max, epoch: time.Now(), keys: make(map[string][]denial[V])}
+}
+
+// Now reads the cache's clock: monotonic nanoseconds since New.
+func (c *Cache[V]) Now() int64 { return int64(time.Since(c.epoch)) }
+
+// Get returns the remembered denial of a request that still holds at now,
+// a reading of Now: its value, and when the store was asked for it. Only
+// the same plans and cost match: a costlier request would wait longer, and
+// a cheaper one may pass.
+func (c *Cache[V]) Get(key, plans string, cost, now int64) (val V, asked, until int64, ok bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, d := range c.keys[key] {
+		if d.plans == plans && d.cost == cost && now < d.until {
+			return d.val, d.at, d.until, true
+		}
+	}
+	return val, 0, 0, false
+}
+
+// Put remembers a denial that holds until until, of a request sent at
+// asked (both readings of Now). A denial asked before the key's last
+// Forget may predate a Reset, and is not remembered.
+func (c *Cache[V]) Put(key, plans string, cost int64, val V, asked, until int64) {
+	now := c.Now()
+	d := denial[V]{plans: plans, cost: cost, until: until, at: asked, val: val}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if asked <= c.forgotAt {
+		return
+	}
+	list, ok := c.keys[key]
+	if !ok && len(c.keys) >= c.max {
+		c.evict(now)
+	}
+	// Replace the same request's entry, or an ended one, or at the bound
+	// the one that ends first.
+	slot := -1
+	for i := range list {
+		if list[i].plans == plans && list[i].cost == cost || list[i].until <= now {
+			slot = i
+			break
+		}
+		if len(list) >= MaxPerKey && (slot < 0 || list[i].until < list[slot].until) {
+			slot = i
+		}
+	}
+	if slot >= 0 {
+		list[slot] = d
+		return
+	}
+	// A fresh key string: assigning to an existing string key replaces the
+	// map's copy, and the caller's may pin a larger buffer.
+	c.keys[strings.Clone(key)] = append(list, d)
+}
+
+// evict drops the keys whose denials have all ended among a sample and,
+// if that freed nothing, one key of the sample. Requires c.mu.
+func (c *Cache[V]) evict(now int64) {
+	examined := 0
+	victim, found := "", false
+	for k, list := range c.keys {
+		if examined == evictSample {
+			break
+		}
+		examined++
+		if allEnded(list, now) {
+			delete(c.keys, k)
+			continue
+		}
+		victim, found = k, true
+	}
+	if found && len(c.keys) >= c.max {
+		delete(c.keys, victim)
+	}
+}
+
+func allEnded[V any](list []denial[V], now int64) bool {
+	for _, d := range list {
+		if d.until > now {
+			return false
+		}
+	}
+	return true
+}
+
+// Forget drops every remembered denial of key, and refuses denials of
+// requests sent before now, which may predate the Reset that forgets.
+func (c *Cache[V]) Forget(key string) {
+	c.mu.Lock()
+	delete(c.keys, key)
+	c.forgotAt = c.Now()
+	c.mu.Unlock()
+}
+
+// Len returns the number of keys the cache holds.
+func (c *Cache[V]) Len() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return len(c.keys)
+}

@@ -1,0 +1,60 @@
+package denialcache
+
+import (
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+)
+
+const hour = int64(time.Hour)
+
+func TestGetMatchesTheSameRequestUntilItEnds(t *testing.T) {
+	c := New[string](10)
+	now := c.Now()
+	c.Put("k", "p", 2, "denied", now, now+hour)
+	v, asked, until, ok := c.Get("k", "p", 2, now)
+	assert.True(t, ok)
+	assert.Equal(t, "denied", v)
+	assert.Equal(t, now, asked)
+	assert.Equal(t, now+hour, until)
+	_, _, _, ok = c.Get("k", "p", 1, now)
+	assert.False(t, ok, "a cheaper request may pass")
+	_, _, _, ok = c.Get("k", "p,q", 2, now)
+	assert.False(t, ok, "other plans")
+	_, _, _, ok = c.Get("k", "p", 2, now+hour)
+	assert.False(t, ok, "ended")
+}
+
+func TestIsBounded(t *testing.T) {
+	c := New[int](100)
+	for i := 0; i < 10_000; i++ {
+		c.Put("key-"+strconv.Itoa(i), "p", 1, i, c.Now(), c.Now()+hour)
+	}
+	assert.LessOrEqual(t, c.Len(), 100)
+}
+
+func TestRefusesDenialsOlderThanAForget(t *testing.T) {
+	c := New[int](10)
+	asked := c.Now()
+	c.Forget("k") // a Reset while the denied request was in flight
+	c.Put("k", "p", 1, 0, asked, asked+hour)
+	_, _, _, ok := c.Get("k", "p", 1, c.Now())
+	assert.False(t, ok, "a denial asked before the Reset may be stale")
+	now := c.Now()
+	c.Put("k", "p", 1, 0, now, now+hour)
+	_, _, _, ok = c.Get("k", "p", 1, c.Now())
+	assert.True(t, ok)
+}
+
+func TestBoundsEachKey(t *testing.T) {
+	c := New[int](10)
+	for cost := int64(1); cost <= 1000; cost++ {
+		now := c.Now()
+		c.Put("k", "p", cost, 0, now, now+hour)
+	}
+	assert.LessOrEqual(t, len(c.keys["k"]), MaxPerKey)
+	_, _, _, ok := c.Get("k", "p", 1000, c.Now())
+	assert.True(t, ok, "the newest denial is kept")
+}

@@ -1,0 +1,95 @@
+package tollgate
+
+import (
+	"log/slog"
+
+	"github.com/tollgate-go/tollgate/breaker"
+)
+
+// FailurePolicy says how a Limiter decides while its store fails.
+type FailurePolicy int
+
+const (
+	// Fallback lets a local fallback store decide (Source SourceFallback):
+	// each instance then enforces the plans on its own, so the whole fleet
+	// may admit up to one plan's worth per instance. It is the default.
+	Fallback FailurePolicy = iota
+	// FailOpen allows every request (Source SourceFailOpen).
+	FailOpen
+	// FailClosed returns ErrStoreUnavailable.
+	FailClosed
+)
+
+// String returns "fallback", "fail-open" or "fail-closed".
+func (p FailurePolicy) String() string {
+	switch p {
+	case Fallback:
+		return "fallback"
+	case FailOpen:
+		return "fail-open"
+	case FailClosed:
+		return "fail-closed"
+	}
+	return "unknown"
+}
+
+// Option configures a Limiter.
+type Option func(*config)
+
+// config collects the options of New.
+type config struct {
+	policy     FailurePolicy
+	fallback   Store
+	breaker    breaker.Settings
+	log        *slog.Logger
+	denialKeys *int // nil: the default
+}
+
+// defaultDenialCacheKeys is the default bound of WithDenialCache.
+const defaultDenialCacheKeys = 10_000
+
+// WithFailurePolicy sets what a Limiter does while its store fails. The
+// default is Fallback.
+func WithFailurePolicy(p FailurePolicy) Option {
+	return func(c *config) { c.policy = p }
+}
+
+// WithFallback sets the store that decides under the Fallback policy. The
+// default is a NewMemoryStore().
+func WithFallback(s Store) Option {
+	return func(c *config) { c.fallback = s }
+}
+
+// WithBreaker configures the circuit breaker in front of the store. The
+// default is breaker.Settings{}: 3 failures in a row open it for 500ms. A
+// MemoryStore, which cannot fail, gets no breaker.
+func WithBreaker(s breaker.Settings) Option {
+	return func(c *config) { c.breaker = s }
+}
+
+// WithLogger sets where a Limiter reports outages: one warning when the
+// store starts failing, one info line with the duration when it recovers.
+// If the logger has the debug level enabled when New runs, every decision
+// is also logged at debug level (plan, outcome, source; never the key).
+// nil discards everything. The default is slog.Default().
+func WithLogger(log *slog.Logger) Option {
+	return func(c *config) {
+		if log == nil {
+			log = slog.New(slog.DiscardHandler)
+		}
+		c.log = log
+	}
+}
+
+// WithDenialCache bounds the keys whose denials the Limiter remembers, and
+// 0 turns the cache off. A remembered denial answers the same request (key,
+// plans and cost) without the store, with Source SourceCache, until the
+// RetryAfter the store gave has passed; before then the store would deny it
+// too, so the cache never admits and never denies what the store would
+// admit, except after a Reset by another instance, which is seen once that
+// RetryAfter has passed. A key under attack then costs the store about one
+// call per refill, not one per request. The default is 10,000 keys, or 0
+// when the store is a MemoryStore, which is as fast as the cache.
+func WithDenialCache(keys int) Option {
+	return func(c *config) { c.denialKeys = &keys }
+}

@@ -1,0 +1,201 @@
+package tollgate
+
+import (
+	"context"
+	"errors"
+	"math/rand/v2"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/tollgate-go/tollgate/breaker"
+	"github.com/tollgate-go/tollgate/internal/redisscript"
+)
+
+// Stats is a snapshot of what a Limiter has done since New, for metrics:
+// the Prometheus and OpenTelemetry adapters read it when they are scraped
+// or collected. Counters only grow. No field ever holds a caller's key.
+type Stats struct {
+	// Plans holds the decisions of each plan, in the order given to New.
+	Plans []PlanStats
+
+	// StoreCalls is the number of calls to the store that the breaker let
+	// through; a MemoryStore, which cannot fail, is not counted.
+	StoreCalls uint64
+	// StoreErrors counts the failed store calls by class: "timeout",
+	// "network", "canceled" (the store's own context, not the caller's),
+	// "bad-reply", Redis's error class such as "OOM", "READONLY",
+	// "NOPERM" or "BUSY", and "other". Calls that failed through the
+	// caller's doing (bad input, its context ended or its deadline
+	// passed) are not failures.
+	StoreErrors map[string]uint64
+	// StoreLatency counts the store calls by duration: StoreLatency[i] is
+	// the number that took at most LatencyBounds[i], and the last element
+	// counts those that took longer than every bound.
+	StoreLatency []uint64
+	// LatencyBounds are the upper bounds of StoreLatency's buckets: 50µs to
+	// 1s, for Redis calls that take a fraction of a millisecond when
+	// healthy and up to the client's timeout when not.
+	LatencyBounds []time.Duration
+	// StoreTime is the total duration of the store calls.
+	StoreTime time.Duration
+
+	// Breaker is the state of the breaker in front of the store; always
+	// breaker.Closed for a MemoryStore, which has none.
+	Breaker breaker.State
+	// BreakerOpened, BreakerHalfOpened and BreakerClosed count the
+	// transitions into each state. A failed probe opens the breaker again,
+	// so BreakerOpened grows once per Cooldown during a long outage; a
+	// transition from closed to open is BreakerOpened minus
+	// BreakerHalfOpened.
+	BreakerOpened, BreakerHalfOpened, BreakerClosed uint64
+	// Outage is true from the store's first failure until its next
+	// success: the time the failure policy decides.
+	Outage bool
+	// ScriptLoads is the number of times a RedisStore sent its script's
+	// source after Redis answered NOSCRIPT; 0 for other stores.
+	ScriptLoads int64
+}
+
+// PlanStats counts the decisions that took tokens, by the plan that bound
+// them (see Result). Peeks are not counted.
+type PlanStats struct {
+	// Plan is the plan's name.
+	Plan string
+	// Allowed and Denied count decisions by Source: Allowed[SourceStore]
+	// is the number the store allowed.
+	Allowed, Denied [numSources]uint64
+}
+
+// latencyBounds are Stats.LatencyBounds.
+var latencyBounds = []time.Duration{
+	50 * time.Microsecond, 100 * time.Microsecond, 250 * time.Microsecond, 500 * time.Microsecond,
+	time.Millisecond, 2500 * time.Microsecond, 5 * time.Millisecond, 10 * time.Millisecond,
+	25 * time.Millisecond, 50 * time.Millisecond, 100 * time.Millisecond, 250 * time.Millisecond,
+	500 * time.Millisecond, time.Second,
+}
+
+// stripes is the number of copies of each decision counter: decisions on
+// other cores land on other cache lines, so counting does not make the
+// cores wait for each other.
+const stripes = 8
+
+// planCounters are one stripe of one plan's decision counters: 2 × 4 × 8
+// bytes, one cache line.
+type planCounters [2][numSources]atomic.Uint64
+
+// counters are what a Limiter counts for Stats.
+type counters struct {
+	plans []planCounters // stripe s of plan i at s*nplans+i
+	n     int            // plans
+
+	storeCalls atomic.Uint64
+	storeTime  atomic.Int64 // ns
+	latency    []atomic.Uint64
+
+	mu     sync.Mutex
+	errors map[string]uint64
+}
+
+func newCounters(plans int) counters {
+	return counters{
+		plans:   make([]planCounters, stripes*plans),
+		n:       plans,
+		latency: make([]atomic.Uint64, len(latencyBounds)+1),
+		errors:  make(map[string]uint64),
+	}
+}
+
+// decision counts a decision of plan i by its outcome and source.
+func (c *counters) decision(i int, allowed bool, src Source) {
+	if src >= numSources {
+		return
+	}
+	a := 0
+	if allowed {
+		a = 1
+	}
+	stripe := int(rand.Uint32() % stripes)
+	c.plans[stripe*c.n+i][a][src].Add(1)
+}
+
+// storeCall counts a call to the store, and its failure if err is not nil.
+func (c *counters) storeCall(elapsed time.Duration, err error) {
+	c.storeCalls.Add(1)
+	c.storeTime.Add(int64(elapsed))
+	b := 0
+	for b < len(latencyBounds) && elapsed > latencyBounds[b] {
+		b++
+	}
+	c.latency[b].Add(1)
+	if err != nil {
+		class := errorClass(err)
+		c.mu.Lock()
+		c.errors[class]++
+		c.mu.Unlock()
+	}
+}
+
+// errorClass names the class of a store failure, for Stats.StoreErrors.
+func errorClass(err error) string {
+	var rerr *redisscript.Error
+	var nerr net.Error
+	switch {
+	case errors.As(err, &rerr):
+		return rerr.Class
+	case errors.Is(err, ErrBadReply):
+		return "bad-reply"
+	case errors.As(err, &nerr) && nerr.Timeout(), errors.Is(err, context.DeadlineExceeded):
+		return "timeout"
+	case errors.Is(err, context.Canceled):
+		return "canceled"
+	case errors.As(err, &nerr):
+		return "network"
+	}
+	return "other"
+}
+
+// Stats returns a snapshot of what the Limiter has done since New. It is
+// safe to call while the Limiter decides; each counter is read once, so
+// counters read a moment apart may disagree by the decisions in between.
+func (l *Limiter) Stats() Stats {
+	s := Stats{
+		Plans:         make([]PlanStats, len(l.plans)),
+		StoreCalls:    l.stats.storeCalls.Load(),
+		StoreTime:     time.Duration(l.stats.storeTime.Load()),
+		StoreLatency:  make([]uint64, len(l.stats.latency)),
+		LatencyBounds: append([]time.Duration(nil), latencyBounds...),
+		StoreErrors:   make(map[string]uint64),
+		Outage:        l.outageStart.Load() != 0,
+	}
+	for i, p := range l.plans {
+		ps := &s.Plans[i]
+		ps.Plan = p.Name
+		for st := range stripes {
+			pc := &l.stats.plans[st*l.stats.n+i]
+			for src := range numSources {
+				ps.Denied[src] += pc[0][src].Load()
+				ps.Allowed[src] += pc[1][src].Load()
+			}
+		}
+	}
+	for i := range l.stats.latency {
+		s.StoreLatency[i] = l.stats.latency[i].Load()
+	}
+	l.stats.mu.Lock()
+	for k, v := range l.stats.errors {
+		s.StoreErrors[k] = v
+	}
+	l.stats.mu.Unlock()
+	if b := l.breaker; b != nil {
+		s.Breaker = b.State()
+		s.BreakerOpened = b.Entered(breaker.Open)
+		s.BreakerHalfOpened = b.Entered(breaker.HalfOpen)
+		s.BreakerClosed = b.Entered(breaker.Closed)
+	}
+	if rs, ok := l.store.(*RedisStore); ok {
+		s.ScriptLoads = rs.ScriptLoads()
+	}
+	return s
+}
