@@ -15,6 +15,7 @@ import (
 
 	"github.com/tollgate-go/tollgate/internal/redisscript"
 	"github.com/tollgate-go/tollgate/internal/redistest"
+	"github.com/tollgate-go/tollgate/scripts"
 )
 
 // Failover scenarios: a Cluster master and a Sentinel master killed under
@@ -48,7 +49,7 @@ func scriptCached(t *testing.T, addr string) bool {
 	t.Helper()
 	c := redis.NewClient(&redis.Options{Addr: addr})
 	defer c.Close()
-	ok, err := c.ScriptExists(context.Background(), redisscript.New(tokenBucketLua).SHA()).Result()
+	ok, err := c.ScriptExists(context.Background(), redisscript.New(scripts.TokenBucket).SHA()).Result()
 	require.NoError(t, err)
 	return ok[0]
 }

@@ -2,7 +2,6 @@ package tollgate
 
 import (
 	"context"
-	_ "embed"
 	"fmt"
 	"strconv"
 	"strings"
@@ -10,10 +9,8 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/tollgate-go/tollgate/internal/redisscript"
+	"github.com/tollgate-go/tollgate/scripts"
 )
-
-//go:embed scripts/token_bucket.lua
-var tokenBucketLua string
 
 // defaultKeyPrefix is the first part of every Redis key unless
 // WithKeyPrefix says otherwise.
@@ -56,7 +53,7 @@ func WithKeyPrefix(prefix string) RedisOption {
 // when the store is given to a Limiter, so that it shows at startup, and
 // by every call of a store used on its own.
 func NewRedisStore(client redis.UniversalClient, opts ...RedisOption) *RedisStore {
-	s := &RedisStore{client: client, prefix: defaultKeyPrefix, script: redisscript.New(tokenBucketLua)}
+	s := &RedisStore{client: client, prefix: defaultKeyPrefix, script: redisscript.New(scripts.TokenBucket)}
 	for _, o := range opts {
 		o(s)
 	}

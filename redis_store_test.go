@@ -21,6 +21,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"github.com/tollgate-go/tollgate/breaker"
 	"github.com/tollgate-go/tollgate/internal/redistest"
+	"github.com/tollgate-go/tollgate/scripts"
 )
 
 var gold = Plan{Name: "gold", Capacity: 4, Rate: 2}
@@ -253,7 +254,7 @@ func TestRedisStoreAutoPipelines(t *testing.T) {
 	mr := miniredis.RunT(t)
 	c := redis.NewClient(&redis.Options{Addr: mr.Addr()})
 	t.Cleanup(func() { _ = c.Close() })
-	require.NoError(t, c.ScriptLoad(ctx, tokenBucketLua).Err()) // no NOSCRIPT, and no EVAL
+	require.NoError(t, c.ScriptLoad(ctx, scripts.TokenBucket).Err()) // no NOSCRIPT, and no EVAL
 	var h scriptCounter
 	c.AddHook(&h)
 	ap, err := c.AutoPipeline()
@@ -662,7 +663,7 @@ func TestLuaAgreesWithGoOnRealRedis(t *testing.T) {
 		cost := rng.Int64N(min(p.Capacity, 5) + 1)
 		keys := []string{key}
 		args := []any{cost, p.Capacity, strconv.FormatFloat(p.Rate, 'g', -1, 64)}
-		reply, err := c.Eval(ctx, tokenBucketLua, keys, args...).Result()
+		reply, err := c.Eval(ctx, scripts.TokenBucket, keys, args...).Result()
 		require.NoError(t, err)
 		allowed, now, got, err := parseReply(nil, reply, []Plan{p})
 		require.NoError(t, err)

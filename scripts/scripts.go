@@ -1,0 +1,12 @@
+// Package scripts embeds tollgate's Lua scripts, so that the stores that
+// run them and the tests that check them read the same text. Each script's
+// header documents its KEYS, ARGV and reply.
+package scripts
+
+import _ "embed"
+
+// TokenBucket decides on every chained token-bucket plan of one key in one
+// atomic step; TokenBucket in package tollgate holds the same arithmetic.
+//
+//go:embed token_bucket.lua
+var TokenBucket string
