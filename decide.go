@@ -107,14 +107,14 @@ func (l *Limiter) cached(r *Result, key, pk string, cost, now int64) bool {
 	res.Source = SourceCache
 	res.RetryAfter = time.Duration(until - now)
 	res.ResetAfter = max(0, res.ResetAfter-elapsed)
-	if res.Plans != nil {
-		plans := make([]PlanResult, len(res.Plans)) // the caller owns its Result
-		for i, pr := range res.Plans {
+	if res.chain != nil {
+		chain := make([]PlanResult, len(res.chain)) // the caller owns its Result
+		for i, pr := range res.chain {
 			pr.RetryAfter = max(0, pr.RetryAfter-elapsed)
 			pr.ResetAfter = max(0, pr.ResetAfter-elapsed)
-			plans[i] = pr
+			chain[i] = pr
 		}
-		res.Plans = plans
+		res.chain = chain
 	}
 	*r = res
 	return true
@@ -129,8 +129,8 @@ func (l *Limiter) remember(key, pk string, cost int64, r *Result, asked int64) {
 		return
 	}
 	res := *r
-	if res.Plans != nil {
-		res.Plans = append([]PlanResult(nil), res.Plans...) // the caller owns its Result
+	if res.chain != nil {
+		res.chain = append([]PlanResult(nil), res.chain...) // the caller owns its Result
 	}
 	l.denials.Put(key, pk, cost, res, asked, asked+int64(r.RetryAfter))
 }

@@ -112,7 +112,7 @@ func TestFailurePolicies(t *testing.T) {
 			require.NoError(t, err)
 			assert.True(t, r.Allowed)
 			assert.Equal(t, SourceFailOpen, r.Source)
-			assert.Len(t, r.Plans, 2)
+			assert.Len(t, r.PlanResults(), 2)
 		}
 	})
 	t.Run("fail closed", func(t *testing.T) {
@@ -402,14 +402,14 @@ func TestDenialCacheOwnsItsResults(t *testing.T) {
 	r1, err := l.Allow(ctx, "k", "gold", "daily")
 	require.NoError(t, err)
 	require.False(t, r1.Allowed)
-	r1.Plans[0].Plan = "scribbled"
+	r1.PlanResults()[0].Plan = "scribbled"
 	r2, err := l.Allow(ctx, "k", "gold", "daily")
 	require.NoError(t, err)
-	assert.Equal(t, "gold", r2.Plans[0].Plan)
-	r2.Plans[0].Plan = "scribbled"
+	assert.Equal(t, "gold", r2.PlanResults()[0].Plan)
+	r2.PlanResults()[0].Plan = "scribbled"
 	r3, err := l.Allow(ctx, "k", "gold", "daily")
 	require.NoError(t, err)
-	assert.Equal(t, "gold", r3.Plans[0].Plan)
+	assert.Equal(t, "gold", r3.PlanResults()[0].Plan)
 }
 
 func (f *flakyStore) fail(err error) {

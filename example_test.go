@@ -46,7 +46,7 @@ func ExampleLimiter_Allow_chained() {
 			panic(err)
 		}
 		fmt.Printf("allowed=%v binding=%s burst=%d daily=%d\n",
-			res.Allowed, res.Plan, res.Plans[0].Remaining, res.Plans[1].Remaining)
+			res.Allowed, res.Plan, res.PlanResults()[0].Remaining, res.PlanResults()[1].Remaining)
 	}
 	// Output:
 	// allowed=true binding=daily burst=9 daily=1

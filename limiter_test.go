@@ -83,8 +83,40 @@ func TestPeekTakesNothing(t *testing.T) {
 		assert.True(t, r.Allowed)
 		assert.Equal(t, int64(1), r.Remaining)
 		assert.Equal(t, "gold", r.Plan)
-		assert.Len(t, r.Plans, 2)
+		assert.Len(t, r.PlanResults(), 2)
 	}
+}
+
+func TestPeekOnADrainedBucketTellsTheWait(t *testing.T) {
+	ctx := context.Background()
+	now := int64(1_700_000_000_000_000)
+	l := newTestLimiter(t, newClockedMemoryStore(&now))
+	_, err := l.AllowN(ctx, "k", 4, "gold") // drained; 2 tokens a second
+	require.NoError(t, err)
+	now += 100_000 // 0.2 tokens later
+
+	r, err := l.Peek(ctx, "k", "gold", "daily")
+	require.NoError(t, err)
+	assert.False(t, r.Allowed, "one token would not pass")
+	assert.Equal(t, "gold", r.Plan, "the binding plan is the one that makes the caller wait")
+	assert.Equal(t, 400*time.Millisecond, r.RetryAfter, "the wait until one token, as Allow would give it")
+	denied, err := l.Allow(ctx, "k", "gold", "daily")
+	require.NoError(t, err)
+	assert.Equal(t, r.RetryAfter, denied.RetryAfter)
+
+	now += int64(r.RetryAfter/time.Microsecond) - 1
+	r, err = l.Peek(ctx, "k", "gold")
+	require.NoError(t, err)
+	assert.False(t, r.Allowed)
+	assert.Equal(t, time.Microsecond, r.RetryAfter)
+	now++
+	r, err = l.Peek(ctx, "k", "gold")
+	require.NoError(t, err)
+	assert.True(t, r.Allowed, "at RetryAfter, and not a microsecond before")
+	assert.Zero(t, r.RetryAfter)
+	ok, err := l.Allow(ctx, "k", "gold")
+	require.NoError(t, err)
+	assert.True(t, ok.Allowed)
 }
 
 func TestResetRefillsStoreAndFallback(t *testing.T) {

@@ -27,10 +27,10 @@ func TestMemoryStoreChainIsAllOrNothing(t *testing.T) {
 	require.NoError(t, err)
 	assert.False(t, r.Allowed)
 	assert.Equal(t, "daily", r.Plan, "the plan that makes the caller wait is binding")
-	assert.Equal(t, []int64{3, 0}, []int64{r.Plans[0].Remaining, r.Plans[1].Remaining})
-	assert.Equal(t, time.Duration(0), r.Plans[0].RetryAfter)
-	assert.Equal(t, 10_000*time.Second, r.Plans[1].RetryAfter)
-	assert.Equal(t, r.Plans[1].RetryAfter, r.RetryAfter)
+	assert.Equal(t, []int64{3, 0}, []int64{r.PlanResults()[0].Remaining, r.PlanResults()[1].Remaining})
+	assert.Equal(t, time.Duration(0), r.PlanResults()[0].RetryAfter)
+	assert.Equal(t, 10_000*time.Second, r.PlanResults()[1].RetryAfter)
+	assert.Equal(t, r.PlanResults()[1].RetryAfter, r.RetryAfter)
 
 	r, err = m.Take(ctx, "k", 1, []Plan{burst})
 	require.NoError(t, err)
@@ -161,7 +161,7 @@ func TestMemoryStoreChainIsOneKey(t *testing.T) {
 	require.NoError(t, err)
 	r, err := m.Take(ctx, "k", 1, chain)
 	require.NoError(t, err)
-	assert.Equal(t, []int64{0, 0}, []int64{r.Plans[0].Remaining, r.Plans[1].Remaining})
+	assert.Equal(t, []int64{0, 0}, []int64{r.PlanResults()[0].Remaining, r.PlanResults()[1].Remaining})
 	assert.Equal(t, 1, m.Len(), "the plans of one key count as one key against the bound")
 }
 
@@ -174,7 +174,7 @@ func TestMemoryStoreReset(t *testing.T) {
 	require.NoError(t, m.Reset(ctx, "k", []Plan{gold}))
 	r, err := m.Take(ctx, "k", 0, []Plan{gold, other})
 	require.NoError(t, err)
-	assert.Equal(t, []int64{4, 0}, []int64{r.Plans[0].Remaining, r.Plans[1].Remaining}, "only the named plan resets")
+	assert.Equal(t, []int64{4, 0}, []int64{r.PlanResults()[0].Remaining, r.PlanResults()[1].Remaining}, "only the named plan resets")
 	require.NoError(t, m.Reset(ctx, "k", []Plan{other}))
 	assert.Equal(t, 0, m.Len())
 }

@@ -132,7 +132,7 @@ func TestClusterAdversarialKeys(t *testing.T) {
 			r, err := l.Allow(ctx, key, "gold", "daily")
 			require.NoError(t, err, "key %d", i)
 			require.True(t, r.Allowed, "key %d", i)
-			assert.Equal(t, want, r.Plans[0].Remaining, "key %d: keys must not share buckets", i)
+			assert.Equal(t, want, r.PlanResults()[0].Remaining, "key %d: keys must not share buckets", i)
 		}
 		require.NoError(t, l.Reset(ctx, key), "key %d", i)
 	}

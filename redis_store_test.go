@@ -144,7 +144,7 @@ func TestRedisStoreReset(t *testing.T) {
 	assert.Empty(t, mr.Keys())
 	r, err := s.Take(ctx, "k", 0, []Plan{gold, daily})
 	require.NoError(t, err)
-	assert.Equal(t, []int64{4, 10}, []int64{r.Plans[0].Remaining, r.Plans[1].Remaining})
+	assert.Equal(t, []int64{4, 10}, []int64{r.PlanResults()[0].Remaining, r.PlanResults()[1].Remaining})
 }
 
 func TestRedisStoreBadOptions(t *testing.T) {
@@ -207,8 +207,8 @@ func TestRedisStoreManyPlans(t *testing.T) {
 	r, err := s.Take(ctx, "k", 3, plans)
 	require.NoError(t, err)
 	assert.True(t, r.Allowed)
-	require.Len(t, r.Plans, 10)
-	for i, pr := range r.Plans {
+	require.Len(t, r.PlanResults(), 10)
+	for i, pr := range r.PlanResults() {
 		assert.Equal(t, int64(10+i-3), pr.Remaining, "plan %d", i)
 	}
 	assert.Equal(t, "p0", r.Plan)

@@ -59,8 +59,9 @@ type PlanResult struct {
 // when allowed, the plan with the fewest tokens left (the first such plan on
 // a tie).
 type Result struct {
-	// Allowed reports whether the tokens were taken. A read (cost 0) is
-	// always allowed.
+	// Allowed reports whether the tokens were taken. For a read (Peek,
+	// or a Store's Take of cost 0), which takes nothing, it reports
+	// whether one token would be taken now.
 	Allowed bool
 	// Source tells who decided: SourceStore, SourceCache for a remembered
 	// denial, or, while the store fails, SourceFallback or SourceFailOpen.
@@ -69,7 +70,8 @@ type Result struct {
 	// bucket, for example 19.
 	Remaining int64
 	// RetryAfter is 0 when allowed; otherwise the wait until this same
-	// request would pass if nobody else took tokens, for example 250ms.
+	// request (for a read, a request for one token) would pass if nobody
+	// else took tokens, for example 250ms.
 	RetryAfter time.Duration
 	// ResetAfter is the wait until the binding plan's bucket is full again,
 	// for example 1.5s.
@@ -78,18 +80,20 @@ type Result struct {
 	Plan string
 	// Limit is the binding plan's Capacity in tokens, for example 20.
 	Limit int64
-	// Plans holds one PlanResult per plan, in the order asked, when more
-	// than one plan was asked. For a single plan it is nil and the fields
-	// above describe that plan, so the common decision allocates nothing;
-	// PlanResults covers both cases.
-	Plans []PlanResult
+
+	// chain holds one PlanResult per plan when more than one plan was
+	// asked; for a single plan it is nil, so that the common decision
+	// allocates nothing, and PlanResults builds it.
+	chain []PlanResult
 }
 
-// PlanResults returns one PlanResult per plan asked, in order. For a single
-// plan it builds the one element from the top-level fields.
+// PlanResults returns one PlanResult per plan asked, in the order asked:
+// never empty for a Result a Limiter or Store returned. For a single plan
+// it builds the one element from the top-level fields. The slice belongs
+// to the Result, as the Result belongs to its caller.
 func (r Result) PlanResults() []PlanResult {
-	if r.Plans != nil {
-		return r.Plans
+	if r.chain != nil {
+		return r.chain
 	}
 	return []PlanResult{{Plan: r.Plan, Limit: r.Limit, Remaining: r.Remaining, RetryAfter: r.RetryAfter, ResetAfter: r.ResetAfter}}
 }
@@ -106,29 +110,40 @@ func newResult(plans []Plan, buckets []TokenBucket, now, cost int64, allowed boo
 }
 
 // describe is newResult into *r, which it overwrites whole: the memory
-// store's hot path builds its Result in place this way.
+// store's hot path builds its Result in place this way. A read (cost 0)
+// is described as the question whether one token would pass now.
 func (r *Result) describe(plans []Plan, buckets []TokenBucket, now, cost int64, allowed bool) {
 	if len(plans) == 1 { // the common case, and hot
-		*r = Result{Allowed: allowed, Plan: plans[0].Name, Limit: plans[0].Capacity}
+		*r = Result{Plan: plans[0].Name, Limit: plans[0].Capacity}
 		r.Remaining, r.RetryAfter, r.ResetAfter = bucketState(plans[0], buckets[0], now, cost, allowed)
+		r.Allowed = allowed && (cost > 0 || r.RetryAfter == 0)
 		return
 	}
-	*r = Result{Allowed: allowed, Plans: make([]PlanResult, len(plans))}
-	bind := 0
+	*r = Result{chain: make([]PlanResult, len(plans))}
 	for i, p := range plans {
-		pr := &r.Plans[i]
+		pr := &r.chain[i]
 		pr.Plan, pr.Limit = p.Name, p.Capacity
 		pr.Remaining, pr.RetryAfter, pr.ResetAfter = bucketState(p, buckets[i], now, cost, allowed)
-		b := &r.Plans[bind]
+		if cost == 0 && pr.RetryAfter > 0 {
+			allowed = false
+		}
+	}
+	bind := 0
+	for i, pr := range r.chain {
+		b := &r.chain[bind]
 		if allowed && pr.Remaining < b.Remaining || !allowed && pr.RetryAfter > b.RetryAfter {
 			bind = i
 		}
 	}
-	b := r.Plans[bind]
+	b := r.chain[bind]
+	r.Allowed = allowed
 	r.Plan, r.Limit, r.Remaining, r.RetryAfter, r.ResetAfter = b.Plan, b.Limit, b.Remaining, b.RetryAfter, b.ResetAfter
 }
 
-// bucketState returns what a Result reports of one stored bucket.
+// bucketState returns what a Result reports of one stored bucket after a
+// decision that took cost tokens from every plan if allowed, or none:
+// RetryAfter is the wait until cost tokens are there, 0 if they are, and
+// for a read (cost 0) the wait until one token is.
 func bucketState(p Plan, b TokenBucket, now, cost int64, allowed bool) (remaining int64, retryAfter, resetAfter time.Duration) {
 	if allowed && cost > 0 {
 		// Refilled to now and drained: stored and current at once, so the
@@ -136,9 +151,7 @@ func bucketState(p Plan, b TokenBucket, now, cost int64, allowed bool) (remainin
 		return b.Remaining(), 0, micros(b.readyAt(p, now, p.Capacity) - now)
 	}
 	resetAfter = micros(b.FullAt(p, now) - now)
-	if !allowed {
-		retryAfter = micros(b.ReadyAt(p, now, cost) - now)
-	}
+	retryAfter = micros(b.ReadyAt(p, now, max(cost, 1)) - now)
 	return b.Refill(p, now).Remaining(), retryAfter, resetAfter
 }
 
