@@ -7,6 +7,8 @@ import (
 	"log/slog"
 	"strings"
 	"time"
+
+	"github.com/tollgate-go/tollgate/breaker"
 )
 
 // decide makes one decision into *r. It is a pipeline of steps, each
@@ -165,7 +167,9 @@ func (l *Limiter) ask(ctx context.Context, r *Result, key string, cost int64, pl
 	if err == nil {
 		l.stats.storeCall(elapsed, nil)
 		l.breaker.Success()
-		l.recovered()
+		if l.outage.active() {
+			l.recovered()
+		}
 		return nil
 	}
 	if cerr := callersFault(ctx, err); cerr != nil {
@@ -177,8 +181,10 @@ func (l *Limiter) ask(ctx context.Context, r *Result, key string, cost int64, pl
 		return cerr
 	}
 	l.stats.storeCall(elapsed, err)
-	l.breaker.Failure()
-	l.failing(err)
+	l.outage.failed(l.breaker.Now())
+	if l.breaker.Failure() {
+		l.tripped(err)
+	}
 	return l.degrade(ctx, r, key, cost, plans, err)
 }
 
@@ -240,21 +246,27 @@ func (l *Limiter) degrade(ctx context.Context, r *Result, key string, cost int64
 	return nil
 }
 
-// failing logs the start of an outage, once.
-func (l *Limiter) failing(err error) {
-	if l.outageStart.Load() == 0 && l.outageStart.CompareAndSwap(0, time.Now().UnixNano()) {
-		l.log.Warn("tollgate: store failing; deciding by failure policy until it recovers",
-			"policy", l.policy.String(), "error", err)
-	}
-}
-
-// recovered logs the end of an outage, once.
-func (l *Limiter) recovered() {
-	if l.outageStart.Load() == 0 {
+// tripped logs the start of an outage when the breaker trips, once: a
+// partial outage trips the breaker again after each probe that closed it,
+// and those trips are counted for the line that ends the outage.
+func (l *Limiter) tripped(err error) {
+	if !l.outage.begin(time.Now().UnixNano()) {
 		return
 	}
-	if start := l.outageStart.Swap(0); start != 0 {
-		l.log.Info("tollgate: store recovered", "outage", time.Duration(time.Now().UnixNano()-start))
+	l.log.Warn("tollgate: store failing; deciding by failure policy until it recovers",
+		"policy", l.policy.String(), "error", err)
+}
+
+// recovered logs the end of an outage, once: at a success when the breaker
+// is closed and no call has failed for two cool-downs.
+func (l *Limiter) recovered() {
+	if l.breaker.State() != breaker.Closed {
+		return
+	}
+	start, failed, trips, ok := l.outage.end(l.breaker.Now(), 2*int64(l.breaker.Settings().Cooldown))
+	if ok {
+		l.log.Info("tollgate: store recovered", "outage", time.Duration(time.Now().UnixNano()-start),
+			"failed_calls", failed, "trips", trips)
 	}
 }
 

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net"
 	"os"
@@ -11,11 +12,13 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"github.com/tollgate-go/tollgate/breaker"
+	"github.com/tollgate-go/tollgate/internal/redisscript"
 )
 
 // flakyStore wraps a MemoryStore and fails while err is set.
@@ -449,7 +452,12 @@ func (c *logCounter) Handle(_ context.Context, r slog.Record) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.levels = append(c.levels, r.Level)
-	c.text.WriteString(r.Message + "\n")
+	c.text.WriteString(r.Message)
+	r.Attrs(func(a slog.Attr) bool {
+		c.text.WriteString(" " + a.String())
+		return true
+	})
+	c.text.WriteString("\n")
 	return nil
 }
 
@@ -464,4 +472,68 @@ func (p *panickyStore) Take(ctx context.Context, key string, cost int64, plans [
 		panic("store bug")
 	}
 	return p.flakyStore.Take(ctx, key, cost, plans)
+}
+
+// writeFailingStore fails every call that would take tokens, and answers
+// reads, as Redis does under OOM with noeviction or as a read-only replica.
+type writeFailingStore struct {
+	*MemoryStore
+	err error
+}
+
+func (s *writeFailingStore) Take(ctx context.Context, key string, cost int64, plans []Plan) (Result, error) {
+	if cost > 0 && s.err != nil {
+		return Result{}, s.err
+	}
+	return s.MemoryStore.Take(ctx, key, cost, plans)
+}
+
+func TestPartialOutageLogsOncePerOutage(t *testing.T) {
+	for _, policy := range []FailurePolicy{Fallback, FailClosed} {
+		// synctest's clock moves only when every goroutine waits: one
+		// millisecond a step, however slow the machine.
+		synctest.Test(t, func(t *testing.T) {
+			ctx := context.Background()
+			logs := &logCounter{}
+			s := &writeFailingStore{NewMemoryStore(), &redisscript.Error{Class: "OOM"}}
+			l, err := New(s, testPlans, WithLogger(slog.New(logs)), WithFailurePolicy(policy),
+				WithBreaker(breaker.Settings{Cooldown: 50 * time.Millisecond}))
+			require.NoError(t, err)
+			for i := 0; i < 1000; i++ {
+				time.Sleep(time.Millisecond)
+				// Reads succeed, and would reset a count of consecutive
+				// failures; cooldowns pass and probes close the breaker.
+				key := fmt.Sprint("k", i%7)
+				r, err := l.Peek(ctx, key)
+				if err == nil {
+					assert.Contains(t, []Source{SourceStore, SourceFallback}, r.Source)
+				} else {
+					require.Equal(t, FailClosed, policy)
+					require.ErrorIs(t, err, ErrStoreUnavailable)
+				}
+				r, err = l.Allow(ctx, key)
+				if policy == FailClosed {
+					require.ErrorIs(t, err, ErrStoreUnavailable, "decision %d", i)
+					continue
+				}
+				require.NoError(t, err, "decision %d", i)
+				require.Equal(t, SourceFallback, r.Source, "decision %d", i)
+			}
+			assert.Equal(t, []slog.Level{slog.LevelWarn}, logs.levels, "one line for the whole outage:\n%s", logs.text.String())
+			st := l.Stats()
+			assert.True(t, st.Outage, "the outage shows while it lasts")
+			assert.GreaterOrEqual(t, st.BreakerOpened, uint64(2), "the failure rate trips the breaker after each probe closes it")
+
+			s.err = nil
+			time.Sleep(110 * time.Millisecond) // two cooldowns without a failure
+			for i := 0; i < 10; i++ {
+				r, err := l.Allow(ctx, fmt.Sprint("healed", i))
+				require.NoError(t, err)
+				assert.True(t, r.Allowed)
+			}
+			assert.Equal(t, []slog.Level{slog.LevelWarn, slog.LevelInfo}, logs.levels)
+			assert.Contains(t, logs.text.String(), "trips=")
+			assert.False(t, l.Stats().Outage)
+		})
+	}
 }

@@ -26,7 +26,6 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"sync/atomic"
 	"time"
 
 	"github.com/tollgate-go/tollgate/breaker"
@@ -58,8 +57,8 @@ type Limiter struct {
 	plans    []Plan // as given to New
 	defaults *planEntry
 
-	stats       counters
-	outageStart atomic.Int64 // UnixNano when the current outage began; 0 when none
+	stats  counters
+	outage outage
 }
 
 // planEntry is a plan as a Limiter looks it up by name.
@@ -100,6 +99,9 @@ func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
 	c := config{log: slog.Default()}
 	for _, o := range opts {
 		o(&c)
+	}
+	if !c.breaker.Valid() {
+		return nil, fmt.Errorf("%w: breaker settings out of range", ErrInvalidOption)
 	}
 	if c.policy < Fallback || c.policy > FailClosed {
 		return nil, fmt.Errorf("%w: unknown failure policy %d", ErrInvalidOption, c.policy)

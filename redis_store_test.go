@@ -10,6 +10,7 @@ import (
 	"math/rand/v2"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -20,6 +21,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"github.com/tollgate-go/tollgate/breaker"
+	"github.com/tollgate-go/tollgate/internal/redisscript"
 	"github.com/tollgate-go/tollgate/internal/redistest"
 	"github.com/tollgate-go/tollgate/scripts"
 )
@@ -974,7 +976,8 @@ func testOutageFallbackRecovery(t *testing.T, srv *redistest.Server, client redi
 	time.Sleep(300 * time.Millisecond)
 	srv.Restart()
 	toStore := waitFor(SourceStore, 3*time.Second)
-	time.Sleep(50 * time.Millisecond)
+	// The recovery is logged once no call has failed for two cooldowns.
+	time.Sleep(500 * time.Millisecond)
 	stop()
 
 	t.Logf("to fallback in %s, back to Redis in %s after restart; slowest decision %s; sources %v", toFallback, toStore, slowest, sources)
@@ -1052,4 +1055,139 @@ func TestRealRedisForeignType(t *testing.T) {
 	ttl, err := c.PTTL(ctx, key).Result()
 	require.NoError(t, err)
 	assert.InDelta(t, float64(500*time.Millisecond), float64(ttl), float64(5*time.Millisecond))
+}
+
+// TestPartialOutagesOnRealRedis runs decisions against a redis-server that
+// fails writes and answers reads: one at maxmemory under noeviction (OOM),
+// and a read-only replica (READONLY). Reads (Peek) succeed throughout, so
+// a count of consecutive failures would never open the breaker and each
+// failure would log a line of its own.
+func TestPartialOutagesOnRealRedis(t *testing.T) {
+	redistest.SkipIfUnavailable(t)
+	oom := redistest.StartServer(t, "--maxmemory", "2mb", "--maxmemory-policy", "noeviction")
+	fill := oom.Client(t)
+	ctx := context.Background()
+	for i := 0; ; i++ {
+		if err := fill.Set(ctx, fmt.Sprint("ballast-", i), strings.Repeat("x", 64<<10), 0).Err(); err != nil {
+			require.True(t, strings.HasPrefix(err.Error(), "OOM"), "filling: %v", err)
+			break
+		}
+	}
+	master := redistest.StartServer(t)
+	replica := redistest.StartServer(t, "--replicaof", "127.0.0.1", fmt.Sprint(master.Port()))
+
+	for _, tc := range []struct {
+		name  string
+		addr  string
+		class string
+	}{
+		{"oom", oom.Addr(), "OOM"},
+		{"read-only-replica", replica.Addr(), "READONLY"},
+	} {
+		for _, policy := range []FailurePolicy{Fallback, FailClosed} {
+			t.Run(tc.name+"/"+policy.String(), func(t *testing.T) {
+				logs := &logCounter{}
+				l, err := New(NewRedisStore(newRealClient(t, failFast(tc.addr))), testPlans,
+					WithLogger(slog.New(logs)), WithFailurePolicy(policy), WithDenialCache(0))
+				require.NoError(t, err)
+				for i := 0; i < 1000; i++ {
+					key := fmt.Sprint("user-", i%10)
+					_, _ = l.Peek(ctx, key)
+					r, err := l.Allow(ctx, key)
+					if policy == FailClosed {
+						require.ErrorIs(t, err, ErrStoreUnavailable, "decision %d", i)
+						continue
+					}
+					require.NoError(t, err, "decision %d", i)
+					require.Equal(t, SourceFallback, r.Source, "decision %d", i)
+				}
+				t.Logf("log: %s", logs.text.String())
+				assert.LessOrEqual(t, len(logs.levels), 2, "a handful of lines for 1,000 decisions")
+				s := l.Stats()
+				assert.True(t, s.Outage)
+				assert.GreaterOrEqual(t, s.BreakerOpened, uint64(1))
+				assert.Positive(t, s.StoreErrors[tc.class], "errors by class: %v", s.StoreErrors)
+			})
+		}
+	}
+}
+
+// TestCallerDeadlinesOnRealRedisAreNotOutages mixes callers whose deadlines
+// are too short for a round trip with patient callers, on a healthy Redis,
+// through a client with ContextTimeoutEnabled as README recommends: go-redis
+// then ends a call at the caller's deadline with an i/o timeout, a moment
+// before the context itself reports DeadlineExceeded. Those are the
+// callers' errors: the breaker must stay closed, no decision may come from
+// the fallback, nothing is logged, and the key admits no more than its
+// bound.
+func TestCallerDeadlinesOnRealRedisAreNotOutages(t *testing.T) {
+	addr := redistest.Addr(t)
+	logs := &logCounter{}
+	plan := Plan{Name: "p", Capacity: 5, Rate: 50}
+	l, err := New(NewRedisStore(newRealClient(t, failFast(addr)), WithKeyPrefix(testPrefix(t))), []Plan{plan},
+		WithLogger(slog.New(logs)), WithDenialCache(0))
+	require.NoError(t, err)
+
+	var admitted, callerErrs, decided atomic.Int64
+	began := time.Now()
+	stop := loadUntilStopped(16, func(g, i int) {
+		ctx := context.Background()
+		if g%2 == 0 {
+			var cancel context.CancelFunc
+			ctx, cancel = context.WithTimeout(ctx, time.Duration(50+(i*37)%250)*time.Microsecond)
+			defer cancel()
+		}
+		r, err := l.Allow(ctx, "hot")
+		switch {
+		case err != nil:
+			require.ErrorIs(t, err, context.DeadlineExceeded)
+			callerErrs.Add(1)
+		default:
+			decided.Add(1)
+			require.Equal(t, SourceStore, r.Source, "no decision from the fallback")
+			if r.Allowed {
+				admitted.Add(1)
+			}
+		}
+	})
+	time.Sleep(time.Second)
+	stop()
+	elapsed := time.Since(began)
+	bound := float64(plan.Capacity) + plan.Rate*elapsed.Seconds()
+	t.Logf("%d decided, %d admitted (bound %.1f), %d caller errors", decided.Load(), admitted.Load(), bound, callerErrs.Load())
+	require.Positive(t, callerErrs.Load(), "the test must cut calls short")
+	assert.LessOrEqual(t, float64(admitted.Load()), bound)
+	assert.Empty(t, logs.levels, "nothing logged as an outage: %s", logs.text.String())
+	s := l.Stats()
+	assert.Zero(t, s.BreakerOpened)
+	assert.False(t, s.Outage)
+	assert.Zero(t, s.Plans[0].Allowed[SourceFallback]+s.Plans[0].Denied[SourceFallback])
+}
+
+// TestRedisErrorsNeverCarryKeys renames EVALSHA away, so that Redis answers
+// "unknown command 'evalsha', with args beginning with: ..." and quotes the
+// command's arguments, the caller's key among them. Neither the error a
+// caller gets nor any log line may hold the key.
+func TestRedisErrorsNeverCarryKeys(t *testing.T) {
+	redistest.SkipIfUnavailable(t)
+	srv := redistest.StartServer(t, "--rename-command", "EVALSHA", `""`)
+	const key = "alice@example.com"
+	logs := &logCounter{minLevel: slog.LevelDebug}
+	l, err := New(NewRedisStore(newRealClient(t, failFast(srv.Addr()))), testPlans,
+		WithLogger(slog.New(logs)), WithFailurePolicy(FailClosed))
+	require.NoError(t, err)
+	_, first := l.Allow(context.Background(), key)
+	var rerr *redisscript.Error
+	require.ErrorAs(t, first, &rerr, "the class survives: %v", first)
+	assert.Equal(t, "ERR", rerr.Class)
+	for i := 0; i < 5; i++ {
+		_, err = l.Allow(context.Background(), key)
+		require.ErrorIs(t, err, ErrStoreUnavailable)
+		assert.NotContains(t, err.Error(), "alice")
+	}
+	t.Logf("first error: %v; log: %s", first, logs.text.String())
+	assert.NotContains(t, first.Error(), "alice")
+	require.NotEmpty(t, logs.levels)
+	assert.NotContains(t, logs.text.String(), "alice")
+	assert.NotContains(t, logs.text.String(), "tollgate:{")
 }

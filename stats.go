@@ -45,13 +45,14 @@ type Stats struct {
 	// breaker.Closed for a MemoryStore, which has none.
 	Breaker breaker.State
 	// BreakerOpened, BreakerHalfOpened and BreakerClosed count the
-	// transitions into each state. A failed probe opens the breaker again,
-	// so BreakerOpened grows once per Cooldown during a long outage; a
-	// transition from closed to open is BreakerOpened minus
-	// BreakerHalfOpened.
+	// transitions into each state. BreakerOpened counts trips, from
+	// closed: a failed probe, which opens the breaker again once per
+	// Cooldown during a long outage, is not a trip.
 	BreakerOpened, BreakerHalfOpened, BreakerClosed uint64
-	// Outage is true from the store's first failure until its next
-	// success: the time the failure policy decides.
+	// Outage is true from the moment the breaker trips until a call
+	// succeeds with the breaker closed and no call failed for two
+	// Cooldowns: through a partial outage, it stays true while the breaker
+	// closes and trips again.
 	Outage bool
 	// ScriptLoads is the number of times a RedisStore sent its script's
 	// source after Redis answered NOSCRIPT; 0 for other stores.
@@ -167,7 +168,7 @@ func (l *Limiter) Stats() Stats {
 		StoreLatency:  make([]uint64, len(l.stats.latency)),
 		LatencyBounds: append([]time.Duration(nil), latencyBounds...),
 		StoreErrors:   make(map[string]uint64),
-		Outage:        l.outageStart.Load() != 0,
+		Outage:        l.outage.active(),
 	}
 	for i, p := range l.plans {
 		ps := &s.Plans[i]

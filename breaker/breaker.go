@@ -1,12 +1,19 @@
 // Package breaker holds the circuit breaker that a tollgate.Limiter puts in
-// front of its store: after repeated store failures it stops calling the
-// store for a cool-down, then lets one call probe whether the store is back.
+// front of its store: after store failures it stops calling the store for a
+// cool-down, then lets one call probe whether the store is back.
+//
+// A Breaker trips on either of two rules: a run of consecutive failures,
+// which catches a store that is down, or a failure rate over a sliding time
+// window, which catches a store that fails some calls and answers others
+// (OOM under noeviction, READONLY from a demoted master), where every
+// success would reset a count of consecutive failures.
 //
 // A Breaker is local to one process and lock-free: a closed breaker costs
-// one atomic load per call, an open one a read of the monotonic clock.
+// a clock read and two atomic additions per call, an open one a clock read.
 package breaker
 
 import (
+	"math"
 	"sync/atomic"
 	"time"
 )
@@ -16,12 +23,51 @@ type Settings struct {
 	// Failures is the number of consecutive failures that open the
 	// breaker. The default is 3.
 	Failures int
+	// FailureRate is the fraction of failed calls, above 0 and at most 1,
+	// that opens the breaker once Window holds at least MinCalls calls.
+	// The default is 0.5.
+	FailureRate float64
+	// MinCalls is the fewest calls in Window for FailureRate to apply. The
+	// default is 20.
+	MinCalls int
+	// Window is the sliding time window over which FailureRate is
+	// measured, in ten steps of Window/10. The default is 10s.
+	Window time.Duration
 	// Cooldown is how long the breaker stays open before it lets one call
 	// through to probe: success closes it, failure opens it for another
 	// Cooldown. The default is 500ms, so that calls return to a recovered
 	// store soon (0.3 s after a short outage in tollgate's chaos suite; up
 	// to 1.5 s after a long one, go-redis's re-dial pace).
 	Cooldown time.Duration
+}
+
+// withDefaults returns s with every zero field set to its default.
+func (s Settings) withDefaults() Settings {
+	if s.Failures < 1 {
+		s.Failures = 3
+	}
+	if !(s.FailureRate > 0) || s.FailureRate > 1 {
+		s.FailureRate = 0.5
+	}
+	if s.MinCalls < 1 {
+		s.MinCalls = 20
+	}
+	if s.Window <= 0 {
+		s.Window = 10 * time.Second
+	}
+	if s.Cooldown <= 0 {
+		s.Cooldown = 500 * time.Millisecond
+	}
+	return s
+}
+
+// Valid reports whether every field is either zero (the default) or in
+// range: no negative count or duration, a FailureRate in (0, 1], and a
+// Window of at least 10 steps of a microsecond.
+func (s Settings) Valid() bool {
+	return s.Failures >= 0 && s.MinCalls >= 0 && s.Cooldown >= 0 &&
+		(s.Window == 0 || s.Window >= steps*time.Microsecond) &&
+		(s.FailureRate == 0 || s.FailureRate > 0 && s.FailureRate <= 1 && !math.IsNaN(s.FailureRate))
 }
 
 // State is the state of a Breaker.
@@ -49,33 +95,45 @@ func (s State) String() string {
 	return "unknown"
 }
 
+// steps is the number of sub-windows of the sliding window.
+const steps = 10
+
+// step counts the calls of one sub-window.
+type step struct {
+	slot     atomic.Int64 // which sub-window it counts: now / (Window/steps)
+	calls    atomic.Uint64
+	failures atomic.Uint64
+}
+
 // Breaker is a circuit breaker. It is safe for concurrent use; the zero
 // value is not usable, call New.
 type Breaker struct {
-	failures int32
-	cooldown time.Duration
-	epoch    time.Time // openedAt counts from here, on the monotonic clock
+	s     Settings // with defaults
+	width int64    // ns of one step
+	epoch time.Time
 
 	state    atomic.Int32 // State
 	failed   atomic.Int32 // consecutive failures while closed
 	openedAt atomic.Int64 // ns since epoch of the last opening
+	window   [steps]step
 
-	// entered counts transitions by the state they entered: a failed
-	// probe enters Open again, an abandoned one does not count.
+	// entered counts transitions by the state they entered. A failed
+	// probe opens the breaker again without counting: Entered(Open) is
+	// the number of trips.
 	entered [3]atomic.Uint64
 }
 
-// New returns a closed Breaker configured by s.
+// New returns a closed Breaker configured by s. Fields out of range (see
+// Valid) mean their defaults.
 func New(s Settings) *Breaker {
-	b := &Breaker{failures: int32(s.Failures), cooldown: s.Cooldown, epoch: time.Now()}
-	if b.failures < 1 {
-		b.failures = 3
-	}
-	if b.cooldown <= 0 {
-		b.cooldown = 500 * time.Millisecond
-	}
+	b := &Breaker{s: s.withDefaults(), epoch: time.Now()}
+	b.width = max(int64(b.s.Window/steps), 1)
+	b.clearWindow()
 	return b
 }
+
+// Settings returns the breaker's settings, defaults filled in.
+func (b *Breaker) Settings() Settings { return b.s }
 
 // Now reads the Breaker's monotonic clock, in nanoseconds since New. It is
 // cheaper than time.Now, which reads the wall clock too.
@@ -89,7 +147,7 @@ func (b *Breaker) Allow() (ok, probe bool) {
 	case Closed:
 		return true, false
 	case Open:
-		if b.Now()-b.openedAt.Load() < int64(b.cooldown) {
+		if b.Now()-b.openedAt.Load() < int64(b.s.Cooldown) {
 			return false, false
 		}
 		ok = b.transition(Open, HalfOpen)
@@ -103,26 +161,37 @@ func (b *Breaker) Success() {
 	if b.failed.Load() != 0 {
 		b.failed.Store(0)
 	}
-	if State(b.state.Load()) == HalfOpen {
-		b.transition(HalfOpen, Closed)
+	switch State(b.state.Load()) {
+	case Closed:
+		b.count(false)
+	case HalfOpen:
+		if b.transition(HalfOpen, Closed) {
+			// A closed breaker starts a fresh window: the failures that
+			// opened it must not trip it again at the next failure.
+			b.clearWindow()
+		}
 	}
 }
 
-// Failure records a failed call: the last of Failures in a row opens a
-// closed breaker, and a failed probe opens it again.
-func (b *Breaker) Failure() {
+// Failure records a failed call, and reports whether it tripped the
+// breaker: opened it from closed. A failed probe opens it again, which is
+// not a trip.
+func (b *Breaker) Failure() (tripped bool) {
 	switch State(b.state.Load()) {
 	case HalfOpen:
 		b.openedAt.Store(b.Now())
-		b.transition(HalfOpen, Open)
+		b.state.CompareAndSwap(int32(HalfOpen), int32(Open))
 	case Closed:
-		if b.failed.Add(1) >= b.failures {
+		calls, failures := b.count(true)
+		rate := calls >= uint64(b.s.MinCalls) && float64(failures) >= b.s.FailureRate*float64(calls)
+		if b.failed.Add(1) >= int32(b.s.Failures) || rate {
 			// The time first, so that no caller sees an open breaker with
 			// a stale opening time and probes at once.
 			b.openedAt.Store(b.Now())
-			b.transition(Closed, Open)
+			return b.transition(Closed, Open)
 		}
 	}
+	return false
 }
 
 // Abandon ends a probe that told nothing, such as one its caller
@@ -138,7 +207,8 @@ func (b *Breaker) State() State {
 	return State(b.state.Load())
 }
 
-// Entered returns how many times the breaker has entered state s since New.
+// Entered returns how many times the breaker has entered state s since
+// New. Entered(Open) counts trips, not the re-openings of failed probes.
 func (b *Breaker) Entered(s State) uint64 {
 	if s < Closed || s > HalfOpen {
 		return 0
@@ -154,4 +224,37 @@ func (b *Breaker) transition(from, to State) bool {
 	}
 	b.entered[to].Add(1)
 	return true
+}
+
+// count counts a call in the current step of the window and returns the
+// calls and failures of the whole window. Steps are recycled without a
+// lock, so a call counted as its step is recycled may be lost: the rate is
+// an estimate, which is all a breaker needs.
+func (b *Breaker) count(failed bool) (calls, failures uint64) {
+	slot := b.Now() / b.width
+	st := &b.window[slot%steps]
+	if old := st.slot.Load(); old != slot && st.slot.CompareAndSwap(old, slot) {
+		st.calls.Store(0)
+		st.failures.Store(0)
+	}
+	st.calls.Add(1)
+	if !failed {
+		return 0, 0 // only a failure asks for the rate
+	}
+	st.failures.Add(1)
+	for i := range b.window {
+		w := &b.window[i]
+		if s := w.slot.Load(); s > slot-steps && s <= slot {
+			calls += w.calls.Load()
+			failures += w.failures.Load()
+		}
+	}
+	return calls, failures
+}
+
+// clearWindow forgets every call counted.
+func (b *Breaker) clearWindow() {
+	for i := range b.window {
+		b.window[i].slot.Store(math.MinInt64)
+	}
 }

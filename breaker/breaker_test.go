@@ -1,0 +1,156 @@
+package breaker
+
+import (
+	"math"
+	"sync"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+func TestConsecutiveFailuresTrip(t *testing.T) {
+	b := New(Settings{Failures: 3})
+	assert.False(t, b.Failure())
+	assert.False(t, b.Failure())
+	b.Success() // resets the run
+	assert.False(t, b.Failure())
+	assert.False(t, b.Failure())
+	assert.True(t, b.Failure(), "the third in a row trips")
+	assert.Equal(t, Open, b.State())
+	assert.False(t, b.Failure(), "an open breaker trips no more")
+	assert.Equal(t, uint64(1), b.Entered(Open))
+}
+
+func TestFailureRateTripsAPartialOutage(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		b := New(Settings{Failures: 3, FailureRate: 0.5, MinCalls: 20, Window: time.Second})
+		// Every other call fails: no run of 3, but half the calls.
+		for i := 0; i < 19; i++ {
+			if i%2 == 0 {
+				require.False(t, b.Failure(), "call %d: fewer than MinCalls", i)
+			} else {
+				b.Success()
+			}
+			time.Sleep(time.Millisecond)
+		}
+		assert.Equal(t, Closed, b.State())
+		b.Success()
+		assert.True(t, b.Failure(), "21 calls, 11 failed")
+		assert.Equal(t, Open, b.State())
+
+		time.Sleep(b.Settings().Cooldown)
+		_, probe := b.Allow()
+		require.True(t, probe)
+		b.Success()
+		require.Equal(t, Closed, b.State())
+		assert.False(t, b.Failure(), "a closed breaker starts a fresh window")
+	})
+}
+
+func TestFailureRateBelowThresholdDoesNotTrip(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		b := New(Settings{FailureRate: 0.5, MinCalls: 20, Window: time.Second})
+		for i := 0; i < 1000; i++ {
+			if i%3 == 0 {
+				require.False(t, b.Failure(), "call %d", i)
+			} else {
+				b.Success()
+			}
+			time.Sleep(time.Millisecond)
+		}
+		assert.Equal(t, Closed, b.State())
+	})
+}
+
+func TestWindowForgetsOldFailures(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		b := New(Settings{Failures: 100, FailureRate: 0.5, MinCalls: 4, Window: time.Second})
+		for i := 0; i < 3; i++ {
+			require.False(t, b.Failure())
+		}
+		b.Success() // 4 calls, 3 failed, but the run is broken
+		time.Sleep(1100 * time.Millisecond)
+		// The old failures have left the window: 1 failure in 4 calls.
+		b.Success()
+		b.Success()
+		b.Success()
+		assert.False(t, b.Failure())
+		assert.Equal(t, Closed, b.State())
+	})
+}
+
+func TestCooldownProbeAndClose(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		b := New(Settings{Failures: 1, Cooldown: 100 * time.Millisecond})
+		require.True(t, b.Failure())
+		ok, _ := b.Allow()
+		assert.False(t, ok, "open")
+		time.Sleep(100 * time.Millisecond)
+		ok, probe := b.Allow()
+		assert.True(t, ok && probe, "one probe after the cooldown")
+		ok, _ = b.Allow()
+		assert.False(t, ok, "only one")
+		assert.False(t, b.Failure(), "a failed probe re-opens; it is no trip")
+		assert.Equal(t, Open, b.State())
+		time.Sleep(100 * time.Millisecond)
+		ok, probe = b.Allow()
+		require.True(t, ok && probe)
+		b.Success()
+		assert.Equal(t, Closed, b.State())
+		assert.Equal(t, uint64(1), b.Entered(Open))
+		assert.Equal(t, uint64(2), b.Entered(HalfOpen))
+		assert.Equal(t, uint64(1), b.Entered(Closed))
+	})
+}
+
+func TestAbandonLetsTheNextCallProbe(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		b := New(Settings{Failures: 1, Cooldown: time.Second})
+		b.Failure()
+		time.Sleep(time.Second)
+		_, probe := b.Allow()
+		require.True(t, probe)
+		b.Abandon()
+		_, probe = b.Allow()
+		assert.True(t, probe, "no second cooldown")
+	})
+}
+
+func TestExactlyOneProbe(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		b := New(Settings{Failures: 1, Cooldown: time.Millisecond})
+		b.Failure()
+		time.Sleep(time.Millisecond)
+		var wg sync.WaitGroup
+		var mu sync.Mutex
+		probes := 0
+		for range 64 {
+			wg.Go(func() {
+				if _, probe := b.Allow(); probe {
+					mu.Lock()
+					probes++
+					mu.Unlock()
+				}
+			})
+		}
+		wg.Wait()
+		assert.Equal(t, 1, probes)
+	})
+}
+
+func TestSettings(t *testing.T) {
+	assert.Equal(t, Settings{Failures: 3, FailureRate: 0.5, MinCalls: 20, Window: 10 * time.Second, Cooldown: 500 * time.Millisecond},
+		New(Settings{}).Settings())
+	assert.True(t, Settings{}.Valid())
+	for _, bad := range []Settings{
+		{Failures: -1}, {MinCalls: -1}, {Cooldown: -1}, {Window: -time.Second}, {Window: time.Nanosecond},
+		{FailureRate: -0.1}, {FailureRate: 1.5}, {FailureRate: math.NaN()},
+	} {
+		assert.False(t, bad.Valid(), "%+v", bad)
+	}
+	assert.Equal(t, "half-open", HalfOpen.String())
+	assert.Equal(t, "unknown", State(7).String())
+}

@@ -1,0 +1,51 @@
+package tollgate
+
+import "sync/atomic"
+
+// outage tracks a store outage for the log and Stats: it begins when the
+// breaker trips, and ends at a success once no store call has failed for a
+// quiet period. In between, a partial outage may close and trip the breaker
+// many times; those trips and the failed calls are counted, not logged.
+type outage struct {
+	start       atomic.Int64  // UnixNano when it began; 0 when there is none
+	lastFailure atomic.Int64  // when a store call last failed, on the breaker's clock
+	failures    atomic.Uint64 // failed store calls since it began
+	trips       atomic.Uint64 // trips of the breaker since it began
+}
+
+// failed counts a failed store call at now, on the breaker's clock.
+func (o *outage) failed(now int64) {
+	o.lastFailure.Store(now)
+	if o.start.Load() != 0 {
+		o.failures.Add(1)
+	}
+}
+
+// begin counts a trip at wall time now, and reports whether it began an
+// outage.
+func (o *outage) begin(now int64) bool {
+	if o.start.Load() != 0 || !o.start.CompareAndSwap(0, now) {
+		o.trips.Add(1)
+		return false
+	}
+	o.failures.Store(1) // the call that tripped
+	o.trips.Store(1)
+	return true
+}
+
+// end ends the outage if no call has failed in the quiet nanoseconds
+// before clock (the breaker's clock), and returns when it began (wall
+// time) and what it counted. Exactly one caller ends an outage.
+func (o *outage) end(clock, quiet int64) (start int64, failures, trips uint64, ok bool) {
+	if clock-o.lastFailure.Load() < quiet {
+		return 0, 0, 0, false
+	}
+	start = o.start.Swap(0)
+	if start == 0 {
+		return 0, 0, 0, false
+	}
+	return start, o.failures.Load(), o.trips.Load(), true
+}
+
+// active reports whether an outage is going on.
+func (o *outage) active() bool { return o.start.Load() != 0 }
