@@ -624,6 +624,30 @@ func TestLuaAgreesWithGoTable(t *testing.T) {
 	}
 }
 
+// extremeRates are plans at the ends of what Plan accepts, whose rates
+// formatted with %g would read "1e-05" or "1e+07": gopher-lua's tonumber,
+// which miniredis runs, reads those as nil.
+var extremeRates = []Plan{
+	{Name: "slowest", Capacity: 3, Rate: 3 / MaxRefillPeriod.Seconds() * (1 + 1e-9)},
+	{Name: "micro", Capacity: 3, Rate: 1e-5},
+	{Name: "mega", Capacity: 2_000_000, Rate: 1e6},
+	{Name: "tera", Capacity: 20_000_000, Rate: 1e7},
+	{Name: "fastest", Capacity: maxCapacity, Rate: 1e12},
+}
+
+func TestExtremeRatesAgree(t *testing.T) {
+	for _, p := range extremeRates {
+		t.Run(p.Name, func(t *testing.T) {
+			require.NoError(t, p.validate())
+			one := []Plan{p}
+			runAgreement(t, onOneKey([]agreementStep{
+				{0, 1, one}, {0, p.Capacity - 1, one}, {1, 1, one}, {7, 1, one},
+				{1_000_000, 1, one}, {86_400_000_000, p.Capacity, one}, {1, 0, one},
+			}))
+		})
+	}
+}
+
 func TestLuaAgreesWithGoRandom(t *testing.T) {
 	for seed := uint64(1); seed <= 4; seed++ {
 		t.Run(fmt.Sprint("seed", seed), func(t *testing.T) {
@@ -653,18 +677,19 @@ func TestLuaAgreesWithGoOnRealRedis(t *testing.T) {
 	ctx := context.Background()
 	s := NewRedisStore(c, WithKeyPrefix(testPrefix(t)))
 	rng := rand.New(rand.NewPCG(7, 7))
+	plans := append(slices.Clone(agreementPlans), extremeRates...)
 	for i := 0; i < 500; i++ {
-		p := agreementPlans[rng.IntN(len(agreementPlans))]
+		p := plans[rng.IntN(len(plans))]
 		key := s.Key("user", p.Name)
 		nowApprox := time.Now().UnixMicro()
 		planted := TokenBucket{
 			Tokens: rng.Int64N(p.Capacity*microTokens + 1),
-			Stamp:  nowApprox - rng.Int64N(int64(float64(p.Capacity)/p.Rate*1e6)+1),
+			Stamp:  nowApprox - rng.Int64N(int64(min(float64(p.Capacity)/p.Rate*1e6, 1e15))+1),
 		}
 		require.NoError(t, c.HSet(ctx, key, "t", planted.Tokens, "ts", planted.Stamp, "v", 1).Err())
 		cost := rng.Int64N(min(p.Capacity, 5) + 1)
 		keys := []string{key}
-		args := []any{cost, p.Capacity, strconv.FormatFloat(p.Rate, 'g', -1, 64)}
+		args := []any{cost, p.Capacity, formatRate(p.Rate)}
 		reply, err := c.Eval(ctx, scripts.TokenBucket, keys, args...).Result()
 		require.NoError(t, err)
 		allowed, now, got, err := parseReply(nil, reply, []Plan{p})
