@@ -35,6 +35,13 @@ func main() {
 		log.Fatal(err)
 	}
 	ctx := context.Background()
+	// One real decision at startup: a wrong password or an ACL without
+	// EVALSHA fails here, not as a silent fallback for ever.
+	checkCtx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	if err := lim.Check(checkCtx); err != nil {
+		log.Fatal(err)
+	}
 	for _, key := range []string{"api-key-alice", "api-key-bob"} {
 		if err := lim.Reset(ctx, key); err != nil { // start each run with full buckets
 			log.Fatal(err)
