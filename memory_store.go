@@ -3,6 +3,7 @@ package tollgate
 import (
 	"context"
 	"hash/maphash"
+	"math"
 	"slices"
 	"strings"
 	"sync"
@@ -18,11 +19,14 @@ const defaultMaxKeys = 100_000
 //
 // A key's buckets are dropped once they are all full again, since a missing
 // bucket reads as full: at the latest when the store needs room. The store
-// never holds more than MaxKeys keys (bounded per shard, of at least 64
-// keys each); when a shard is at its bound and no key is full, it drops the
-// key closest to full among a sample of 16, and that key may get those few
-// tokens early. This keeps a flood of distinct keys from
-// exhausting memory.
+// never holds more than WithMaxKeys keys (bounded per shard, of at least 64
+// keys each), so a flood of distinct keys cannot exhaust memory. When a
+// shard is at its bound and none of a sample of 16 keys is full, it drops
+// the one that would get back the fewest tokens, per µs it has been away,
+// if it returned after as long again: a key in use is kept over keys seen
+// once, and a key that will be full by its return goes first. A key that
+// is dropped before it is full reads as full when it returns, so it gets
+// back at most one capacity of each plan per eviction.
 type MemoryStore struct {
 	seed   maphash.Seed
 	shards []memShard
@@ -42,6 +46,7 @@ type memShard struct {
 // memEntry holds the buckets of one key, one per plan it was charged to.
 type memEntry struct {
 	buckets []memBucket
+	seen    int64 // µs: the last decision on the key, denials and reads included
 }
 
 type memBucket struct {
@@ -193,13 +198,16 @@ func (m *MemoryStore) takeInto(r *Result, key string, cost int64, plans []Plan) 
 	// preemption, could pass for a garbage stamp a whole refill ahead.
 	now := m.now()
 	e := s.keys[key]
+	if e != nil {
+		e.seen = now
+	}
 	for _, p := range plans {
 		buckets = append(buckets, e.bucket(p, now))
 	}
 	allowed := takeAll(plans, buckets, now, cost)
 	if allowed && cost > 0 {
 		if e == nil {
-			e = &memEntry{buckets: make([]memBucket, 0, len(plans))}
+			e = &memEntry{buckets: make([]memBucket, 0, len(plans)), seen: now}
 			s.insert(strings.Clone(key), e, m.perCap, now)
 		}
 		for i, p := range plans {
@@ -216,11 +224,12 @@ func (m *MemoryStore) takeInto(r *Result, key string, cost int64, plans []Plan) 
 }
 
 // insert adds a key, dropping full keys it comes across and, at the bound,
-// the one closest to full. Requires s.mu.
+// the one that would get back the fewest tokens, per µs it has been away,
+// if it returned after as long again. Requires s.mu.
 func (s *memShard) insert(key string, e *memEntry, perCap int, now int64) {
 	examined := 0
 	var victim string
-	victimAt := int64(-1)
+	victimHarm := math.Inf(1)
 	for k, old := range s.keys {
 		if examined >= evictSample || examined >= sweepSample && len(s.keys) < perCap {
 			break
@@ -231,11 +240,15 @@ func (s *memShard) insert(key string, e *memEntry, perCap int, now int64) {
 			delete(s.keys, k)
 			continue
 		}
-		if victimAt < 0 || at < victimAt {
-			victim, victimAt = k, at
+		// What it would get back if it returned after as long as it has
+		// been away, per µs away: a key seen once long ago is a better
+		// victim than a drained key that keeps asking.
+		away := now - old.seen
+		if harm := float64(at-now-away) / float64(away+1); harm < victimHarm {
+			victim, victimHarm = k, harm
 		}
 	}
-	if len(s.keys) >= perCap && victimAt >= 0 {
+	if len(s.keys) >= perCap && !math.IsInf(victimHarm, 1) {
 		delete(s.keys, victim)
 	}
 	s.keys[key] = e

@@ -190,3 +190,31 @@ func TestMemoryStoreTakeDoesNotAllocate(t *testing.T) {
 	})
 	assert.Equal(t, 0.0, allocs)
 }
+
+// TestMemoryStoreKeepsKeysInUse floods a full store with keys that each
+// drain their bucket once, while one key is asked about between them and
+// denied: the key in use must stay, or it would get its quota back each
+// time it is dropped. It admits no more than its bound.
+func TestMemoryStoreKeepsKeysInUse(t *testing.T) {
+	ctx := context.Background()
+	now := t0
+	m := NewMemoryStore(WithMaxKeys(1000))
+	m.fakeNow = func() int64 { return now }
+	p := Plan{Name: "p", Capacity: 5, Rate: Per(5, 24*time.Hour)}
+	admitted := 0
+	for i := 0; i < 100_000; i++ {
+		now += 10 // µs
+		_, err := m.Take(ctx, fmt.Sprint("flood-", i), p.Capacity, []Plan{p})
+		require.NoError(t, err)
+		if i%10 == 0 {
+			r, err := m.Take(ctx, "hot", 1, []Plan{p})
+			require.NoError(t, err)
+			if r.Allowed {
+				admitted++
+			}
+		}
+	}
+	bound := float64(p.Capacity) + p.Rate*float64(now-t0)/1e6
+	assert.LessOrEqual(t, float64(admitted), bound, "100,000 other drained keys through a store of 1,000")
+	assert.LessOrEqual(t, m.Len(), 1000)
+}
