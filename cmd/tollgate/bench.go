@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -195,8 +194,8 @@ func bench(ctx context.Context, w, stderr io.Writer, client *redis.Client, cfg b
 	} else {
 		fmt.Fprintf(w, "cleanup   deleted %d buckets under prefix %s\n", deleted, prefix)
 	}
-	if total == 0 && counts.errors.Load() > 0 {
-		return errors.New("no decision succeeded")
+	if n := counts.errors.Load(); n > 0 {
+		return fmt.Errorf("%d decisions failed (the first error is above)", n)
 	}
 	return nil
 }

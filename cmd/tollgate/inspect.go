@@ -153,6 +153,7 @@ func reset(ctx context.Context, w io.Writer, c redis.UniversalClient, prefix, ke
 			fmt.Fprintf(w, "absent   %s (already full)\n", strconv.Quote(store.Key(key, p.Name)))
 		}
 	}
-	fmt.Fprintf(w, "deleted %d of %d buckets of key %s: they read as full now\n", deleted, len(ps), strconv.Quote(key))
+	fmt.Fprintf(w, "deleted %d of %d buckets of key %s: they read as full in Redis now\n", deleted, len(ps), strconv.Quote(key))
+	fmt.Fprintln(w, "running instances that denied the key keep denying it from their denial cache until the RetryAfter they gave")
 	return nil
 }
