@@ -1,4 +1,4 @@
-package tollgate_test
+package httplimit_test
 
 import (
 	"fmt"
@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/tollgate-go/tollgate"
+	"github.com/tollgate-go/tollgate/httplimit"
 )
 
 func ExampleMiddleware() {
@@ -20,7 +21,7 @@ func ExampleMiddleware() {
 	api := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		fmt.Fprintln(w, "hello")
 	})
-	h := tollgate.Middleware(lim, tollgate.ByHeader("X-API-Key"), []string{"burst"})(api)
+	h := httplimit.Middleware(lim, httplimit.ByHeader("X-API-Key"), httplimit.WithPlans("burst"))(api)
 
 	for range 3 {
 		r := httptest.NewRequest("GET", "/", nil)
@@ -54,7 +55,7 @@ func ExampleMiddleware() {
 }
 
 func ExampleByIPWith() {
-	key := tollgate.ByIPWith(tollgate.IPOptions{
+	key := httplimit.ByIPWith(httplimit.IPOptions{
 		TrustedProxies: []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8")},
 	})
 	for _, c := range []struct{ peer, xff string }{
@@ -62,6 +63,7 @@ func ExampleByIPWith() {
 		{"203.0.113.7:50123", "198.51.100.1"},              // untrusted peer: header ignored
 		{"10.0.0.2:443", "198.51.100.1, 203.0.113.9"},      // rightmost untrusted address
 		{"10.0.0.2:443", "2001:db8:1:2:3:4:5:6, 10.0.0.3"}, // IPv6 by /64
+		{"10.0.0.2:443", "203.0.113.9, garbage"},           // rightmost entry not an address
 	} {
 		r := httptest.NewRequest("GET", "/", nil)
 		r.RemoteAddr = c.peer
@@ -69,11 +71,12 @@ func ExampleByIPWith() {
 			r.Header.Set("X-Forwarded-For", c.xff)
 		}
 		k, err := key(r)
-		fmt.Println(k, err)
+		fmt.Printf("%q %v\n", k, err)
 	}
 	// Output:
-	// ip:203.0.113.7 <nil>
-	// ip:203.0.113.7 <nil>
-	// ip:203.0.113.9 <nil>
-	// ip:2001:db8:1:2::/64 <nil>
+	// "ip:203.0.113.7" <nil>
+	// "ip:203.0.113.7" <nil>
+	// "ip:203.0.113.9" <nil>
+	// "ip:2001:db8:1:2::/64" <nil>
+	// "" httplimit: no rate limit key in request: client address is not an IP address
 }

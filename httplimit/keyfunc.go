@@ -1,19 +1,28 @@
-package tollgate
+package httplimit
 
 import (
 	"cmp"
 	"context"
+	"errors"
 	"fmt"
 	"net/http"
 	"net/netip"
 	"strings"
 )
 
+// ErrNoKey means a KeyFunc found no rate limit key in a request: a header
+// is missing or empty, the client address is not an IP address, or the
+// context holds no principal. The KeyFuncs of this package wrap it with
+// detail, so match it with errors.Is. Middleware answers 400 by default
+// (see WithKeyErrorHandler).
+var ErrNoKey = errors.New("httplimit: no rate limit key in request")
+
 // KeyFunc returns the rate limit key of a request: who is limited. An
 // error, ErrNoKey for the KeyFuncs of this package, means the request
-// carries no usable key; Middleware then answers 400. Keys may be personal
-// data, so a KeyFunc's errors must not contain them. Middleware calls its
-// KeyFunc concurrently; those of this package are safe for that.
+// carries no usable key; Middleware then answers 400, as it does for a
+// key that is empty or longer than tollgate.MaxKeyLen bytes. Keys may be
+// personal data, so a KeyFunc's errors must not contain them. Middleware
+// calls its KeyFunc concurrently; those of this package are safe for that.
 //
 // The KeyFuncs of this package start their keys with their kind ("ip:",
 // "header:NAME:", "principal:"), so keys of different kinds never meet in
@@ -30,7 +39,7 @@ type KeyFunc func(*http.Request) (string, error)
 // value each time; behind authentication, ByPrincipal is the better key.
 func ByHeader(name string) KeyFunc {
 	if name == "" {
-		panic("tollgate: ByHeader: empty header name")
+		panic("httplimit: ByHeader: empty header name")
 	}
 	name = http.CanonicalHeaderKey(name)
 	prefix := "header:" + name + ":"
@@ -134,21 +143,21 @@ func ByIP(trustedProxies ...netip.Prefix) KeyFunc {
 func ByIPWith(o IPOptions) KeyFunc {
 	k := &ipKeyer{v4Bits: cmp.Or(o.IPv4Bits, 32), v6Bits: cmp.Or(o.IPv6Bits, 64)}
 	if k.v4Bits < 1 || k.v4Bits > 32 {
-		panic(fmt.Sprintf("tollgate: IPOptions.IPv4Bits %d is not 1 to 32", o.IPv4Bits))
+		panic(fmt.Sprintf("httplimit: IPOptions.IPv4Bits %d is not 1 to 32", o.IPv4Bits))
 	}
 	if k.v6Bits < 1 || k.v6Bits > 128 {
-		panic(fmt.Sprintf("tollgate: IPOptions.IPv6Bits %d is not 1 to 128", o.IPv6Bits))
+		panic(fmt.Sprintf("httplimit: IPOptions.IPv6Bits %d is not 1 to 128", o.IPv6Bits))
 	}
 	switch http.CanonicalHeaderKey(o.ProxyHeader) {
 	case "", "X-Forwarded-For":
 	case "Forwarded":
 		k.forwarded = true
 	default:
-		panic(fmt.Sprintf("tollgate: IPOptions.ProxyHeader %q is neither X-Forwarded-For nor Forwarded", o.ProxyHeader))
+		panic(fmt.Sprintf("httplimit: IPOptions.ProxyHeader %q is neither X-Forwarded-For nor Forwarded", o.ProxyHeader))
 	}
 	for _, p := range o.TrustedProxies {
 		if !p.IsValid() {
-			panic("tollgate: IPOptions.TrustedProxies holds an invalid prefix")
+			panic("httplimit: IPOptions.TrustedProxies holds an invalid prefix")
 		}
 		if p.Addr().Is4In6() && p.Bits() >= 96 {
 			p = netip.PrefixFrom(p.Addr().Unmap(), p.Bits()-96)

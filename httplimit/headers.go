@@ -1,10 +1,12 @@
-package tollgate
+package httplimit
 
 import (
 	"math"
 	"net/http"
 	"strconv"
 	"time"
+
+	"github.com/tollgate-go/tollgate"
 )
 
 // HeaderMode selects the rate limit header fields that Middleware writes
@@ -13,7 +15,9 @@ import (
 // RateLimit-Policy and RateLimit follow the IETF draft "RateLimit header
 // fields for HTTP", draft-ietf-httpapi-ratelimit-headers-11 (23 May 2026):
 // each is a Structured Field List (RFC 9651) with one Item per chained
-// plan, in the order asked, named by the plan as a String:
+// plan, in the order asked, named by the plan as a String. After the
+// first request of a key to the plans gold (Capacity 20, Rate 2) and daily
+// (Capacity 10000, tollgate.Per(10000, 24*time.Hour)):
 //
 //	RateLimit-Policy: "gold";q=20;w=10, "daily";q=10000;w=86400
 //	RateLimit: "gold";r=19;t=1, "daily";r=9999;t=9
@@ -32,12 +36,14 @@ import (
 //     (section 6).
 //
 // w and t need the plan's Rate, which only a RateLimiter with a
-// Plan(name string) (Plan, bool) method tells, as *Limiter does; without
-// it they are left out. The optional parameter pk (partition key) is left
-// out because keys may be personal data, and qu because the default unit,
-// requests, is right unless WithCost charges more.
+// Plan(name string) (tollgate.Plan, bool) method tells, as
+// *tollgate.Limiter does; without it they are left out. The optional
+// parameter pk (partition key) is left out because keys may be personal
+// data, and qu because the default unit, requests, is right unless
+// WithCost charges more.
 //
-// The legacy fields describe the binding plan (Result's top-level fields):
+// The legacy fields describe the binding plan (the top-level fields of
+// tollgate.Result):
 //
 //	X-RateLimit-Limit: 20       its Capacity
 //	X-RateLimit-Remaining: 19   its whole tokens left
@@ -86,20 +92,20 @@ var fieldNames = [numFields]string{
 	fieldRetryAfter: "Retry-After",
 }
 
-// planner describes plans by name. *Limiter implements it.
+// planner describes plans by name. *tollgate.Limiter implements it.
 type planner interface {
-	Plan(name string) (Plan, bool)
+	Plan(name string) (tollgate.Plan, bool)
 }
 
 // setFields sets the fields of mode for res on h, and Retry-After if res
 // is a denial. p may be nil.
-func setFields(h http.Header, res *Result, mode HeaderMode, p planner) {
+func setFields(h http.Header, res *tollgate.Result, mode HeaderMode, p planner) {
 	var buf [256]byte
 	f := fields{buf: buf[:0]}
 	if mode == HeadersBoth || mode == HeadersIETF {
 		prs := res.Plans
 		if prs == nil { // a single plan, described by the top-level fields
-			one := [1]PlanResult{{Plan: res.Plan, Limit: res.Limit, Remaining: res.Remaining, ResetAfter: res.ResetAfter}}
+			one := [1]tollgate.PlanResult{{Plan: res.Plan, Limit: res.Limit, Remaining: res.Remaining, ResetAfter: res.ResetAfter}}
 			prs = one[:]
 		}
 		for i, pr := range prs {
@@ -169,9 +175,9 @@ func (f *fields) setOn(h http.Header) {
 }
 
 // describe returns the plan named name, if p knows it.
-func describe(p planner, name string) (Plan, bool) {
+func describe(p planner, name string) (tollgate.Plan, bool) {
 	if p == nil {
-		return Plan{}, false
+		return tollgate.Plan{}, false
 	}
 	return p.Plan(name)
 }
@@ -201,7 +207,7 @@ func appendParam(b []byte, param string, v int64) []byte {
 }
 
 // accrual returns the time n tokens take to accrue at rate, to the
-// microsecond, the precision of Result, so that 10000 tokens at
+// microsecond, the precision of tollgate.Result, so that 10000 tokens at
 // Per(10000, 24*time.Hour) take 86400s, not a hair more.
 func accrual(n int64, rate float64) time.Duration {
 	return time.Duration(math.Round(float64(n)/rate*1e6)) * time.Microsecond
@@ -211,7 +217,7 @@ func accrual(n int64, rate float64) time.Duration {
 // if the client spends none: the draft's effective window. A full bucket
 // gains nothing until the client spends, and then its next token takes
 // one token's accrual time.
-func nextToken(pr PlanResult, rate float64) time.Duration {
+func nextToken(pr tollgate.PlanResult, rate float64) time.Duration {
 	if pr.Remaining >= pr.Limit {
 		return accrual(1, rate)
 	}
