@@ -1,13 +1,13 @@
 package httplimit
 
 import (
-	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"net/http"
 	"net/netip"
-	"strings"
+
+	"github.com/tollgate-go/tollgate/internal/clientip"
 )
 
 // ErrNoKey means a KeyFunc found no rate limit key in a request: a header
@@ -141,186 +141,17 @@ func ByIP(trustedProxies ...netip.Prefix) KeyFunc {
 // It panics if o holds an invalid prefix, an unknown ProxyHeader or a
 // prefix length out of range.
 func ByIPWith(o IPOptions) KeyFunc {
-	k := &ipKeyer{v4Bits: cmp.Or(o.IPv4Bits, 32), v6Bits: cmp.Or(o.IPv6Bits, 64)}
-	if k.v4Bits < 1 || k.v4Bits > 32 {
-		panic(fmt.Sprintf("httplimit: IPOptions.IPv4Bits %d is not 1 to 32", o.IPv4Bits))
+	res, err := clientip.New(clientip.Options(o))
+	if err != nil {
+		panic("httplimit: IPOptions." + err.Error())
 	}
-	if k.v6Bits < 1 || k.v6Bits > 128 {
-		panic(fmt.Sprintf("httplimit: IPOptions.IPv6Bits %d is not 1 to 128", o.IPv6Bits))
-	}
-	switch http.CanonicalHeaderKey(o.ProxyHeader) {
-	case "", "X-Forwarded-For":
-	case "Forwarded":
-		k.forwarded = true
-	default:
-		panic(fmt.Sprintf("httplimit: IPOptions.ProxyHeader %q is neither X-Forwarded-For nor Forwarded", o.ProxyHeader))
-	}
-	for _, p := range o.TrustedProxies {
-		if !p.IsValid() {
-			panic("httplimit: IPOptions.TrustedProxies holds an invalid prefix")
+	return func(r *http.Request) (string, error) {
+		key, ok := res.Key(r.RemoteAddr, r.Header.Values)
+		if !ok {
+			return "", errNoAddr
 		}
-		if p.Addr().Is4In6() && p.Bits() >= 96 {
-			p = netip.PrefixFrom(p.Addr().Unmap(), p.Bits()-96)
-		}
-		k.trusted = append(k.trusted, p.Masked())
+		return key, nil
 	}
-	return k.key
-}
-
-type ipKeyer struct {
-	trusted   []netip.Prefix
-	forwarded bool // the proxy header is Forwarded, not X-Forwarded-For
-	v4Bits    int
-	v6Bits    int
 }
 
 var errNoAddr = fmt.Errorf("%w: client address is not an IP address", ErrNoKey)
-
-func (k *ipKeyer) key(r *http.Request) (string, error) {
-	addr, ok := parsePeer(r.RemoteAddr)
-	if !ok {
-		return "", errNoAddr
-	}
-	if k.isTrusted(addr) {
-		var buf [8]netip.Addr
-		hops := k.hops(r.Header, buf[:0])
-		for i := len(hops) - 1; i >= 0; i-- {
-			if !hops[i].IsValid() {
-				return "", errNoAddr
-			}
-			addr = hops[i]
-			if !k.isTrusted(addr) {
-				break
-			}
-		}
-	}
-	return k.format(addr), nil
-}
-
-func (k *ipKeyer) isTrusted(a netip.Addr) bool {
-	for _, p := range k.trusted {
-		if p.Contains(a) {
-			return true
-		}
-	}
-	return false
-}
-
-// hops appends the addresses of the proxy header to hops, leftmost first,
-// across all its field lines. An entry that is not an IP address appends
-// the zero Addr. Empty list elements are skipped (RFC 9110, 5.6.1).
-func (k *ipKeyer) hops(h http.Header, hops []netip.Addr) []netip.Addr {
-	if k.forwarded {
-		for _, v := range h["Forwarded"] {
-			hops = appendForwardedFor(hops, v)
-		}
-		return hops
-	}
-	for _, v := range h["X-Forwarded-For"] {
-		for entry := range strings.SplitSeq(v, ",") {
-			if entry = strings.TrimSpace(entry); entry != "" {
-				a, _ := parseAddr(entry)
-				hops = append(hops, a)
-			}
-		}
-	}
-	return hops
-}
-
-// appendForwardedFor appends the "for" node of every element of a
-// Forwarded field value (RFC 7239, section 4), such as
-// `for=192.0.2.60;proto=http, for="[2001:db8:cafe::17]:4711"`. An element
-// without one, or whose node is not an IP address ("unknown", "_hidden"),
-// appends the zero Addr. A quoted-string left open ends the value with the
-// zero Addr: otherwise a client's `x="` would swallow the elements that
-// trusted proxies append after it, and its own address would be taken.
-func appendForwardedFor(hops []netip.Addr, v string) []netip.Addr {
-	for v != "" {
-		elem, rest, closed := cutUnquoted(v, ',')
-		if !closed {
-			return append(hops, netip.Addr{})
-		}
-		v = rest
-		if elem = strings.TrimSpace(elem); elem == "" {
-			continue
-		}
-		var node netip.Addr
-		for elem != "" {
-			var pair string
-			pair, elem, _ = cutUnquoted(elem, ';') // closed: the element was
-			name, value, _ := strings.Cut(strings.TrimSpace(pair), "=")
-			if strings.EqualFold(name, "for") {
-				node, _ = parseAddr(unwrap(value, '"', '"'))
-				break
-			}
-		}
-		hops = append(hops, node)
-	}
-	return hops
-}
-
-// cutUnquoted cuts s around the first sep outside a quoted-string, and
-// reports whether every quoted-string before the cut is closed.
-func cutUnquoted(s string, sep byte) (before, after string, closed bool) {
-	quoted := false
-	for i := 0; i < len(s); i++ {
-		switch c := s[i]; {
-		case quoted && c == '\\':
-			i++
-		case c == '"':
-			quoted = !quoted
-		case !quoted && c == sep:
-			return s[:i], s[i+1:], true
-		}
-	}
-	return s, "", !quoted
-}
-
-// parsePeer parses Request.RemoteAddr, which is "host:port" for TCP.
-func parsePeer(s string) (netip.Addr, bool) {
-	if ap, err := netip.ParseAddrPort(s); err == nil {
-		return ap.Addr().Unmap().WithZone(""), true
-	}
-	return parseAddr(s)
-}
-
-// parseAddr parses an address as proxies write it: "192.0.2.1",
-// "192.0.2.1:80", "2001:db8::1", "[2001:db8::1]" or "[2001:db8::1]:80".
-func parseAddr(s string) (netip.Addr, bool) {
-	a, err := netip.ParseAddr(unwrap(s, '[', ']'))
-	if err != nil {
-		ap, err := netip.ParseAddrPort(s)
-		if err != nil {
-			return netip.Addr{}, false
-		}
-		a = ap.Addr()
-	}
-	return a.Unmap().WithZone(""), true
-}
-
-// unwrap returns s without its first and last byte if they are open and
-// close, and s otherwise.
-func unwrap(s string, open, close byte) string {
-	if len(s) >= 2 && s[0] == open && s[len(s)-1] == close {
-		return s[1 : len(s)-1]
-	}
-	return s
-}
-
-// format returns the key of a: "ip:" and a, or its network when a is
-// grouped with others.
-func (k *ipKeyer) format(a netip.Addr) string {
-	bits := k.v6Bits
-	if a.Is4() {
-		bits = k.v4Bits
-	}
-	var buf [64]byte
-	b := append(buf[:0], "ip:"...)
-	if bits == a.BitLen() {
-		b = a.AppendTo(b)
-	} else {
-		p, _ := a.Prefix(bits) // cannot fail: bits is in range and a has no zone
-		b = p.AppendTo(b)
-	}
-	return string(b)
-}
