@@ -2,8 +2,10 @@ package httplimit
 
 import (
 	"context"
+	"net/http"
 	"net/http/httptest"
 	"net/netip"
+	"strings"
 	"testing"
 	"testing/synctest"
 
@@ -196,4 +198,70 @@ func TestPerRoute(t *testing.T) {
 
 	_, err := PerRoute(ByHeader("X-Api-Key"))(httptest.NewRequest("GET", "/", nil))
 	assert.ErrorIs(t, err, ErrNoKey)
+}
+
+// proxiedRequest returns a request from the trusted proxy 10.0.0.1 whose
+// header name holds about size bytes that a client sent, then last, the
+// entry the proxy appended.
+func proxiedRequest(name string, size int, last string) *http.Request {
+	spoof := "10.9.9.9, garbage, "
+	if name == "Forwarded" {
+		spoof = `for=10.9.9.9, for=garbage;proto="a, b", `
+	}
+	r := httptest.NewRequest("GET", "/", nil)
+	r.RemoteAddr = "10.0.0.1:1234"
+	r.Header.Set(name, strings.Repeat(spoof, size/len(spoof))+last)
+	return r
+}
+
+func TestByIPAllocations(t *testing.T) {
+	// A long proxy header costs nothing: the key is the one allocation,
+	// and a keyless request, with garbage where the address should be,
+	// has none.
+	tests := []struct {
+		name   string
+		key    KeyFunc
+		r      *http.Request
+		allocs float64
+	}{
+		{"xff", ByIP(testProxies...), proxiedRequest("X-Forwarded-For", 64<<10, "203.0.113.7"), 1},
+		{"xff garbage", ByIP(testProxies...), proxiedRequest("X-Forwarded-For", 64<<10, "garbage"), 0},
+		{"forwarded", ByIPWith(IPOptions{TrustedProxies: testProxies, ProxyHeader: "Forwarded"}),
+			proxiedRequest("Forwarded", 64<<10, "for=203.0.113.7"), 1},
+		{"forwarded garbage", ByIPWith(IPOptions{TrustedProxies: testProxies, ProxyHeader: "Forwarded"}),
+			proxiedRequest("Forwarded", 64<<10, "for=garbage"), 0},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			allocs := testing.AllocsPerRun(20, func() { _, _ = tt.key(tt.r) })
+			assert.Equal(t, tt.allocs, allocs)
+		})
+	}
+}
+
+// BenchmarkByIP measures ByIP behind a trusted proxy, with the header a
+// client sent growing ahead of the client address the proxy appended: the
+// cost must not grow with it.
+func BenchmarkByIP(b *testing.B) {
+	for _, header := range []string{"X-Forwarded-For", "Forwarded"} {
+		key, last, prefix := ByIP(testProxies...), "203.0.113.7", "xff"
+		if header == "Forwarded" {
+			key = ByIPWith(IPOptions{TrustedProxies: testProxies, ProxyHeader: header})
+			last, prefix = "for=203.0.113.7", "forwarded"
+		}
+		for _, size := range []struct {
+			name  string
+			bytes int
+		}{{"1-entry", 0}, {"8KiB", 8 << 10}, {"64KiB", 64 << 10}} {
+			r := proxiedRequest(header, size.bytes, last)
+			b.Run(prefix+"-"+size.name, func(b *testing.B) {
+				b.ReportAllocs()
+				for b.Loop() {
+					if _, err := key(r); err != nil {
+						b.Fatal(err)
+					}
+				}
+			})
+		}
+	}
 }

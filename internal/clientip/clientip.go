@@ -109,22 +109,30 @@ func (r *Resolver) Key(peer string, header Header) (string, bool) {
 // Addr reports false if the client's address is not an IP address: a
 // peer from a Unix socket, or a proxy header entry that does not parse
 // where the client's address should be.
+//
+// Clients choose what the proxy header holds left of what the proxies
+// append, so Addr walks it from the right and stops at the client: it
+// builds no list and parses nothing further left. An X-Forwarded-For
+// header then costs the same however long it is. A Forwarded line is
+// scanned once from the left, since only that tells quoted commas from
+// separators (see commas), but its elements are parsed from the right.
+// Neither allocates, unless the entry that ends the walk looks like an
+// address and is none: then netip allocates its error, once.
 func (r *Resolver) Addr(peer string, header Header) (netip.Addr, bool) {
-	addr, ok := parsePeer(peer)
-	if !ok {
-		return netip.Addr{}, false
+	addr, ok := parseAddr(peer)
+	if !ok || !r.isTrusted(addr) {
+		return addr, ok
 	}
-	if r.isTrusted(addr) {
-		var buf [8]netip.Addr
-		hops := r.hops(header, buf[:0])
-		for i := len(hops) - 1; i >= 0; i-- {
-			if !hops[i].IsValid() {
-				return netip.Addr{}, false
-			}
-			addr = hops[i]
-			if !r.isTrusted(addr) {
-				break
-			}
+	lines := header(r.header)
+	for i := len(lines) - 1; i >= 0; i-- {
+		var done bool
+		if r.header == forwarded {
+			addr, done = r.walkForwarded(lines[i], addr)
+		} else {
+			addr, done = r.walkXFF(lines[i], addr)
+		}
+		if done {
+			return addr, addr.IsValid()
 		}
 	}
 	return addr, true
@@ -139,57 +147,155 @@ func (r *Resolver) isTrusted(a netip.Addr) bool {
 	return false
 }
 
-// hops appends the addresses of the proxy header to hops, leftmost first,
-// across all its field lines. An entry that is not an IP address appends
-// the zero Addr. Empty list elements are skipped (RFC 9110, 5.6.1).
-func (r *Resolver) hops(header Header, hops []netip.Addr) []netip.Addr {
-	if r.header == forwarded {
-		for _, v := range header(forwarded) {
-			hops = appendForwardedFor(hops, v)
+// The walks take a field line's hops from the right, after the hops of
+// the lines below it. Each returns done and the hop that ends the walk:
+// the first one that is untrusted, or the zero Addr for one that is not
+// an address. Otherwise it returns the leftmost hop of the line, or addr
+// if the line has none, and the walk goes on to the line above. Empty
+// list elements are no hops (RFC 9110, section 5.6.1).
+
+// walkXFF walks an X-Forwarded-For line: addresses separated by commas.
+func (r *Resolver) walkXFF(v string, addr netip.Addr) (_ netip.Addr, done bool) {
+	for v != "" {
+		var entry string
+		if i := strings.LastIndexByte(v, ','); i >= 0 {
+			v, entry = v[:i], v[i+1:]
+		} else {
+			v, entry = "", v
 		}
-		return hops
-	}
-	for _, v := range header(xForwardedFor) {
-		for entry := range strings.SplitSeq(v, ",") {
-			if entry = strings.TrimSpace(entry); entry != "" {
-				a, _ := parseAddr(entry)
-				hops = append(hops, a)
-			}
+		if entry = strings.TrimSpace(entry); entry == "" {
+			continue
 		}
+		a, _ := parseAddr(entry)
+		if !a.IsValid() || !r.isTrusted(a) {
+			return a, true
+		}
+		addr = a
 	}
-	return hops
+	return addr, false
 }
 
-// appendForwardedFor appends the "for" node of every element of a
-// Forwarded field value (RFC 7239, section 4), such as
-// `for=192.0.2.60;proto=http, for="[2001:db8:cafe::17]:4711"`. An element
-// without one, or whose node is not an IP address ("unknown", "_hidden"),
-// appends the zero Addr. A quoted-string left open ends the value with the
-// zero Addr: otherwise a client's `x="` would swallow the elements that
-// trusted proxies append after it, and its own address would be taken.
-func appendForwardedFor(hops []netip.Addr, v string) []netip.Addr {
-	for v != "" {
-		elem, rest, closed := cutUnquoted(v, ',')
-		if !closed {
-			return append(hops, netip.Addr{})
+// walkForwarded walks a Forwarded line (RFC 7239, section 4), such as
+// `for=192.0.2.60;proto=http, for="[2001:db8:cafe::17]:4711"`: a hop is
+// the "for" node of an element.
+//
+// A quoted-string left open makes the line's last hop the zero Addr:
+// otherwise a client's `x="` would swallow the elements that trusted
+// proxies append after it, and its own address would be taken.
+func (r *Resolver) walkForwarded(v string, addr netip.Addr) (_ netip.Addr, done bool) {
+	var c commas
+	if !c.scan(v) {
+		return netip.Addr{}, true
+	}
+	end := len(v)
+	for k := c.n - 1; k >= -1; k-- { // the element after comma k
+		start := 0
+		if k >= 0 {
+			at, ok := c.offset(k)
+			if !ok {
+				return r.walkForwardedFromLeft(v[:end], addr)
+			}
+			start = at + 1
 		}
-		v = rest
+		elem := strings.TrimSpace(v[start:end])
+		end = start - 1
+		if elem == "" {
+			continue
+		}
+		a := forwardedFor(elem)
+		if !a.IsValid() || !r.isTrusted(a) {
+			return a, true
+		}
+		addr = a
+	}
+	return addr, false
+}
+
+// walkForwardedFromLeft walks the elements of a Forwarded line whose
+// quoted-strings are closed from the left, for the rare line that has
+// more trusted elements at its end than commas remembers. It keeps only
+// the rightmost hop that ends the walk and the leftmost hop, so it needs
+// no list either, but it parses every element.
+func (r *Resolver) walkForwardedFromLeft(v string, addr netip.Addr) (_ netip.Addr, done bool) {
+	var ended, leftmost netip.Addr
+	for v != "" {
+		var elem string
+		elem, v, _ = cutUnquoted(v, ',')
 		if elem = strings.TrimSpace(elem); elem == "" {
 			continue
 		}
-		var node netip.Addr
-		for elem != "" {
-			var pair string
-			pair, elem, _ = cutUnquoted(elem, ';') // closed: the element was
-			name, value, _ := strings.Cut(strings.TrimSpace(pair), "=")
-			if strings.EqualFold(name, "for") {
-				node, _ = parseAddr(unwrap(value, '"', '"'))
-				break
+		a := forwardedFor(elem)
+		switch {
+		case !a.IsValid() || !r.isTrusted(a):
+			ended, done = a, true
+		case !leftmost.IsValid():
+			leftmost = a
+		}
+	}
+	if done {
+		return ended, true
+	}
+	if leftmost.IsValid() {
+		return leftmost, false
+	}
+	return addr, false
+}
+
+// commas finds the commas that separate the elements of a Forwarded line,
+// those outside quoted-strings, and remembers the offsets of the last
+// len(at). Whether a comma is quoted depends on everything left of it, so
+// no scan from the right can tell; a fixed array keeps the scan from the
+// left free of allocation, and is enough for every proxy chain in
+// practice.
+type commas struct {
+	at [16]int // the offset of comma i is at[i%len(at)]
+	n  int     // the separating commas in the line
+}
+
+// scan finds the separating commas of v, and reports whether every
+// quoted-string in v is closed.
+func (c *commas) scan(v string) (closed bool) {
+	quoted := false
+	for i := 0; i < len(v); i++ {
+		switch v[i] {
+		case '\\':
+			if quoted {
+				i++ // a quoted-pair: the next byte is not special
+			}
+		case '"':
+			quoted = !quoted
+		case ',':
+			if !quoted {
+				c.at[c.n%len(c.at)] = i
+				c.n++
 			}
 		}
-		hops = append(hops, node)
 	}
-	return hops
+	return !quoted
+}
+
+// offset returns the offset of comma k, if it is among the remembered.
+func (c *commas) offset(k int) (int, bool) {
+	if k < c.n-len(c.at) {
+		return 0, false
+	}
+	return c.at[k%len(c.at)], true
+}
+
+// forwardedFor returns the "for" node of a Forwarded element, or the zero
+// Addr if it has none or the node is not an IP address ("unknown",
+// "_hidden").
+func forwardedFor(elem string) netip.Addr {
+	for elem != "" {
+		var pair string
+		pair, elem, _ = cutUnquoted(elem, ';') // closed: the line was
+		name, value, _ := strings.Cut(strings.TrimSpace(pair), "=")
+		if strings.EqualFold(name, "for") {
+			a, _ := parseAddr(unwrap(value, '"', '"'))
+			return a
+		}
+	}
+	return netip.Addr{}
 }
 
 // cutUnquoted cuts s around the first sep outside a quoted-string, and
@@ -209,26 +315,48 @@ func cutUnquoted(s string, sep byte) (before, after string, closed bool) {
 	return s, "", !quoted
 }
 
-// parsePeer parses a peer address, which is "host:port" for TCP.
-func parsePeer(s string) (netip.Addr, bool) {
-	if ap, err := netip.ParseAddrPort(s); err == nil {
-		return ap.Addr().Unmap().WithZone(""), true
-	}
-	return parseAddr(s)
-}
-
-// parseAddr parses an address as proxies write it: "192.0.2.1",
+// parseAddr parses an address as peers and proxies write it: "192.0.2.1",
 // "192.0.2.1:80", "2001:db8::1", "[2001:db8::1]" or "[2001:db8::1]:80".
+// It makes one call into netip, which allocates the error of every
+// failure, and none for text made of what no address is made of, such as
+// "unknown" or "garbage": clients write proxy header entries.
 func parseAddr(s string) (netip.Addr, bool) {
-	a, err := netip.ParseAddr(unwrap(s, '[', ']'))
-	if err != nil {
-		ap, err := netip.ParseAddrPort(s)
-		if err != nil {
-			return netip.Addr{}, false
-		}
+	if !addrBytes(s) {
+		return netip.Addr{}, false
+	}
+	var a netip.Addr
+	var err error
+	switch {
+	case s[0] == '[' && s[len(s)-1] == ']':
+		a, err = netip.ParseAddr(s[1 : len(s)-1])
+	case s[0] == '[' || strings.Count(s, ":") == 1:
+		var ap netip.AddrPort
+		ap, err = netip.ParseAddrPort(s)
 		a = ap.Addr()
+	default: // IPv4 has no colon, and IPv6 without brackets at least two
+		a, err = netip.ParseAddr(s)
+	}
+	if err != nil {
+		return netip.Addr{}, false
 	}
 	return a.Unmap().WithZone(""), true
+}
+
+// addrBytes reports whether s could be an address for parseAddr: it is not
+// empty, and up to a zone ('%' and anything) it holds hexadecimal digits,
+// '.', ':', '[' and ']' only.
+func addrBytes(s string) bool {
+	for i := 0; i < len(s); i++ {
+		switch c := s[i]; {
+		case c == '%':
+			return true
+		case '0' <= c && c <= '9', 'a' <= c && c <= 'f', 'A' <= c && c <= 'F',
+			c == '.', c == ':', c == '[', c == ']':
+		default:
+			return false
+		}
+	}
+	return s != ""
 }
 
 // unwrap returns s without its first and last byte if they are open and

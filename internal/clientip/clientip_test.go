@@ -2,6 +2,7 @@ package clientip
 
 import (
 	"net/netip"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -149,4 +150,210 @@ func TestNewErrors(t *testing.T) {
 		_, err := New(tt.opts)
 		assert.EqualError(t, err, tt.want)
 	}
+}
+
+// spoofed returns n bytes or more of what a client may send in the proxy
+// header ahead of what the proxies append: garbage, and addresses in the
+// trusted networks, as XFF entries or as Forwarded elements.
+func spoofed(n int, isForwarded bool) string {
+	entries := []string{"garbage", "10.9.9.9", "beef", "[2001:db8:ffff::9]:1"}
+	if isForwarded {
+		entries = []string{`for=garbage;proto="a, b"`, "for=10.9.9.9", "for=_hidden", `for="[2001:db8:ffff::9]:1"`}
+	}
+	var b strings.Builder
+	for i := 0; b.Len() < n; i++ {
+		b.WriteString(entries[i%len(entries)])
+		b.WriteString(", ")
+	}
+	return b.String()
+}
+
+func TestAddrAllocations(t *testing.T) {
+	// Clients choose the proxy header: a long one costs no allocation,
+	// whatever it holds left of the address the proxy appended, or if
+	// that address is garbage. Only text that looks like an address but
+	// is none reaches netip, which allocates its error: once, as that
+	// entry ends the walk.
+	xff, err := New(Options{TrustedProxies: testProxies})
+	require.NoError(t, err)
+	fwd, err := New(Options{TrustedProxies: testProxies, ProxyHeader: "Forwarded"})
+	require.NoError(t, err)
+	lines := make([]string, 1000)
+	for i := range lines {
+		lines[i] = "garbage"
+	}
+	lines[len(lines)-1] = "203.0.113.7"
+	tests := []struct {
+		name   string
+		r      *Resolver
+		h      header
+		want   string // "" means no address
+		allocs float64
+	}{
+		{"xff", xff, header{"X-Forwarded-For": {spoofed(64<<10, false) + "203.0.113.7"}}, "203.0.113.7", 0},
+		{"xff ipv6", xff, header{"X-Forwarded-For": {spoofed(64<<10, false) + "[2001:db8::1]:80, 10.0.0.2"}}, "2001:db8::1", 0},
+		{"xff garbage rightmost", xff, header{"X-Forwarded-For": {spoofed(64<<10, false) + "junk"}}, "", 0},
+		{"xff almost an address rightmost", xff, header{"X-Forwarded-For": {spoofed(64<<10, false) + "[::1"}}, "", 1},
+		{"xff in many lines", xff, header{"X-Forwarded-For": lines}, "203.0.113.7", 0},
+		{"xff all trusted", xff, header{"X-Forwarded-For": {strings.Repeat("10.1.2.3, ", 6<<10) + "10.0.0.2"}}, "10.1.2.3", 0},
+		{"forwarded", fwd, header{"Forwarded": {spoofed(64<<10, true) + "for=203.0.113.7"}}, "203.0.113.7", 0},
+		{"forwarded quoted ipv6", fwd, header{"Forwarded": {spoofed(64<<10, true) + `for="[2001:db8::1]:80";proto=https`}}, "2001:db8::1", 0},
+		{"forwarded garbage rightmost", fwd, header{"Forwarded": {spoofed(64<<10, true) + "for=unknown"}}, "", 0},
+		{"forwarded open quote", fwd, header{"Forwarded": {`x="` + spoofed(64<<10, true) + "for=203.0.113.7"}}, "", 0},
+		{"forwarded all trusted", fwd, header{"Forwarded": {strings.Repeat("for=10.1.2.3, ", 4<<10) + "for=10.0.0.2"}}, "10.1.2.3", 0},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			a, ok := tt.r.Addr("10.0.0.1:1", tt.h.values)
+			if tt.want == "" {
+				assert.False(t, ok)
+			} else {
+				assert.Equal(t, netip.MustParseAddr(tt.want), a)
+			}
+			allocs := testing.AllocsPerRun(20, func() { tt.r.Addr("10.0.0.1:1", tt.h.values) })
+			assert.Equal(t, tt.allocs, allocs)
+		})
+	}
+}
+
+func TestForwardedBeyondRememberedCommas(t *testing.T) {
+	// More trusted elements at the end of a line than commas remembers:
+	// the rest of the line is walked from the left, with the same result.
+	fwd, err := New(Options{TrustedProxies: testProxies, ProxyHeader: "Forwarded"})
+	require.NoError(t, err)
+	trusted := strings.Repeat(", for=10.1.2.3", 40)
+	for _, tt := range []struct {
+		name, line, want string // want "" means no address
+	}{
+		{"untrusted further left", "for=198.51.100.1, for=203.0.113.7" + trusted, "203.0.113.7"},
+		{"garbage further left", "for=203.0.113.7, for=unknown" + trusted, ""},
+		{"all trusted: on to the line above", "for=10.0.0.5" + trusted, "198.51.100.9"},
+		{"empty elements", ", ,for=10.0.0.5, ," + trusted, "198.51.100.9"},
+		{"quoted commas", `for=203.0.113.7;x=", for=10.0.0.9"` + trusted, "203.0.113.7"},
+	} {
+		h := header{"Forwarded": {"for=198.51.100.9", tt.line}}
+		a, ok := fwd.Addr("10.0.0.1:1", h.values)
+		ref, refOK := referenceAddr(fwd, "10.0.0.1:1", h.values)
+		assert.Equal(t, tt.want != "", ok, tt.name)
+		assert.Equal(t, ref, a, "%s: as the reference", tt.name)
+		assert.Equal(t, refOK, ok, "%s: as the reference", tt.name)
+		if tt.want != "" {
+			assert.Equal(t, netip.MustParseAddr(tt.want), a, tt.name)
+		}
+	}
+}
+
+// referenceAddr is Addr as it was before it walked from the right: it
+// parses every hop of every line into a list, then walks the list. The
+// fuzz tests hold Addr to it.
+func referenceAddr(r *Resolver, peer string, header Header) (netip.Addr, bool) {
+	addr, ok := referenceParsePeer(peer)
+	if !ok || !r.isTrusted(addr) {
+		return addr, ok
+	}
+	var hops []netip.Addr
+	for _, v := range header(r.header) {
+		if r.header == forwarded {
+			hops = referenceForwardedFor(hops, v)
+			continue
+		}
+		for entry := range strings.SplitSeq(v, ",") {
+			if entry = strings.TrimSpace(entry); entry != "" {
+				a, _ := referenceParseAddr(entry)
+				hops = append(hops, a)
+			}
+		}
+	}
+	for i := len(hops) - 1; i >= 0; i-- {
+		if !hops[i].IsValid() {
+			return netip.Addr{}, false
+		}
+		addr = hops[i]
+		if !r.isTrusted(addr) {
+			break
+		}
+	}
+	return addr, true
+}
+
+func referenceForwardedFor(hops []netip.Addr, v string) []netip.Addr {
+	for v != "" {
+		elem, rest, closed := cutUnquoted(v, ',')
+		if !closed {
+			return append(hops, netip.Addr{})
+		}
+		v = rest
+		if elem = strings.TrimSpace(elem); elem == "" {
+			continue
+		}
+		var node netip.Addr
+		for elem != "" {
+			var pair string
+			pair, elem, _ = cutUnquoted(elem, ';')
+			name, value, _ := strings.Cut(strings.TrimSpace(pair), "=")
+			if strings.EqualFold(name, "for") {
+				node, _ = referenceParseAddr(unwrap(value, '"', '"'))
+				break
+			}
+		}
+		hops = append(hops, node)
+	}
+	return hops
+}
+
+func referenceParsePeer(s string) (netip.Addr, bool) {
+	if ap, err := netip.ParseAddrPort(s); err == nil {
+		return ap.Addr().Unmap().WithZone(""), true
+	}
+	return referenceParseAddr(s)
+}
+
+func referenceParseAddr(s string) (netip.Addr, bool) {
+	a, err := netip.ParseAddr(unwrap(s, '[', ']'))
+	if err != nil {
+		ap, err := netip.ParseAddrPort(s)
+		if err != nil {
+			return netip.Addr{}, false
+		}
+		a = ap.Addr()
+	}
+	return a.Unmap().WithZone(""), true
+}
+
+func FuzzParseAddr(f *testing.F) {
+	for _, s := range []string{"192.0.2.1", "192.0.2.1:80", "2001:db8::1", "[2001:db8::1]", "[2001:db8::1]:80",
+		"fe80::1%eth0", "[fe80::1%eth0]:80", "::ffff:1.2.3.4", "[1.2.3.4]:80", "[::1", "1.2.3.4%x", "garbage", "", "[]"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		a, ok := parseAddr(s)
+		ra, rok := referenceParseAddr(s)
+		if a != ra || ok != rok {
+			t.Fatalf("parseAddr(%q) = %v, %v; the reference gives %v, %v", s, a, ok, ra, rok)
+		}
+	})
+}
+
+func FuzzAddr(f *testing.F) {
+	f.Add("10.0.0.1:1", "198.51.100.1, 203.0.113.7", "10.0.0.2", false)
+	f.Add("10.0.0.1:1", "garbage, 10.0.0.2", "", false)
+	f.Add("10.0.0.1:1", `for=198.51.100.66;x="`, "for=203.0.113.7", true)
+	f.Add("10.0.0.1:1", `for=203.0.113.7;host="a\", for=198.51.100.9"`, `for="[2001:db8:ffff::1]:80", for=10.0.0.3`, true)
+	f.Add("[2001:db8:ffff::1]:443", "for=_hidden, For=10.0.0.4;by=x", ", ,", true)
+	f.Add("10.0.0.1:1", `for=203.0.113.7, for=garbage;x="a,\"b"`+strings.Repeat(", for=10.1.2.3", 20), "for=10.0.0.2", true)
+	f.Fuzz(func(t *testing.T, peer, line1, line2 string, isForwarded bool) {
+		o := Options{TrustedProxies: testProxies}
+		name := xForwardedFor
+		if isForwarded {
+			o.ProxyHeader, name = forwarded, forwarded
+		}
+		r, err := New(o)
+		require.NoError(t, err)
+		h := header{name: {line1, line2}}
+		a, ok := r.Addr(peer, h.values)
+		ra, rok := referenceAddr(r, peer, h.values)
+		if a != ra || ok != rok {
+			t.Fatalf("Addr(%q, %q) = %v, %v; the reference gives %v, %v", peer, h[name], a, ok, ra, rok)
+		}
+	})
 }
