@@ -58,8 +58,12 @@ var errNoPrincipal = fmt.Errorf("%w: no principal in context", ErrNoKey)
 // ByPrincipal keys requests by the authenticated principal that principal
 // finds in the request's context, where the authentication middleware
 // that runs before this one put it: "principal:" and the principal's ID.
-// No principal, or an empty ID, is ErrNoKey.
+// No principal, or an empty ID, is ErrNoKey. It panics if principal is
+// nil, when called rather than on the first request (ADR 6).
 func ByPrincipal(principal func(ctx context.Context) (id string, ok bool)) KeyFunc {
+	if principal == nil {
+		panic("httplimit: ByPrincipal: nil principal func")
+	}
 	return func(r *http.Request) (string, error) {
 		id, ok := principal(r.Context())
 		if !ok || id == "" {
@@ -84,7 +88,13 @@ func ByPrincipal(principal func(ctx context.Context) (id string, ok bool)) KeyFu
 //
 // The route comes first and an escaped path holds no '|', so a client
 // cannot make its key collide with another route's.
+//
+// It panics if key is nil, when called rather than on the first request
+// (ADR 6).
 func PerRoute(key KeyFunc) KeyFunc {
+	if key == nil {
+		panic("httplimit: PerRoute: nil KeyFunc")
+	}
 	return func(r *http.Request) (string, error) {
 		k, err := key(r)
 		if err != nil {

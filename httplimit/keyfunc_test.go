@@ -140,7 +140,7 @@ func TestByHeader(t *testing.T) {
 			assert.Equal(t, tt.want, key)
 		})
 	}
-	assert.Panics(t, func() { ByHeader("") })
+	assert.PanicsWithValue(t, "httplimit: ByHeader: empty header name", func() { ByHeader("") })
 }
 
 type principalKey struct{}
@@ -172,6 +172,16 @@ func TestByPrincipal(t *testing.T) {
 			assert.Equal(t, tt.want, key)
 		})
 	}
+}
+
+func TestByPrincipalPanicsOnNil(t *testing.T) {
+	// When called, at startup, not on the first request (ADR 6).
+	assert.PanicsWithValue(t, "httplimit: ByPrincipal: nil principal func", func() { ByPrincipal(nil) })
+}
+
+func TestPerRoutePanicsOnNil(t *testing.T) {
+	// When called, at startup, not on the first request (ADR 6).
+	assert.PanicsWithValue(t, "httplimit: PerRoute: nil KeyFunc", func() { PerRoute(nil) })
 }
 
 func TestPerRoute(t *testing.T) {
