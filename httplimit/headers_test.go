@@ -187,3 +187,26 @@ func TestFieldsSurviveHandlerAdds(t *testing.T) {
 		assert.Equal(t, []string{"19"}, w.Header().Values("X-RateLimit-Remaining"))
 	})
 }
+
+func TestFieldsOfTheREADME(t *testing.T) {
+	// README's section Headers shows these fields for its plans; keep
+	// the two in step.
+	synctest.Test(t, func(t *testing.T) {
+		lim, err := tollgate.New(tollgate.NewMemoryStore(), []tollgate.Plan{
+			{Name: "gold", Capacity: 20, Rate: 10},
+			{Name: "daily", Capacity: 10_000, Rate: tollgate.Per(10_000, 24*time.Hour)},
+		})
+		require.NoError(t, err)
+		h := Middleware(lim, ByHeader("X-API-Key"), WithPlans("gold", "daily"))(ok)
+		for range 20 {
+			require.Equal(t, 200, get(h, "/").Code)
+		}
+		w := get(h, "/")
+		assert.Equal(t, 429, w.Code)
+		assert.Equal(t, map[string]string{
+			"RateLimit-Policy":  `"gold";q=20;w=2, "daily";q=10000;w=86400`,
+			"RateLimit":         `"gold";r=0;t=1, "daily";r=9980;t=9`,
+			"X-RateLimit-Limit": "20", "X-RateLimit-Remaining": "0", "X-RateLimit-Reset": "2", "Retry-After": "1",
+		}, rateLimitFields(w))
+	})
+}

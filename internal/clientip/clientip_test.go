@@ -26,7 +26,7 @@ func TestKey(t *testing.T) {
 		opts   Options
 		remote string
 		header header
-		want   string // "" means ErrNoKey
+		want   string // "" means no key
 	}{
 		// The peer alone.
 		{"ipv4", Options{}, "203.0.113.7:1234", nil, "ip:203.0.113.7"},
