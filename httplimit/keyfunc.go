@@ -120,9 +120,10 @@ type IPOptions struct {
 	// is the key. The default is none.
 	TrustedProxies []netip.Prefix
 	// ProxyHeader is the header the trusted proxies append to:
-	// "X-Forwarded-For" or "Forwarded" (RFC 7239). The other one is
-	// ignored, since proxies that do not write a header pass a client's
-	// forged one through. The default is "X-Forwarded-For".
+	// "X-Forwarded-For" or "Forwarded" (RFC 7239), in any letter case.
+	// The other one is ignored, since proxies that do not write a header
+	// pass a client's forged one through. The default is
+	// "X-Forwarded-For".
 	ProxyHeader string
 	// IPv4Bits is the prefix length, 1 to 32, by which IPv4 addresses are
 	// grouped into one key. The default is 32: one key per address.
