@@ -1,8 +1,9 @@
-// Command http serves a small API behind tollgate's HTTP middleware and
-// shows a client being limited: it starts the server on a loopback port,
-// sends a burst of requests to it, prints each answer's status and rate
-// limit header fields, then the tollgate metrics from its /metrics
-// endpoint, and exits. With -serve it keeps serving until interrupted.
+// Command http serves a small API behind tollgate's HTTP middleware
+// (package httplimit) and shows a client being limited: it starts the
+// server on a loopback port, sends a burst of requests to it, prints each
+// answer's status and rate limit header fields, then the tollgate metrics
+// from its /metrics endpoint, and exits. With -serve it keeps serving
+// until interrupted.
 //
 // It is a module of its own, so that Prometheus reaches only its go.sum,
 // never the library's. From the repository root:
@@ -37,6 +38,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/tollgate-go/tollgate"
+	"github.com/tollgate-go/tollgate/httplimit"
 	tgprom "github.com/tollgate-go/tollgate/metrics/prometheus"
 )
 
@@ -69,7 +71,7 @@ func run(addr string, burst int, serve bool) error {
 	if err != nil {
 		return err
 	}
-	limit := tollgate.Middleware(lim, tollgate.ByHeader("X-API-Key"), []string{"burst", "daily"})
+	limit := httplimit.Middleware(lim, httplimit.ByHeader("X-API-Key"), httplimit.WithPlans("burst", "daily"))
 
 	mux := http.NewServeMux()
 	mux.Handle("GET /items/{id}", limit(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {

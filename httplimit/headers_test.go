@@ -1,0 +1,210 @@
+package httplimit
+
+import (
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/tollgate-go/tollgate"
+)
+
+// rateLimitFields returns the rate limit fields of w, an absent one as "".
+func rateLimitFields(w *httptest.ResponseRecorder) map[string]string {
+	got := map[string]string{}
+	for _, name := range []string{"RateLimit-Policy", "RateLimit", "X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset", "Retry-After"} {
+		got[name] = w.Header().Get(name)
+	}
+	return got
+}
+
+func TestFields(t *testing.T) {
+	tests := []struct {
+		name    string
+		plans   []string
+		before  int           // requests at the start, before the one checked
+		advance time.Duration // clock step before the checked request
+		status  int
+		want    map[string]string
+	}{
+		{"first request", []string{"gold"}, 0, 0, 200, map[string]string{
+			"RateLimit-Policy":  `"gold";q=20;w=10`,
+			"RateLimit":         `"gold";r=19;t=1`,
+			"X-RateLimit-Limit": "20", "X-RateLimit-Remaining": "19", "X-RateLimit-Reset": "1", "Retry-After": "",
+		}},
+		{"default plan", nil, 0, 0, 200, map[string]string{
+			"RateLimit-Policy":  `"gold";q=20;w=10`,
+			"RateLimit":         `"gold";r=19;t=1`,
+			"X-RateLimit-Limit": "20", "X-RateLimit-Remaining": "19", "X-RateLimit-Reset": "1", "Retry-After": "",
+		}},
+		{"chained plans, gold binds", []string{"gold", "daily"}, 0, 0, 200, map[string]string{
+			"RateLimit-Policy":  `"gold";q=20;w=10, "daily";q=10000;w=86400`,
+			"RateLimit":         `"gold";r=19;t=1, "daily";r=9999;t=9`,
+			"X-RateLimit-Limit": "20", "X-RateLimit-Remaining": "19", "X-RateLimit-Reset": "1", "Retry-After": "",
+		}},
+		{"t is the next token, reset is full", []string{"gold"}, 4, 0, 200, map[string]string{
+			"RateLimit-Policy":  `"gold";q=20;w=10`,
+			"RateLimit":         `"gold";r=15;t=1`,
+			"X-RateLimit-Limit": "20", "X-RateLimit-Remaining": "15", "X-RateLimit-Reset": "3", "Retry-After": "",
+		}},
+		{"slow plan", []string{"slow"}, 0, 0, 200, map[string]string{
+			"RateLimit-Policy":  `"slow";q=2;w=180`,
+			"RateLimit":         `"slow";r=1;t=90`,
+			"X-RateLimit-Limit": "2", "X-RateLimit-Remaining": "1", "X-RateLimit-Reset": "90", "Retry-After": "",
+		}},
+		{"slow plan, part of a token accrued", []string{"slow"}, 1, 30 * time.Second, 200, map[string]string{
+			"RateLimit-Policy":  `"slow";q=2;w=180`,
+			"RateLimit":         `"slow";r=0;t=60`,
+			"X-RateLimit-Limit": "2", "X-RateLimit-Remaining": "0", "X-RateLimit-Reset": "150", "Retry-After": "",
+		}},
+		{"denied", []string{"gold"}, 20, 0, 429, map[string]string{
+			"RateLimit-Policy":  `"gold";q=20;w=10`,
+			"RateLimit":         `"gold";r=0;t=1`,
+			"X-RateLimit-Limit": "20", "X-RateLimit-Remaining": "0", "X-RateLimit-Reset": "10", "Retry-After": "1",
+		}},
+		{"denied by the slow plan, Retry-After rounded up", []string{"gold", "slow"}, 2, 50 * time.Second, 429, map[string]string{
+			"RateLimit-Policy":  `"gold";q=20;w=10, "slow";q=2;w=180`,
+			"RateLimit":         `"gold";r=20;t=1, "slow";r=0;t=40`,
+			"X-RateLimit-Limit": "2", "X-RateLimit-Remaining": "0", "X-RateLimit-Reset": "130", "Retry-After": "40",
+		}},
+	}
+	for _, tt := range tests {
+		inBubble(t, tt.name, func(t *testing.T) {
+			h := Middleware(newLimiter(t), ByHeader("X-Api-Key"), WithPlans(tt.plans...))(ok)
+			for range tt.before {
+				require.Equal(t, 200, get(h, "/").Code)
+			}
+			time.Sleep(tt.advance)
+			w := get(h, "/")
+			assert.Equal(t, tt.status, w.Code)
+			assert.Equal(t, tt.want, rateLimitFields(w))
+		})
+	}
+}
+
+func TestFieldsUnderFailOpen(t *testing.T) {
+	lim, err := tollgate.New(downStore{}, testPlans, tollgate.WithFailurePolicy(tollgate.FailOpen))
+	require.NoError(t, err)
+	w := get(Middleware(lim, ByHeader("X-Api-Key"), WithPlans("gold", "daily"))(ok), "/")
+
+	assert.Equal(t, 200, w.Code)
+	assert.Equal(t, map[string]string{
+		"RateLimit-Policy":  `"gold";q=20;w=10, "daily";q=10000;w=86400`,
+		"RateLimit":         `"gold";r=20;t=1, "daily";r=10000;t=9`,
+		"X-RateLimit-Limit": "20", "X-RateLimit-Remaining": "20", "X-RateLimit-Reset": "0", "Retry-After": "",
+	}, rateLimitFields(w))
+}
+
+func TestRetryAfterRounding(t *testing.T) {
+	tests := []struct {
+		retryAfter time.Duration
+		want       string
+	}{
+		{1200 * time.Millisecond, "2"},
+		{300 * time.Millisecond, "1"},
+		{time.Second, "1"},
+		{time.Microsecond, "1"},
+		{0, "1"},
+		{59*time.Second + time.Microsecond, "60"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.retryAfter.String(), func(t *testing.T) {
+			lim := &stubLimiter{res: tollgate.Result{Plan: "gold", Limit: 20, RetryAfter: tt.retryAfter, ResetAfter: 10 * time.Second}}
+			w := get(Middleware(lim, ByHeader("X-Api-Key"))(ok), "/")
+			assert.Equal(t, 429, w.Code)
+			assert.Equal(t, tt.want, w.Header().Get("Retry-After"))
+		})
+	}
+}
+
+func TestFieldsWithoutPlanDescriptions(t *testing.T) {
+	// A RateLimiter that does not describe its plans: no w, no t. Names
+	// are escaped as sf-strings, whatever the RateLimiter returns.
+	lim := &stubLimiter{res: tollgate.Result{Allowed: true,
+		Plan: "we\"ird\\\n", Limit: 20, Remaining: 7, ResetAfter: 1500 * time.Millisecond}}
+	w := get(Middleware(lim, ByHeader("X-Api-Key"), WithPlans("anything"))(ok), "/")
+
+	assert.Equal(t, 200, w.Code)
+	assert.Equal(t, map[string]string{
+		"RateLimit-Policy":  `"we\"ird\\";q=20`,
+		"RateLimit":         `"we\"ird\\";r=7`,
+		"X-RateLimit-Limit": "20", "X-RateLimit-Remaining": "7", "X-RateLimit-Reset": "2", "Retry-After": "",
+	}, rateLimitFields(w))
+}
+
+func TestHeaderModes(t *testing.T) {
+	ietf := []string{"RateLimit-Policy", "RateLimit"}
+	legacy := []string{"X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset"}
+	tests := []struct {
+		name string
+		mode HeaderMode
+		want []string
+	}{
+		{"both", HeadersBoth, append(append([]string{}, ietf...), legacy...)},
+		{"ietf", HeadersIETF, ietf},
+		{"legacy", HeadersLegacy, legacy},
+		{"none", HeadersNone, nil},
+	}
+	for _, tt := range tests {
+		for _, allowed := range []bool{true, false} {
+			t.Run(fmt.Sprintf("%s/allowed=%v", tt.name, allowed), func(t *testing.T) {
+				lim := &stubLimiter{res: tollgate.Result{Allowed: allowed, Plan: "gold", Limit: 20, RetryAfter: time.Second}}
+				w := get(Middleware(lim, ByHeader("X-Api-Key"), WithHeaders(tt.mode))(ok), "/")
+				var got []string
+				for name := range rateLimitFields(w) {
+					if w.Header().Get(name) != "" && name != "Retry-After" {
+						got = append(got, name)
+					}
+				}
+				assert.ElementsMatch(t, tt.want, got)
+				assert.Equal(t, !allowed, w.Header().Get("Retry-After") != "", "Retry-After on denial only, in every mode")
+			})
+		}
+	}
+}
+
+func TestFieldsSurviveHandlerAdds(t *testing.T) {
+	// The fields share one backing array; a handler's Add must not
+	// overwrite a neighbour.
+	synctest.Test(t, func(t *testing.T) {
+		h := Middleware(newLimiter(t), ByHeader("X-Api-Key"), WithPlans("gold"))(
+			http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				w.Header().Add("RateLimit-Policy", `"other";q=1`)
+				w.Header().Add("X-RateLimit-Limit", "1")
+			}))
+		w := get(h, "/")
+
+		assert.Equal(t, []string{`"gold";q=20;w=10`, `"other";q=1`}, w.Header().Values("RateLimit-Policy"))
+		assert.Equal(t, []string{`"gold";r=19;t=1`}, w.Header().Values("RateLimit"))
+		assert.Equal(t, []string{"20", "1"}, w.Header().Values("X-RateLimit-Limit"))
+		assert.Equal(t, []string{"19"}, w.Header().Values("X-RateLimit-Remaining"))
+	})
+}
+
+func TestFieldsOfTheREADME(t *testing.T) {
+	// README's section Headers shows these fields for its plans; keep
+	// the two in step.
+	synctest.Test(t, func(t *testing.T) {
+		lim, err := tollgate.New(tollgate.NewMemoryStore(), []tollgate.Plan{
+			{Name: "gold", Capacity: 20, Rate: 10},
+			{Name: "daily", Capacity: 10_000, Rate: tollgate.Per(10_000, 24*time.Hour)},
+		})
+		require.NoError(t, err)
+		h := Middleware(lim, ByHeader("X-API-Key"), WithPlans("gold", "daily"))(ok)
+		for range 20 {
+			require.Equal(t, 200, get(h, "/").Code)
+		}
+		w := get(h, "/")
+		assert.Equal(t, 429, w.Code)
+		assert.Equal(t, map[string]string{
+			"RateLimit-Policy":  `"gold";q=20;w=2, "daily";q=10000;w=86400`,
+			"RateLimit":         `"gold";r=0;t=1, "daily";r=9980;t=9`,
+			"X-RateLimit-Limit": "20", "X-RateLimit-Remaining": "0", "X-RateLimit-Reset": "2", "Retry-After": "1",
+		}, rateLimitFields(w))
+	})
+}

@@ -1,0 +1,211 @@
+// Package httplimit rate limits net/http requests with a
+// tollgate.RateLimiter. Middleware takes a token for each request from the
+// buckets of the request's key, which a KeyFunc finds (the client's IP
+// address, an API key header, the authenticated principal), and tells the
+// client its limits in the RateLimit header fields:
+//
+//	limit := httplimit.Middleware(lim, httplimit.ByIP(), httplimit.WithPlans("gold", "daily"))
+//	mux.Handle("/api/", limit(apiHandler))
+//
+// Everything in this package is safe for concurrent use.
+package httplimit
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"slices"
+
+	"github.com/tollgate-go/tollgate"
+)
+
+// Middleware returns net/http middleware that rate limits requests: each
+// takes a token from the buckets of the plans (see WithPlans) for the key
+// that key returns, from all of them or from none, as AllowN does.
+//
+//	mux.Handle("/api/", httplimit.Middleware(lim, httplimit.ByHeader("X-API-Key"), httplimit.WithPlans("gold", "daily"))(apiHandler))
+//
+// An allowed request goes on to the handler; a denied one gets 429 Too
+// Many Requests and Retry-After. Both get the rate limit header fields
+// (see HeaderMode), set before the handler runs. A request without a key
+// gets 400 Bad Request. A request the RateLimiter cannot decide gets 503
+// Service Unavailable: under tollgate.FailClosed that includes a store
+// outage, which the tollgate.Fallback and tollgate.FailOpen policies
+// decide without the store. The options change these answers.
+//
+// It panics if l or key is nil, if a plan is named twice, if an option is
+// invalid, or if l describes its plans, as *tollgate.Limiter does, and
+// one of the plans is not among them: these are wiring mistakes, caught
+// when the program starts (ADR 6). Serving never panics. The middleware is
+// safe for concurrent use.
+func Middleware(l tollgate.RateLimiter, key KeyFunc, opts ...Option) func(http.Handler) http.Handler {
+	if l == nil || key == nil {
+		panic("httplimit: Middleware: nil RateLimiter or KeyFunc")
+	}
+	m := &middleware{
+		lim:      l,
+		key:      key,
+		denied:   tooManyRequests,
+		keyError: noKey,
+		onError:  undecided,
+	}
+	m.planner, _ = l.(planner)
+	for _, o := range opts {
+		o(m)
+	}
+	for i, name := range m.plans {
+		if slices.Contains(m.plans[:i], name) {
+			panic(fmt.Sprintf("httplimit: Middleware: plan %q named twice", name))
+		}
+		if m.planner != nil {
+			if _, ok := m.planner.Plan(name); !ok {
+				panic(fmt.Sprintf("httplimit: Middleware: unknown plan %q", name))
+			}
+		}
+	}
+	if m.headers < HeadersBoth || m.headers > HeadersNone {
+		panic(fmt.Sprintf("httplimit: Middleware: unknown HeaderMode %d", m.headers))
+	}
+	return func(next http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			m.serve(w, r, next)
+		})
+	}
+}
+
+// Option configures Middleware.
+type Option func(*middleware)
+
+// WithPlans names the plans each request takes its tokens from: from all
+// of them, or, if one lacks the tokens, from none. A later WithPlans
+// replaces an earlier one. The default, or no names, is the RateLimiter's
+// default plan (for a *tollgate.Limiter, the first plan given to New).
+func WithPlans(names ...string) Option {
+	names = slices.Clone(names)
+	return func(m *middleware) { m.plans = names }
+}
+
+// WithCost sets the tokens a request takes to cost(r), which must be at
+// least 1 and at most the Capacity of each plan. A cost outside that range
+// is a bug in cost, answered 500 (see WithErrorHandler): reject requests
+// too large to ever pass, with 413 for example, before the middleware.
+// The default, or a nil cost, takes 1 token per request.
+func WithCost(cost func(r *http.Request) int64) Option {
+	return func(m *middleware) { m.cost = cost }
+}
+
+// WithSkip exempts the requests for which skip returns true, such as
+// health checks or CORS preflight requests: they go on to the handler
+// without a key, without taking a token and without rate limit header
+// fields. The default, or a nil skip, exempts none.
+func WithSkip(skip func(r *http.Request) bool) Option {
+	return func(m *middleware) { m.skip = skip }
+}
+
+// WithHeaders selects the rate limit header fields written on allowed and
+// denied requests. The default is HeadersBoth.
+func WithHeaders(mode HeaderMode) Option {
+	return func(m *middleware) { m.headers = mode }
+}
+
+// WithDeniedHandler sets what answers a denied request, res being the
+// decision. The rate limit header fields and Retry-After are set when it
+// runs. The default, or a nil denied, answers 429 Too Many Requests with
+// a short text/plain body.
+func WithDeniedHandler(denied func(w http.ResponseWriter, r *http.Request, res tollgate.Result)) Option {
+	return func(m *middleware) {
+		if denied != nil {
+			m.denied = denied
+		}
+	}
+}
+
+// WithKeyErrorHandler sets what answers a request that has no usable key:
+// err is the KeyFunc's error (ErrNoKey for the KeyFuncs of this package),
+// or tollgate.ErrInvalidKey for a key that is empty or longer than
+// tollgate.MaxKeyLen bytes. The default, or a nil h, answers 400 Bad
+// Request with a short text/plain body that never holds the key.
+func WithKeyErrorHandler(h func(w http.ResponseWriter, r *http.Request, err error)) Option {
+	return func(m *middleware) {
+		if h != nil {
+			m.keyError = h
+		}
+	}
+}
+
+// WithErrorHandler sets what answers a request the RateLimiter could not
+// decide, err being AllowN's error. The default, or a nil h, answers with
+// a short text/plain body: 503 Service Unavailable when the store is
+// unavailable (tollgate.ErrStoreUnavailable, which a Limiter returns under
+// FailClosed only) or the request's context ended, and 500 Internal Server
+// Error otherwise, for errors that are bugs, such as
+// tollgate.ErrInvalidCost from a WithCost function.
+func WithErrorHandler(h func(w http.ResponseWriter, r *http.Request, err error)) Option {
+	return func(m *middleware) {
+		if h != nil {
+			m.onError = h
+		}
+	}
+}
+
+type middleware struct {
+	lim     tollgate.RateLimiter
+	planner planner // lim, if it describes its plans; else nil
+	key     KeyFunc
+	plans   []string
+
+	cost     func(*http.Request) int64
+	skip     func(*http.Request) bool
+	headers  HeaderMode
+	denied   func(http.ResponseWriter, *http.Request, tollgate.Result)
+	keyError func(http.ResponseWriter, *http.Request, error)
+	onError  func(http.ResponseWriter, *http.Request, error)
+}
+
+func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Handler) {
+	if m.skip != nil && m.skip(r) {
+		next.ServeHTTP(w, r)
+		return
+	}
+	key, err := m.key(r)
+	if err != nil {
+		m.keyError(w, r, err)
+		return
+	}
+	cost := int64(1)
+	if m.cost != nil {
+		cost = m.cost(r)
+	}
+	res, err := m.lim.AllowN(r.Context(), key, cost, m.plans...)
+	switch {
+	case errors.Is(err, tollgate.ErrInvalidKey):
+		m.keyError(w, r, err)
+		return
+	case err != nil:
+		m.onError(w, r, err)
+		return
+	}
+	setFields(w.Header(), &res, m.headers, m.planner)
+	if !res.Allowed {
+		m.denied(w, r, res)
+		return
+	}
+	next.ServeHTTP(w, r)
+}
+
+func tooManyRequests(w http.ResponseWriter, _ *http.Request, _ tollgate.Result) {
+	http.Error(w, "too many requests", http.StatusTooManyRequests)
+}
+
+func noKey(w http.ResponseWriter, _ *http.Request, _ error) {
+	http.Error(w, "bad request: no rate limit key", http.StatusBadRequest)
+}
+
+func undecided(w http.ResponseWriter, _ *http.Request, err error) {
+	if errors.Is(err, tollgate.ErrStoreUnavailable) || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+		http.Error(w, "service unavailable", http.StatusServiceUnavailable)
+		return
+	}
+	http.Error(w, "internal server error", http.StatusInternalServerError)
+}
