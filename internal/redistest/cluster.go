@@ -33,7 +33,7 @@ type Cluster struct {
 // failover tests are quick.
 //
 // The cluster is built with plain commands (CLUSTER SET-CONFIG-EPOCH,
-// ADDSLOTSRANGE, MEET, REPLICATE) rather than `redis-cli --cluster create`,
+// ADDSLOTS, MEET, REPLICATE) rather than `redis-cli --cluster create`,
 // which sleeps. Redis keeps a fresh master out of cluster_state:ok for 2 s
 // after it starts, so this takes a little over 2 s.
 func StartCluster(t testing.TB, masters, replicasPerMaster int) *Cluster {
@@ -109,9 +109,15 @@ func (c *Cluster) build() error {
 		}
 	}
 	for i := range c.masters {
+		// ADDSLOTS with every slot, not 7.0's ADDSLOTSRANGE, so that the
+		// harness runs on older servers too.
 		lo, hi := c.slotRange(i)
-		if _, err := conns[i].do("CLUSTER", "ADDSLOTSRANGE", strconv.Itoa(lo), strconv.Itoa(hi)); err != nil {
-			return fmt.Errorf("%s: CLUSTER ADDSLOTSRANGE: %w", conns[i].addr, err)
+		args := []string{"CLUSTER", "ADDSLOTS"}
+		for slot := lo; slot <= hi; slot++ {
+			args = append(args, strconv.Itoa(slot))
+		}
+		if _, err := conns[i].do(args...); err != nil {
+			return fmt.Errorf("%s: CLUSTER ADDSLOTS: %w", conns[i].addr, err)
 		}
 	}
 	// A full mesh of MEETs (one per pair) joins the nodes without waiting
