@@ -202,7 +202,7 @@ func BenchmarkLimiterAllow(b *testing.B) {
 	b.Run("redis/parallel", func(b *testing.B) {
 		c := redis.NewClient(&redis.Options{Addr: redistest.Addr(b), PoolSize: 64})
 		defer c.Close()
-		l, _ := New(NewRedisStore(c, WithKeyPrefix(testPrefix(b))), benchPlan)
+		l, _ := New(NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix())), benchPlan)
 		b.SetParallelism(32)
 		allowParallel(b, l)
 	})

@@ -12,6 +12,7 @@ import (
 
 	"github.com/tollgate-go/tollgate/breaker"
 	"github.com/tollgate-go/tollgate/internal/redisscript"
+	"github.com/tollgate-go/tollgate/internal/redistest"
 )
 
 func TestStatsCountDecisionsOutagesAndBreaker(t *testing.T) {
@@ -113,8 +114,8 @@ func TestStatsDoNotSlowDecisionsDown(t *testing.T) {
 // onto metrics (their own tests drive them with fakes, as they cannot
 // import internal/redistest from their modules).
 func TestStatsOnRealOutage(t *testing.T) {
-	srv := ownServer(t)
-	l, err := New(NewRedisStore(newRealClient(t, failFast(srv.Addr()))), testPlans, WithLogger(nil),
+	srv := redistest.StartServer(t)
+	l, err := New(NewRedisStore(redistest.NewClient(t, redistest.FailFast(srv.Addr()))), testPlans, WithLogger(nil),
 		WithBreaker(breaker.Settings{Failures: 3, Cooldown: 100 * time.Millisecond}))
 	require.NoError(t, err)
 
