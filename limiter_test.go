@@ -8,6 +8,7 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -109,7 +110,13 @@ func TestResetRefillsStoreAndFallback(t *testing.T) {
 	assert.Equal(t, int64(4), r.Remaining, "store bucket reset")
 }
 
+// TestWait runs in a bubble: Wait's timers and the contexts' deadlines run
+// on synctest's fake clock.
 func TestWait(t *testing.T) {
+	synctest.Test(t, testWait)
+}
+
+func testWait(t *testing.T) {
 	ctx := context.Background()
 	l, err := New(NewMemoryStore(), []Plan{{Name: "fast", Capacity: 1, Rate: 50}})
 	require.NoError(t, err)

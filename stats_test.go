@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/stretchr/testify/assert"
@@ -15,7 +16,13 @@ import (
 	"github.com/tollgate-go/tollgate/internal/redistest"
 )
 
+// TestStatsCountDecisionsOutagesAndBreaker runs in a bubble: the breaker's
+// cooldown passes on synctest's fake clock.
 func TestStatsCountDecisionsOutagesAndBreaker(t *testing.T) {
+	synctest.Test(t, testStatsCountDecisionsOutagesAndBreaker)
+}
+
+func testStatsCountDecisionsOutagesAndBreaker(t *testing.T) {
 	ctx := context.Background()
 	f := newFlakyStore()
 	l := newTestLimiter(t, f, WithBreaker(breaker.Settings{Failures: 2, Cooldown: time.Millisecond}), WithDenialCache(0))
