@@ -17,7 +17,8 @@
 //
 // How the bound is counted. A decision's admission is charged to whoever
 // made it:
-//   - Redis (SourceStore): per key, at most capacity × (1 + lost) + rate ×
+//   - Redis (SourceStore, and SourceCache: the Limiter's denial cache only
+//     repeats Redis's denials): per key, at most capacity × (1 + lost) + rate ×
 //     elapsed, elapsed from Redis TIME read before the load starts and after
 //     it ends. lost counts the events that make Redis forget a key's bucket
 //     (a restart without persistence, a failover to a replica that may lag the

@@ -192,6 +192,13 @@ func redisClock(t *testing.T, addr string) int64 {
 	return redistest.Time(t, c)
 }
 
+// byStore reports whether Redis made a decision that came from src: itself,
+// or through the Limiter's denial cache, which only repeats a denial Redis
+// gave (and never admits). Either way the decision is charged to Redis.
+func byStore(src tollgate.Source) bool {
+	return src == tollgate.SourceStore || src == tollgate.SourceCache
+}
+
 // decision is one call as the caller saw it.
 type decision struct {
 	at, took int64 // ns: when the call began, since the load began; how long it took
@@ -275,7 +282,7 @@ func (l *load) work(w, inst int, spec loadSpec) {
 		}
 		log = append(log, d)
 		last := &l.lastOther[k]
-		if err == nil && r.Source == tollgate.SourceStore {
+		if err == nil && byStore(r.Source) {
 			last = &l.lastStore[k]
 		}
 		storeMax(last, d.at+d.took)
@@ -353,7 +360,7 @@ func (l *load) figures() figures {
 		switch {
 		case d.err:
 			f.errors++
-		case d.src != tollgate.SourceStore:
+		case !byStore(d.src):
 			f.fallback++
 		case d.allowed:
 			f.storeAllowed++
@@ -371,7 +378,7 @@ func (l *load) outage(keys []int, from, to int64) (d time.Duration, ok bool) {
 	in := keySet(keys)
 	last := int64(-1)
 	for _, x := range l.all() {
-		if in[x.key] && x.at+x.took >= from && x.at < to && (x.err || x.src != tollgate.SourceStore) {
+		if in[x.key] && x.at+x.took >= from && x.at < to && (x.err || !byStore(x.src)) {
 			last = max(last, x.at+x.took)
 		}
 	}
@@ -429,7 +436,7 @@ func (l *load) checkAdmitted(elapsedMicros int64, lost func(key int) int) (admit
 			continue
 		}
 		e := &per[d.key][d.inst]
-		if d.src == tollgate.SourceStore {
+		if byStore(d.src) {
 			if d.allowed {
 				per[d.key][0].storeAdmitted++
 			}

@@ -134,8 +134,10 @@ func TestChaosGoroutineLeaks(t *testing.T) {
 	}
 	decisions := 0
 	for i, c := range clients {
+		// No denial cache: every decision goes through the client.
 		l, err := tollgate.New(tollgate.NewRedisStore(c, tollgate.WithKeyPrefix(redistest.KeyPrefix())), []tollgate.Plan{chaosPlan},
-			tollgate.WithLogger(nil), tollgate.WithBreaker(breaker.Settings{Failures: 1, Cooldown: 10 * time.Millisecond}))
+			tollgate.WithLogger(nil), tollgate.WithBreaker(breaker.Settings{Failures: 1, Cooldown: 10 * time.Millisecond}),
+			tollgate.WithDenialCache(0))
 		require.NoError(t, err)
 		for n := 0; n < 200; n++ {
 			r, err := l.Allow(ctx, strconv.Itoa(n%7))
