@@ -128,7 +128,13 @@ func TestFailurePolicies(t *testing.T) {
 	})
 }
 
+// TestBreakerSkipsDeadStoreAndProbes runs in a bubble: the breaker's
+// cooldown passes on synctest's fake clock.
 func TestBreakerSkipsDeadStoreAndProbes(t *testing.T) {
+	synctest.Test(t, testBreakerSkipsDeadStoreAndProbes)
+}
+
+func testBreakerSkipsDeadStoreAndProbes(t *testing.T) {
 	ctx := context.Background()
 	f := newFlakyStore()
 	f.fail(errors.New("down"))
@@ -157,7 +163,13 @@ func TestBreakerSkipsDeadStoreAndProbes(t *testing.T) {
 	assert.Equal(t, 6, f.Calls())
 }
 
+// TestOutageLoggedOnce runs in a bubble: the breaker's cooldown passes on
+// synctest's fake clock.
 func TestOutageLoggedOnce(t *testing.T) {
+	synctest.Test(t, testOutageLoggedOnce)
+}
+
+func testOutageLoggedOnce(t *testing.T) {
 	ctx := context.Background()
 	logs := &logCounter{}
 	f := newFlakyStore()
@@ -251,7 +263,13 @@ type panickyStore struct {
 	armed atomic.Bool
 }
 
+// TestPanickingProbeReleasesTheBreaker runs in a bubble: the breaker's
+// cooldown passes on synctest's fake clock.
 func TestPanickingProbeReleasesTheBreaker(t *testing.T) {
+	synctest.Test(t, testPanickingProbeReleasesTheBreaker)
+}
+
+func testPanickingProbeReleasesTheBreaker(t *testing.T) {
 	ctx := context.Background()
 	s := &panickyStore{flakyStore: newFlakyStore()}
 	l := newTestLimiter(t, s, WithFailurePolicy(FailClosed), WithBreaker(breaker.Settings{Failures: 1, Cooldown: time.Millisecond}))
@@ -287,10 +305,20 @@ func (c *countingStore) Reset(ctx context.Context, key string, plans []Plan) err
 	return c.inner.Reset(ctx, key, plans)
 }
 
+// TestDenialCacheSparesTheStore runs in a bubble: the refill passes on
+// synctest's fake clock.
 func TestDenialCacheSparesTheStore(t *testing.T) {
+	synctest.Test(t, testDenialCacheSparesTheStore)
+}
+
+func testDenialCacheSparesTheStore(t *testing.T) {
 	ctx := context.Background()
 	s := newCountingStore()
 	l := newTestLimiter(t, s)
+	// The fake clock stands still, and the denial cache refuses a denial
+	// asked at the very instant it was made (as one that may predate a
+	// Reset): step off that instant, as a real clock always has.
+	time.Sleep(time.Nanosecond)
 	_, err := l.AllowN(ctx, "hot", 4, "gold")
 	require.NoError(t, err)
 	var last time.Duration
@@ -333,11 +361,21 @@ func TestDenialCacheSparesTheStore(t *testing.T) {
 	assert.True(t, r.Allowed)
 }
 
+// TestDenialCacheEndsWhenTheRequestCouldPass runs in a bubble: the denial
+// ends on synctest's fake clock, exactly at RetryAfter.
 func TestDenialCacheEndsWhenTheRequestCouldPass(t *testing.T) {
+	synctest.Test(t, testDenialCacheEndsWhenTheRequestCouldPass)
+}
+
+func testDenialCacheEndsWhenTheRequestCouldPass(t *testing.T) {
 	ctx := context.Background()
 	s := newCountingStore()
 	l, err := New(s, []Plan{{Name: "fast", Capacity: 1, Rate: 50}}, WithLogger(nil))
 	require.NoError(t, err)
+	// The fake clock stands still, and the denial cache refuses a denial
+	// asked at the very instant it was made (as one that may predate a
+	// Reset): step off that instant, as a real clock always has.
+	time.Sleep(time.Nanosecond)
 	_, err = l.Allow(ctx, "k")
 	require.NoError(t, err)
 	r, err := l.Allow(ctx, "k")

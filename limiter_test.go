@@ -8,6 +8,7 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -141,7 +142,13 @@ func TestResetRefillsStoreAndFallback(t *testing.T) {
 	assert.Equal(t, int64(4), r.Remaining, "store bucket reset")
 }
 
+// TestWait runs in a bubble: Wait's timers and the contexts' deadlines run
+// on synctest's fake clock.
 func TestWait(t *testing.T) {
+	synctest.Test(t, testWait)
+}
+
+func testWait(t *testing.T) {
 	ctx := context.Background()
 	l, err := New(NewMemoryStore(), []Plan{{Name: "fast", Capacity: 1, Rate: 50}})
 	require.NoError(t, err)
@@ -234,7 +241,7 @@ func BenchmarkLimiterAllow(b *testing.B) {
 	b.Run("redis/parallel", func(b *testing.B) {
 		c := redis.NewClient(&redis.Options{Addr: redistest.Addr(b), PoolSize: 64})
 		defer c.Close()
-		l, _ := New(NewRedisStore(c, WithKeyPrefix(testPrefix(b))), benchPlan)
+		l, _ := New(NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix())), benchPlan)
 		b.SetParallelism(32)
 		allowParallel(b, l)
 	})

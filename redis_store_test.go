@@ -675,7 +675,7 @@ func TestLuaAgreesWithGoOnRealRedis(t *testing.T) {
 	c := redis.NewClient(&redis.Options{Addr: redistest.Addr(t)})
 	t.Cleanup(func() { _ = c.Close() })
 	ctx := context.Background()
-	s := NewRedisStore(c, WithKeyPrefix(testPrefix(t)))
+	s := NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix()))
 	rng := rand.New(rand.NewPCG(7, 7))
 	plans := append(slices.Clone(agreementPlans), extremeRates...)
 	for i := 0; i < 500; i++ {
@@ -719,42 +719,9 @@ func TestLuaAgreesWithGoOnRealRedis(t *testing.T) {
 	}
 }
 
-// testPrefix returns a key prefix of its own for a test on a shared Redis.
-func testPrefix(t testing.TB) string {
-	return fmt.Sprintf("tollgate-test-%d-%x", time.Now().UnixNano(), rand.Uint32())
-}
-
 // These tests run on real Redis: TOLLGATE_REDIS_ADDR, or servers they start
 // themselves when redis-server is on PATH. Otherwise they skip, and the
 // miniredis tests cover the same code.
-
-// failFast is the go-redis configuration README recommends: a dead Redis
-// costs a decision at most about 100 ms, and the breaker does the rest.
-func failFast(addr string) *redis.Options {
-	return &redis.Options{
-		Addr:                  addr,
-		DialTimeout:           100 * time.Millisecond,
-		ReadTimeout:           100 * time.Millisecond,
-		WriteTimeout:          100 * time.Millisecond,
-		PoolTimeout:           100 * time.Millisecond,
-		DialerRetries:         1,  // go-redis dials 5 times, 100 ms apart, by default
-		MaxRetries:            -1, // no retries: the failure policy is the retry
-		ContextTimeoutEnabled: true,
-	}
-}
-
-func newRealClient(t *testing.T, opt *redis.Options) *redis.Client {
-	c := redis.NewClient(opt)
-	t.Cleanup(func() { _ = c.Close() })
-	return c
-}
-
-// redisTime reads Redis TIME in µs, the clock the script decides by.
-func redisTime(t *testing.T, c redis.UniversalClient) int64 {
-	tm, err := c.Time(context.Background()).Result()
-	require.NoError(t, err)
-	return tm.UnixMicro()
-}
 
 // hammer runs workers goroutines that call decide until stop is closed,
 // and counts what they saw.
@@ -789,18 +756,18 @@ func TestMultiInstanceExactOnRealRedis(t *testing.T) {
 		cache int
 	}{{"store", 0}, {"denial-cache", defaultDenialCacheKeys}} {
 		t.Run(tc.name, func(t *testing.T) {
-			prefix := testPrefix(t)
+			prefix := redistest.KeyPrefix()
 			plans := []Plan{{Name: "p", Capacity: 20, Rate: 400}}
 			var limiters []*Limiter
 			for i := 0; i < 4; i++ {
-				l, err := New(NewRedisStore(newRealClient(t, &redis.Options{Addr: addr}), WithKeyPrefix(prefix)), plans,
+				l, err := New(NewRedisStore(redistest.NewClient(t, &redis.Options{Addr: addr}), WithKeyPrefix(prefix)), plans,
 					WithFailurePolicy(FailClosed), WithLogger(nil), WithDenialCache(tc.cache))
 				require.NoError(t, err)
 				limiters = append(limiters, l)
 			}
-			probe := newRealClient(t, &redis.Options{Addr: addr})
+			probe := redistest.NewClient(t, &redis.Options{Addr: addr})
 			var ta tally
-			start := redisTime(t, probe)
+			start := redistest.Time(t, probe)
 			deadline := time.Now().Add(500 * time.Millisecond)
 			var wg sync.WaitGroup
 			for _, l := range limiters {
@@ -813,7 +780,7 @@ func TestMultiInstanceExactOnRealRedis(t *testing.T) {
 				}
 			}
 			wg.Wait()
-			end := redisTime(t, probe)
+			end := redistest.Time(t, probe)
 			require.Zero(t, ta.errs.Load(), "first error: %v", ta.firstErr.Load())
 			bound := float64(plans[0].Capacity) + plans[0].Rate*float64(end-start)/1e6
 			admitted := float64(ta.allowed.Load())
@@ -828,8 +795,8 @@ func TestMultiInstanceExactOnRealRedis(t *testing.T) {
 // TestPollingRefillOnRealRedis polls every millisecond a bucket that
 // refills 2 tokens a second, and demands 2 admissions a second.
 func TestPollingRefillOnRealRedis(t *testing.T) {
-	c := newRealClient(t, &redis.Options{Addr: redistest.Addr(t)})
-	s := NewRedisStore(c, WithKeyPrefix(testPrefix(t)))
+	c := redistest.NewClient(t, &redis.Options{Addr: redistest.Addr(t)})
+	s := NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix()))
 	// Capacity 2 holds a second of refill, so a loaded machine's pause in
 	// polling loses no token; a floored refill would still admit nothing.
 	p := []Plan{{Name: "p", Capacity: 2, Rate: 2}}
@@ -837,7 +804,7 @@ func TestPollingRefillOnRealRedis(t *testing.T) {
 	r, err := s.Take(ctx, "poll", 2, p) // empty the bucket
 	require.NoError(t, err)
 	require.True(t, r.Allowed)
-	start := redisTime(t, c)
+	start := redistest.Time(t, c)
 	admitted := 0
 	for time.Since(time.UnixMicro(start)) < 2100*time.Millisecond {
 		r, err := s.Take(ctx, "poll", 1, p)
@@ -847,7 +814,7 @@ func TestPollingRefillOnRealRedis(t *testing.T) {
 		}
 		time.Sleep(time.Millisecond)
 	}
-	elapsed := float64(redisTime(t, c)-start) / 1e6
+	elapsed := float64(redistest.Time(t, c)-start) / 1e6
 	t.Logf("%d admitted in %.3f s of polling", admitted, elapsed)
 	assert.InDelta(t, 2*elapsed, float64(admitted), 1.0)
 }
@@ -876,19 +843,12 @@ func loadUntilStopped(workers int, decide func(g, i int)) (stop func()) {
 	}
 }
 
-// ownServer returns a redis-server of the test's own, which it may flush,
-// kill and restart, or skips the test.
-func ownServer(t *testing.T) *redistest.Server {
-	redistest.SkipIfUnavailable(t)
-	return redistest.StartServer(t)
-}
-
 // TestNoscriptUnderLoad flushes the script cache over and over while many
 // goroutines decide, through a plain client and through go-redis's
 // auto-pipeliner, where NOSCRIPT arrives inside a pipeline. Under
 // FailClosed any store failure would surface as an error, so none may.
 func TestNoscriptUnderLoad(t *testing.T) {
-	srv := ownServer(t)
+	srv := redistest.StartServer(t)
 	for _, tc := range []struct {
 		name   string
 		client func(c *redis.Client) redis.UniversalClient
@@ -906,11 +866,11 @@ func TestNoscriptUnderLoad(t *testing.T) {
 		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			store := NewRedisStore(tc.client(newRealClient(t, &redis.Options{Addr: srv.Addr()})))
+			store := NewRedisStore(tc.client(srv.Client(t)))
 			// No denial cache: every decision must meet the flushed cache.
 			l, err := New(store, testPlans, WithFailurePolicy(FailClosed), WithLogger(nil), WithDenialCache(0))
 			require.NoError(t, err)
-			admin := newRealClient(t, &redis.Options{Addr: srv.Addr()})
+			admin := srv.Client(t)
 			var ta tally
 			stop := loadUntilStopped(16, func(g, i int) {
 				ta.record(l.Allow(context.Background(), fmt.Sprint("user-", i%50), "gold", "daily"))
@@ -943,8 +903,8 @@ func TestOutageFallbackRecovery(t *testing.T) {
 		{"autopipeline-full-duplex", &redis.AutoPipelineOptions{FullDuplex: true}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			srv := ownServer(t)
-			var client redis.UniversalClient = newRealClient(t, failFast(srv.Addr()))
+			srv := redistest.StartServer(t)
+			var client redis.UniversalClient = redistest.NewClient(t, redistest.FailFast(srv.Addr()))
 			if tc.opts != nil {
 				ap, err := client.(*redis.Client).AutoPipelineWithOptions(tc.opts)
 				require.NoError(t, err)
@@ -1027,7 +987,7 @@ func testOutageFallbackRecovery(t *testing.T, srv *redistest.Server, client redi
 func TestTopologies(t *testing.T) {
 	redistest.SkipIfUnavailable(t)
 	check := func(t *testing.T, c redis.UniversalClient) {
-		l, err := New(NewRedisStore(c, WithKeyPrefix(testPrefix(t))), testPlans, WithFailurePolicy(FailClosed), WithLogger(nil))
+		l, err := New(NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix())), testPlans, WithFailurePolicy(FailClosed), WithLogger(nil))
 		require.NoError(t, err)
 		for _, key := range []string{"a", "b}", "c{x}"} {
 			for want := int64(3); want >= 0; want-- {
@@ -1045,7 +1005,7 @@ func TestTopologies(t *testing.T) {
 		}
 	}
 	t.Run("client", func(t *testing.T) {
-		check(t, newRealClient(t, &redis.Options{Addr: redistest.StartServer(t).Addr()}))
+		check(t, redistest.StartServer(t).Client(t))
 	})
 	t.Run("ring", func(t *testing.T) {
 		ring := redis.NewRing(&redis.RingOptions{Addrs: map[string]string{
@@ -1065,8 +1025,8 @@ func TestTopologies(t *testing.T) {
 // TestRealRedisForeignType checks the WRONGTYPE path on real Redis, whose
 // pcall error shape miniredis only imitates.
 func TestRealRedisForeignType(t *testing.T) {
-	c := newRealClient(t, &redis.Options{Addr: redistest.Addr(t)})
-	s := NewRedisStore(c, WithKeyPrefix(testPrefix(t)))
+	c := redistest.NewClient(t, &redis.Options{Addr: redistest.Addr(t)})
+	s := NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix()))
 	ctx := context.Background()
 	key := s.Key("k", "gold")
 	require.NoError(t, c.SAdd(ctx, key, "member").Err())

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/stretchr/testify/assert"
@@ -12,9 +13,16 @@ import (
 
 	"github.com/tollgate-go/tollgate/breaker"
 	"github.com/tollgate-go/tollgate/internal/redisscript"
+	"github.com/tollgate-go/tollgate/internal/redistest"
 )
 
+// TestStatsCountDecisionsOutagesAndBreaker runs in a bubble: the breaker's
+// cooldown passes on synctest's fake clock.
 func TestStatsCountDecisionsOutagesAndBreaker(t *testing.T) {
+	synctest.Test(t, testStatsCountDecisionsOutagesAndBreaker)
+}
+
+func testStatsCountDecisionsOutagesAndBreaker(t *testing.T) {
 	ctx := context.Background()
 	f := newFlakyStore()
 	l := newTestLimiter(t, f, WithBreaker(breaker.Settings{Failures: 2, Cooldown: time.Millisecond}), WithDenialCache(0))
@@ -113,8 +121,8 @@ func TestStatsDoNotSlowDecisionsDown(t *testing.T) {
 // onto metrics (their own tests drive them with fakes, as they cannot
 // import internal/redistest from their modules).
 func TestStatsOnRealOutage(t *testing.T) {
-	srv := ownServer(t)
-	l, err := New(NewRedisStore(newRealClient(t, failFast(srv.Addr()))), testPlans, WithLogger(nil),
+	srv := redistest.StartServer(t)
+	l, err := New(NewRedisStore(redistest.NewClient(t, redistest.FailFast(srv.Addr()))), testPlans, WithLogger(nil),
 		WithBreaker(breaker.Settings{Failures: 3, Cooldown: 100 * time.Millisecond}))
 	require.NoError(t, err)
 

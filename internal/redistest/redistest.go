@@ -4,6 +4,10 @@
 // the end of the test that started it (t.Cleanup), and is also killed by the
 // kernel if the test binary dies first (Pdeathsig).
 //
+// It also holds what every test of a real Redis needs, whoever started the
+// server: README's client settings (FailFast), Redis's clock (Time) and key
+// prefixes that keep tests apart on a shared server (KeyPrefix).
+//
 // Methods that can fail report through the testing.TB given to the function
 // that created the value, so they must be called from that test's goroutine
 // (or from one of its cleanups).
@@ -210,9 +214,7 @@ func (s *Server) Restart() {
 // Client returns a go-redis client for the server, closed when t ends.
 func (s *Server) Client(t testing.TB) *redis.Client {
 	t.Helper()
-	c := redis.NewClient(&redis.Options{Addr: s.Addr()})
-	t.Cleanup(func() { _ = c.Close() })
-	return c
+	return NewClient(t, &redis.Options{Addr: s.Addr()})
 }
 
 func (s *Server) addrLocked() string {

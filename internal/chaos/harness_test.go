@@ -1,33 +1,6 @@
 //go:build chaos
 
-package tollgate
-
-// The chaos suite shows tollgate's guarantees under faults: several
-// processes on one Redis, a Cluster master killed, a Sentinel failover, a
-// restart, a SCRIPT FLUSH storm, a paused Redis, a flood of keys, and no
-// goroutine left behind. It starts its own redis-server processes on free
-// loopback ports (internal/redistest) and stops them at the end of each test.
-//
-//	go test -tags chaos -run Chaos -count=1 -v .                         # short: CI
-//	TOLLGATE_CHAOS_FULL=1 go test -tags chaos -run Chaos -count=1 -v -timeout 30m .
-//
-// Every scenario logs one line "CHAOS scenario=… admitted=… bound=… …" with
-// its figures: grep CHAOS.
-//
-// How the bound is counted. A decision's admission is charged to whoever
-// made it:
-//   - Redis (SourceStore): per key, at most capacity × (1 + lost) + rate ×
-//     elapsed, elapsed from Redis TIME read before the load starts and after
-//     it ends. lost counts the events that make Redis forget a key's bucket
-//     (a restart without persistence, a failover to a replica that may lag the
-//     master): each may hand back at most one full bucket.
-//   - each instance's fallback MemoryStore (SourceFallback): per key, at most
-//     capacity + rate × the time between that instance's first and last
-//     fallback decision on the key. This is what the Fallback policy allows:
-//     one plan per instance for the outage.
-//
-// The assertions hold each part to its own bound, which is stricter than the
-// sum the CHAOS line reports.
+package chaos
 
 import (
 	"context"
@@ -46,6 +19,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
+	"github.com/tollgate-go/tollgate"
 	"github.com/tollgate-go/tollgate/internal/redistest"
 )
 
@@ -63,7 +37,7 @@ func pick[T any](short, full T) T {
 // chaosPlan is the plan every Redis scenario uses: small enough that the
 // load drains it at once, so every admission beyond the burst is a refill
 // and the bound is tight.
-var chaosPlan = Plan{Name: "chaos", Capacity: 10, Rate: 20}
+var chaosPlan = tollgate.Plan{Name: "chaos", Capacity: 10, Rate: 20}
 
 // chaosPrologue skips the test without redis-server (when it needs one) and
 // registers the goroutine leak check. Cleanups run last-in first-out, so the
@@ -151,7 +125,7 @@ func roundDuration(d time.Duration) time.Duration {
 // fastCluster is the README's client advice for Cluster: fail fast, and
 // reload the slot map often enough to notice a failover.
 func fastCluster() *redis.ClusterOptions {
-	o := failFast("")
+	o := redistest.FailFast("")
 	return &redis.ClusterOptions{
 		DialTimeout:                o.DialTimeout,
 		ReadTimeout:                o.ReadTimeout,
@@ -166,7 +140,7 @@ func fastCluster() *redis.ClusterOptions {
 
 // fastFailover is the README's client advice for Sentinel.
 func fastFailover() *redis.FailoverOptions {
-	o := failFast("")
+	o := redistest.FailFast("")
 	return &redis.FailoverOptions{
 		DialTimeout:           o.DialTimeout,
 		ReadTimeout:           o.ReadTimeout,
@@ -181,19 +155,19 @@ func fastFailover() *redis.FailoverOptions {
 // instance is one service instance: a Limiter with its own client, its own
 // fallback MemoryStore, and the RedisStore under it.
 type instance struct {
-	lim   *Limiter
-	store *RedisStore
+	lim   *tollgate.Limiter
+	store *tollgate.RedisStore
 }
 
 // newInstances builds n instances over clients made by newClient, sharing one
 // key prefix, under the Fallback policy with the default breaker.
-func newInstances(t *testing.T, n int, newClient func() redis.UniversalClient, opts ...Option) []instance {
+func newInstances(t *testing.T, n int, newClient func() redis.UniversalClient, opts ...tollgate.Option) []instance {
 	t.Helper()
-	prefix := testPrefix(t)
+	prefix := redistest.KeyPrefix()
 	insts := make([]instance, n)
 	for i := range insts {
-		s := NewRedisStore(newClient(), WithKeyPrefix(prefix))
-		l, err := New(s, []Plan{chaosPlan}, append([]Option{WithLogger(nil)}, opts...)...)
+		s := tollgate.NewRedisStore(newClient(), tollgate.WithKeyPrefix(prefix))
+		l, err := tollgate.New(s, []tollgate.Plan{chaosPlan}, append([]tollgate.Option{tollgate.WithLogger(nil)}, opts...)...)
 		require.NoError(t, err)
 		insts[i] = instance{lim: l, store: s}
 	}
@@ -208,14 +182,21 @@ func scriptLoads(insts []instance) int64 {
 	return n
 }
 
-// redisClock reads Redis TIME at addr, in µs: the clock the script decides by.
+// redisClock reads Redis TIME at addr, in µs: the clock the script decides
+// by. Its client lives for this one call, so that it has no pool left to
+// redial the server when a scenario kills it.
 func redisClock(t *testing.T, addr string) int64 {
 	t.Helper()
 	c := redis.NewClient(&redis.Options{Addr: addr})
 	defer c.Close()
-	tm, err := c.Time(context.Background()).Result()
-	require.NoError(t, err)
-	return tm.UnixMicro()
+	return redistest.Time(t, c)
+}
+
+// byStore reports whether Redis made a decision that came from src: itself,
+// or through the Limiter's denial cache, which only repeats a denial Redis
+// gave (and never admits). Either way the decision is charged to Redis.
+func byStore(src tollgate.Source) bool {
+	return src == tollgate.SourceStore || src == tollgate.SourceCache
 }
 
 // decision is one call as the caller saw it.
@@ -223,7 +204,7 @@ type decision struct {
 	at, took int64 // ns: when the call began, since the load began; how long it took
 	key      uint16
 	inst     uint8
-	src      Source
+	src      tollgate.Source
 	allowed  bool
 	err      bool
 }
@@ -301,7 +282,7 @@ func (l *load) work(w, inst int, spec loadSpec) {
 		}
 		log = append(log, d)
 		last := &l.lastOther[k]
-		if err == nil && r.Source == SourceStore {
+		if err == nil && byStore(r.Source) {
 			last = &l.lastStore[k]
 		}
 		storeMax(last, d.at+d.took)
@@ -379,7 +360,7 @@ func (l *load) figures() figures {
 		switch {
 		case d.err:
 			f.errors++
-		case d.src != SourceStore:
+		case !byStore(d.src):
 			f.fallback++
 		case d.allowed:
 			f.storeAllowed++
@@ -397,7 +378,7 @@ func (l *load) outage(keys []int, from, to int64) (d time.Duration, ok bool) {
 	in := keySet(keys)
 	last := int64(-1)
 	for _, x := range l.all() {
-		if in[x.key] && x.at+x.took >= from && x.at < to && (x.err || x.src != SourceStore) {
+		if in[x.key] && x.at+x.took >= from && x.at < to && (x.err || !byStore(x.src)) {
 			last = max(last, x.at+x.took)
 		}
 	}
@@ -451,11 +432,11 @@ func (l *load) checkAdmitted(elapsedMicros int64, lost func(key int) int) (admit
 		per[k] = make([]fb, len(l.insts))
 	}
 	for _, d := range l.all() {
-		if d.err || d.src == SourceFailOpen {
+		if d.err || d.src == tollgate.SourceFailOpen {
 			continue
 		}
 		e := &per[d.key][d.inst]
-		if d.src == SourceStore {
+		if byStore(d.src) {
 			if d.allowed {
 				per[d.key][0].storeAdmitted++
 			}

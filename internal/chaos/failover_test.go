@@ -1,6 +1,6 @@
 //go:build chaos
 
-package tollgate
+package chaos
 
 import (
 	"context"

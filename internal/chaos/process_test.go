@@ -1,6 +1,6 @@
 //go:build chaos
 
-package tollgate
+package chaos
 
 import (
 	"bufio"
@@ -19,6 +19,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/tollgate-go/tollgate"
 	"github.com/tollgate-go/tollgate/internal/redistest"
 )
 
@@ -56,8 +57,8 @@ func TestChaosChildProcess(t *testing.T) {
 	require.NoError(t, json.Unmarshal([]byte(spec), &job))
 	c := redis.NewClient(&redis.Options{Addr: job.Addr})
 	defer c.Close()
-	lim, err := New(NewRedisStore(c, WithKeyPrefix(job.Prefix)), []Plan{chaosPlan},
-		WithFailurePolicy(FailClosed), WithLogger(nil))
+	lim, err := tollgate.New(tollgate.NewRedisStore(c, tollgate.WithKeyPrefix(job.Prefix)), []tollgate.Plan{chaosPlan},
+		tollgate.WithFailurePolicy(tollgate.FailClosed), tollgate.WithLogger(nil))
 	require.NoError(t, err)
 
 	var mu sync.Mutex
@@ -101,7 +102,7 @@ func TestChaosProcesses(t *testing.T) {
 	srv := redistest.StartServer(t)
 	procs, run := pick(4, 8), pick(1500*time.Millisecond, 15*time.Second)
 	job := childJob{
-		Addr: srv.Addr(), Prefix: testPrefix(t), Keys: chaosKeys(4),
+		Addr: srv.Addr(), Prefix: redistest.KeyPrefix(), Keys: chaosKeys(4),
 		Workers: 4, MaxOps: 1_000_000, Duration: run,
 	}
 	spec, err := json.Marshal(job)

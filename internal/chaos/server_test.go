@@ -1,6 +1,6 @@
 //go:build chaos
 
-package tollgate
+package chaos
 
 import (
 	"context"
@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/tollgate-go/tollgate"
 	"github.com/tollgate-go/tollgate/internal/redistest"
 )
 
@@ -48,7 +49,7 @@ const recoveryBound = 3 * time.Second
 func TestChaosRedisRestart(t *testing.T) {
 	chaosPrologue(t, true)
 	srv := redistest.StartServer(t)
-	insts := newInstances(t, 2, func() redis.UniversalClient { return newRealClient(t, failFast(srv.Addr())) })
+	insts := newInstances(t, 2, func() redis.UniversalClient { return redistest.NewClient(t, redistest.FailFast(srv.Addr())) })
 	keys := chaosKeys(8)
 	rounds, down := pick(1, 3), pick(700*time.Millisecond, 2*time.Second)
 
@@ -98,9 +99,9 @@ func TestChaosScriptFlushStorm(t *testing.T) {
 	srv := redistest.StartServer(t)
 	// go-redis's default timeouts: this scenario is about NOSCRIPT, and a
 	// 100 ms read timeout could fail a decision on a loaded machine.
-	insts := newInstances(t, 3, func() redis.UniversalClient { return newRealClient(t, &redis.Options{Addr: srv.Addr()}) },
-		WithFailurePolicy(FailClosed))
-	admin := newRealClient(t, &redis.Options{Addr: srv.Addr()})
+	insts := newInstances(t, 3, func() redis.UniversalClient { return redistest.NewClient(t, &redis.Options{Addr: srv.Addr()}) },
+		tollgate.WithFailurePolicy(tollgate.FailClosed))
+	admin := redistest.NewClient(t, &redis.Options{Addr: srv.Addr()})
 	keys := chaosKeys(8)
 	storm, every := pick(2*time.Second, 20*time.Second), pick(5*time.Millisecond, 2*time.Millisecond)
 
@@ -134,8 +135,8 @@ func TestChaosSlowRedis(t *testing.T) {
 		t.Run(how, func(t *testing.T) {
 			chaosPrologue(t, true)
 			srv := redistest.StartServer(t, "--enable-debug-command", "yes")
-			insts := newInstances(t, 2, func() redis.UniversalClient { return newRealClient(t, failFast(srv.Addr())) })
-			admin := newRealClient(t, &redis.Options{Addr: srv.Addr(), ReadTimeout: time.Minute})
+			insts := newInstances(t, 2, func() redis.UniversalClient { return redistest.NewClient(t, redistest.FailFast(srv.Addr())) })
+			admin := redistest.NewClient(t, &redis.Options{Addr: srv.Addr(), ReadTimeout: time.Minute})
 			keys := chaosKeys(8)
 			rounds, pause := pick(1, 3), pick(1500*time.Millisecond, 5*time.Second)
 

@@ -1,6 +1,6 @@
 //go:build chaos
 
-package tollgate
+package chaos
 
 import (
 	"context"
@@ -16,9 +16,23 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
+	"github.com/tollgate-go/tollgate"
 	"github.com/tollgate-go/tollgate/breaker"
 	"github.com/tollgate-go/tollgate/internal/redistest"
 )
+
+// downStore is a store that fails every call, as a Redis out of reach does.
+type downStore struct{}
+
+var _ tollgate.Store = downStore{}
+
+var errDown = errors.New("down")
+
+func (downStore) Take(context.Context, string, int64, []tollgate.Plan) (tollgate.Result, error) {
+	return tollgate.Result{}, errDown
+}
+
+func (downStore) Reset(context.Context, string, []tollgate.Plan) error { return errDown }
 
 // heapInuse returns the heap in use after a full collection.
 func heapInuse() uint64 {
@@ -37,13 +51,11 @@ func TestChaosKeyFlood(t *testing.T) {
 	chaosPrologue(t, false)
 	const maxKeys = 100_000
 	keys := pick(1_000_000, 10_000_000)
-	down := newFlakyStore()
-	down.fail(errors.New("down"))
-	fallback := NewMemoryStore(WithMaxKeys(maxKeys))
+	fallback := tollgate.NewMemoryStore(tollgate.WithMaxKeys(maxKeys))
 	// A bucket of 10 that refills in an hour: no bucket is full again during
 	// the flood, so eviction, not the sweep of full buckets, keeps the bound.
-	lim, err := New(down, []Plan{{Name: "flood", Capacity: 10, Rate: Per(10, time.Hour)}},
-		WithFallback(fallback), WithLogger(nil), WithBreaker(breaker.Settings{Cooldown: time.Hour}))
+	lim, err := tollgate.New(downStore{}, []tollgate.Plan{{Name: "flood", Capacity: 10, Rate: tollgate.Per(10, time.Hour)}},
+		tollgate.WithFallback(fallback), tollgate.WithLogger(nil), tollgate.WithBreaker(breaker.Settings{Cooldown: time.Hour}))
 	require.NoError(t, err)
 
 	base := heapInuse()
@@ -56,7 +68,7 @@ func TestChaosKeyFlood(t *testing.T) {
 	for i := 0; i < keys; i++ {
 		buf = strconv.AppendInt(append(buf[:0], "flood-"...), int64(i), 10)
 		r, err := lim.Allow(ctx, string(buf))
-		if err != nil || r.Source != SourceFallback {
+		if err != nil || r.Source != tollgate.SourceFallback {
 			t.Fatalf("key %d: %v from %s; want the fallback to decide", i, err, r.Source)
 		}
 		if n := i + 1; n%(keys/20) == 0 || n == 2*maxKeys {
@@ -115,20 +127,34 @@ func TestChaosGoroutineLeaks(t *testing.T) {
 
 	before := runtime.NumGoroutine()
 	clients := []redis.UniversalClient{
-		redis.NewClient(failFast(srv.Addr())),
+		redis.NewClient(redistest.FailFast(srv.Addr())),
 		redis.NewFailoverClient(&redis.FailoverOptions{MasterName: sen.MasterName(), SentinelAddrs: sen.SentinelAddrs()}),
 		redis.NewClusterClient(&redis.ClusterOptions{Addrs: cl.Addrs(), ClusterStateReloadInterval: 100 * time.Millisecond}),
 		redis.NewRing(&redis.RingOptions{Addrs: map[string]string{"a": srv.Addr()}}),
 	}
+	// The test closes the clients itself, before its check. If it stops
+	// first, this closes them, so that their redials do not outlive it
+	// and fail the next test's check.
+	closed := false
+	t.Cleanup(func() {
+		if closed {
+			return
+		}
+		for _, c := range clients {
+			_ = c.Close()
+		}
+	})
 	decisions := 0
 	for i, c := range clients {
-		l, err := New(NewRedisStore(c, WithKeyPrefix(testPrefix(t))), []Plan{chaosPlan}, WithLogger(nil),
-			WithBreaker(breaker.Settings{Failures: 1, Cooldown: 10 * time.Millisecond}))
+		// No denial cache: every decision goes through the client.
+		l, err := tollgate.New(tollgate.NewRedisStore(c, tollgate.WithKeyPrefix(redistest.KeyPrefix())), []tollgate.Plan{chaosPlan},
+			tollgate.WithLogger(nil), tollgate.WithBreaker(breaker.Settings{Failures: 1, Cooldown: 10 * time.Millisecond}),
+			tollgate.WithDenialCache(0))
 		require.NoError(t, err)
 		for n := 0; n < 200; n++ {
 			r, err := l.Allow(ctx, strconv.Itoa(n%7))
 			require.NoError(t, err, "client %d", i)
-			require.Equal(t, SourceStore, r.Source, "client %d", i)
+			require.Equal(t, tollgate.SourceStore, r.Source, "client %d", i)
 			decisions++
 		}
 		short, cancel := context.WithTimeout(ctx, time.Millisecond)
@@ -137,24 +163,25 @@ func TestChaosGoroutineLeaks(t *testing.T) {
 	}
 	// An outage and a recovery on the plain client: dials that fail, the
 	// breaker, probes, the fallback.
-	l, err := New(NewRedisStore(clients[0], WithKeyPrefix(testPrefix(t))), []Plan{chaosPlan}, WithLogger(nil),
-		WithBreaker(breaker.Settings{Failures: 1, Cooldown: 10 * time.Millisecond}))
+	l, err := tollgate.New(tollgate.NewRedisStore(clients[0], tollgate.WithKeyPrefix(redistest.KeyPrefix())), []tollgate.Plan{chaosPlan},
+		tollgate.WithLogger(nil), tollgate.WithBreaker(breaker.Settings{Failures: 1, Cooldown: 10 * time.Millisecond}))
 	require.NoError(t, err)
 	srv.Kill()
 	for n := 0; n < 100; n++ {
 		r, err := l.Allow(ctx, "k")
 		require.NoError(t, err)
-		require.Equal(t, SourceFallback, r.Source)
+		require.Equal(t, tollgate.SourceFallback, r.Source)
 		time.Sleep(time.Millisecond)
 	}
 	srv.Restart()
 	back := eventually(5*time.Second, 5*time.Millisecond, func() bool {
 		r, err := l.Allow(ctx, "k")
-		return err == nil && r.Source == SourceStore
+		return err == nil && r.Source == tollgate.SourceStore
 	})
 	require.True(t, back, "back to Redis after the restart")
 	during := runtime.NumGoroutine()
 	assert.Empty(t, libraryGoroutines(), "the library starts no goroutine of its own")
+	closed = true
 	for _, c := range clients {
 		require.NoError(t, c.Close())
 	}
@@ -166,16 +193,23 @@ func TestChaosGoroutineLeaks(t *testing.T) {
 }
 
 // libraryGoroutines returns the stacks of running goroutines started by the
-// library's own code (not by its tests, nor by internal/redistest).
+// library's own code: any package of the module (the root, breaker,
+// internal/...), but not its tests nor internal/redistest.
 func libraryGoroutines() []string {
+	const module = "github.com/tollgate-go/tollgate"
 	buf := make([]byte, 1<<22)
 	buf = buf[:runtime.Stack(buf, true)]
 	var found []string
 	for _, g := range strings.Split(string(buf), "\n\n") {
 		lines := strings.Split(g, "\n")
 		for i, line := range lines {
-			if strings.HasPrefix(line, "created by github.com/tollgate-go/tollgate.") && i+1 < len(lines) &&
-				!strings.Contains(strings.Fields(lines[i+1])[0], "_test.go:") {
+			fn, ok := strings.CutPrefix(line, "created by ")
+			if !ok || i+1 == len(lines) {
+				continue
+			}
+			library := strings.HasPrefix(fn, module+".") ||
+				strings.HasPrefix(fn, module+"/") && !strings.HasPrefix(fn, module+"/internal/redistest.")
+			if library && !strings.Contains(strings.Fields(lines[i+1])[0], "_test.go:") {
 				found = append(found, g)
 			}
 		}
