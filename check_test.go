@@ -59,7 +59,7 @@ func TestCheckNamesTheCause(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			err := checkOf(t, NewRedisStore(newRealClient(t, failFast(tc.addr))))
+			err := checkOf(t, NewRedisStore(redistest.NewClient(t, redistest.FailFast(tc.addr))))
 			require.ErrorIs(t, err, ErrStoreUnavailable)
 			assert.Contains(t, err.Error(), tc.cause)
 			assert.NotContains(t, err.Error(), "tollgate:{", "no key in the error")

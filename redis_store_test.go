@@ -1072,7 +1072,7 @@ func TestPartialOutagesOnRealRedis(t *testing.T) {
 		for _, policy := range []FailurePolicy{Fallback, FailClosed} {
 			t.Run(tc.name+"/"+policy.String(), func(t *testing.T) {
 				logs := &logCounter{}
-				l, err := New(NewRedisStore(newRealClient(t, failFast(tc.addr))), testPlans,
+				l, err := New(NewRedisStore(redistest.NewClient(t, redistest.FailFast(tc.addr))), testPlans,
 					WithLogger(slog.New(logs)), WithFailurePolicy(policy), WithDenialCache(0))
 				require.NoError(t, err)
 				for i := 0; i < 1000; i++ {
@@ -1109,7 +1109,7 @@ func TestCallerDeadlinesOnRealRedisAreNotOutages(t *testing.T) {
 	addr := redistest.Addr(t)
 	logs := &logCounter{}
 	plan := Plan{Name: "p", Capacity: 5, Rate: 50}
-	l, err := New(NewRedisStore(newRealClient(t, failFast(addr)), WithKeyPrefix(testPrefix(t))), []Plan{plan},
+	l, err := New(NewRedisStore(redistest.NewClient(t, redistest.FailFast(addr)), WithKeyPrefix(redistest.KeyPrefix())), []Plan{plan},
 		WithLogger(slog.New(logs)), WithDenialCache(0))
 	require.NoError(t, err)
 
@@ -1158,7 +1158,7 @@ func TestRedisErrorsNeverCarryKeys(t *testing.T) {
 	srv := redistest.StartServer(t, "--rename-command", "EVALSHA", `""`)
 	const key = "alice@example.com"
 	logs := &logCounter{minLevel: slog.LevelDebug}
-	l, err := New(NewRedisStore(newRealClient(t, failFast(srv.Addr()))), testPlans,
+	l, err := New(NewRedisStore(redistest.NewClient(t, redistest.FailFast(srv.Addr()))), testPlans,
 		WithLogger(slog.New(logs)), WithFailurePolicy(FailClosed))
 	require.NoError(t, err)
 	_, first := l.Allow(context.Background(), key)

@@ -39,7 +39,9 @@ const MaxPerKey = 4
 
 // New returns a Cache that holds at most max keys.
 func New[V any](max int) *Cache[V] {
-	return &Cache[V]{max: max, epoch: time.Now(), keys: make(map[string][]denial[V])}
+	// forgotAt starts before any reading of the clock, so that a denial
+	// asked at the cache's first instant is kept.
+	return &Cache[V]{max: max, epoch: time.Now(), keys: make(map[string][]denial[V]), forgotAt: -1}
 }
 
 // Now reads the cache's clock: monotonic nanoseconds since New.

@@ -58,3 +58,11 @@ func TestBoundsEachKey(t *testing.T) {
 	_, _, _, ok := c.Get("k", "p", 1000, c.Now())
 	assert.True(t, ok, "the newest denial is kept")
 }
+
+func TestKeepsADenialOfTheFirstInstant(t *testing.T) {
+	c := New[int](10)
+	c.Put("k", "p", 1, 7, 0, hour)
+	v, _, _, ok := c.Get("k", "p", 1, 0)
+	assert.True(t, ok)
+	assert.Equal(t, 7, v)
+}
