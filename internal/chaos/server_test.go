@@ -134,7 +134,11 @@ func TestChaosSlowRedis(t *testing.T) {
 	for _, how := range []string{"client-pause", "debug-sleep"} {
 		t.Run(how, func(t *testing.T) {
 			chaosPrologue(t, true)
-			srv := redistest.StartServer(t, "--enable-debug-command", "yes")
+			var args []string
+			if redistest.MajorVersion(t) >= 7 { // DEBUG is open by default before 7.0
+				args = append(args, "--enable-debug-command", "yes")
+			}
+			srv := redistest.StartServer(t, args...)
 			insts := newInstances(t, 2, func() redis.UniversalClient { return redistest.NewClient(t, redistest.FailFast(srv.Addr())) })
 			admin := redistest.NewClient(t, &redis.Options{Addr: srv.Addr(), ReadTimeout: time.Minute})
 			keys := chaosKeys(8)

@@ -65,6 +65,27 @@ func SkipIfUnavailable(t testing.TB) {
 	}
 }
 
+// MajorVersion returns the major version of the redis-server on PATH, from
+// `redis-server --version` ("Redis server v=7.0.15 ..."), so that a test
+// can use what that version offers: 7.0 added --enable-debug-command, and
+// DEBUG is open without it before 7.0. It skips t when there is no
+// redis-server, and fails it when the output does not parse.
+func MajorVersion(t testing.TB) int {
+	t.Helper()
+	SkipIfUnavailable(t)
+	out, err := exec.Command(serverBinary, "--version").Output()
+	if err != nil {
+		t.Fatalf("redistest: %s --version: %v", serverBinary, err)
+	}
+	_, v, ok := strings.Cut(string(out), " v=")
+	major, _, _ := strings.Cut(v, ".")
+	n, err := strconv.Atoi(major)
+	if !ok || err != nil {
+		t.Fatalf("redistest: cannot read the version in %q", out)
+	}
+	return n
+}
+
 // Addr returns the address of a real Redis for tests that only need one plain
 // server: TOLLGATE_REDIS_ADDR if set (the caller must then use random key
 // prefixes; this package never flushes it), otherwise a fresh server started

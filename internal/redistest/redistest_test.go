@@ -88,3 +88,11 @@ func TestCleanupStopsEverything(t *testing.T) {
 		t.Errorf("goroutine of this package outlived the cleanup:\n%s", buf)
 	}
 }
+
+func TestMajorVersion(t *testing.T) {
+	v := MajorVersion(t)
+	if v < 5 || v > 20 {
+		t.Fatalf("redis-server major version %d: the harness expects 5 to 20", v)
+	}
+	t.Logf("redis-server %d", v)
+}
