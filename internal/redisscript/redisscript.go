@@ -84,9 +84,21 @@ func Sanitize(err error) error {
 	if errors.As(err, &nerr) || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
 		return err
 	}
-	class, _, _ := strings.Cut(rerr.Error(), " ")
+	msg := rerr.Error()
+	class, _, _ := strings.Cut(msg, " ")
 	if !isClass(class) {
 		class = "ERR"
+	}
+	if class == "ERR" {
+		// Before 7.0, an error a command raised inside a script comes
+		// wrapped: "ERR Error running script (call to f_…):
+		// @user_script:63: -OOM command not allowed …". Its own class
+		// is the word after the last ": -".
+		if i := strings.LastIndex(msg, ": -"); i >= 0 {
+			if inner, _, _ := strings.Cut(msg[i+3:], " "); isClass(inner) {
+				class = inner
+			}
+		}
 	}
 	return &Error{Class: class}
 }

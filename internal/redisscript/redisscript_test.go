@@ -63,6 +63,8 @@ func TestSanitize(t *testing.T) {
 		{fakeRedisError("NOPERM this user has no permissions to run the 'evalsha' command"), "redis answered NOPERM"},
 		{fakeRedisError("alice@example.com is not a class"), "redis answered ERR"},
 		{fmt.Errorf("wrapped: %w", fakeRedisError("BUSY Redis is busy running a script")), "redis answered BUSY"},
+		{fakeRedisError("ERR Error running script (call to f_0a1b): @user_script:63: @user_script: 63: -OOM command not allowed when used memory > 'maxmemory'."), "redis answered OOM"},
+		{fakeRedisError("ERR Error running script (call to f_0a1b): @user_script:1: -alice@example.com"), "redis answered ERR"},
 		{timeout, timeout.Error()},
 		{context.Canceled, "context canceled"},
 	} {
