@@ -9,6 +9,7 @@ import (
 	"net/http/httptest"
 	"strings"
 
+	"github.com/alicebob/miniredis/v2"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/redis/go-redis/v9"
@@ -17,20 +18,28 @@ import (
 	tgprom "github.com/tollgate-go/tollgate/metrics/prometheus"
 )
 
-// A Limiter reports to an Observer, whose registry is served at /metrics.
-// The example scrapes its own /metrics and prints some of the lines.
+// A Limiter on Redis, whose Collector is registered and served at
+// /metrics. The example runs an embedded miniredis, scrapes its own
+// /metrics and prints some of the lines: the third request is denied by
+// Redis, and the fourth, the same request again, by the Limiter's memory
+// of that denial without a call to Redis.
 func Example() {
-	reg := prometheus.NewRegistry()
-	obs, err := tgprom.New(reg, tgprom.WithConstLabels(prometheus.Labels{"limiter": "api"}))
+	mr, err := miniredis.Run()
 	if err != nil {
 		log.Fatal(err)
 	}
-	lim, err := tollgate.New(tollgate.NewMemoryStore(), []tollgate.Plan{{Name: "basic", Capacity: 2, Rate: 1}},
-		tollgate.WithObserver(obs))
+	defer mr.Close()
+	client := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	defer client.Close()
+
+	lim, err := tollgate.New(tollgate.NewRedisStore(client), []tollgate.Plan{{Name: "basic", Capacity: 2, Rate: 1}})
 	if err != nil {
 		log.Fatal(err)
 	}
-	for i := 0; i < 3; i++ { // 2 allowed, 1 denied
+	reg := prometheus.NewRegistry() // a service would use prometheus.MustRegister
+	reg.MustRegister(tgprom.New(lim, tgprom.WithConstLabels(prometheus.Labels{"limiter": "api"})))
+
+	for i := 0; i < 4; i++ { // 2 allowed, 2 denied
 		if _, err := lim.Allow(context.Background(), "user-42"); err != nil {
 			log.Fatal(err)
 		}
@@ -49,34 +58,55 @@ func Example() {
 	sc := bufio.NewScanner(resp.Body)
 	for sc.Scan() {
 		line := sc.Text()
-		if strings.HasPrefix(line, "tollgate_fallback_active") || strings.HasPrefix(line, "tollgate_breaker_state") ||
-			strings.HasPrefix(line, "tollgate_decisions_total") && strings.Contains(line, `source="store"`) {
+		if strings.HasPrefix(line, "tollgate_decisions_total") && !strings.HasSuffix(line, " 0") ||
+			strings.HasPrefix(line, "tollgate_store_duration_seconds_count") ||
+			strings.HasPrefix(line, "tollgate_script_loads_total") ||
+			strings.HasPrefix(line, "tollgate_fallback_active") {
 			fmt.Println(line)
 		}
 	}
 	// Output:
-	// tollgate_breaker_state{limiter="api"} 0
 	// tollgate_decisions_total{decision="allowed",limiter="api",plan="basic",source="store"} 2
+	// tollgate_decisions_total{decision="denied",limiter="api",plan="basic",source="cache"} 1
 	// tollgate_decisions_total{decision="denied",limiter="api",plan="basic",source="store"} 1
 	// tollgate_fallback_active{limiter="api"} 0
+	// tollgate_script_loads_total{limiter="api"} 1
+	// tollgate_store_duration_seconds_count{limiter="api"} 3
 }
 
-// Wiring in a service: the same Observer goes to the Limiter and to its
-// RedisStore, and the default registry is served at /metrics.
-func ExampleNew() {
-	obs, err := tgprom.New(prometheus.DefaultRegisterer)
+// Several Limiters in one registry: one Collector each, told apart by a
+// const label.
+func ExampleWithConstLabels() {
+	plans := []tollgate.Plan{{Name: "basic", Capacity: 10, Rate: 1}}
+	api, err := tollgate.New(tollgate.NewMemoryStore(), plans)
 	if err != nil {
 		log.Fatal(err)
 	}
-	client := redis.NewClient(&redis.Options{Addr: "localhost:6379"})
-	store := tollgate.NewRedisStore(client, tollgate.WithRedisObserver(obs))
-	lim, err := tollgate.New(store, []tollgate.Plan{{Name: "api", Capacity: 20, Rate: 10}},
-		tollgate.WithObserver(obs))
+	login, err := tollgate.New(tollgate.NewMemoryStore(), plans)
 	if err != nil {
 		log.Fatal(err)
 	}
-	_ = lim // use lim in handlers
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(
+		tgprom.New(api, tgprom.WithConstLabels(prometheus.Labels{"limiter": "api"})),
+		tgprom.New(login, tgprom.WithConstLabels(prometheus.Labels{"limiter": "login"})),
+	)
+	_, _ = api.Allow(context.Background(), "user-42")
 
-	http.Handle("/metrics", promhttp.Handler())
-	// log.Fatal(http.ListenAndServe(":9090", nil))
+	mfs, err := reg.Gather()
+	if err != nil {
+		log.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != "tollgate_decisions_total" {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			if v := m.GetCounter().GetValue(); v > 0 {
+				fmt.Println(m.GetLabel()[1].GetValue(), v) // labels sorted by name: decision, limiter, plan, source
+			}
+		}
+	}
+	// Output:
+	// api 1
 }
