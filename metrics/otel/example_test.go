@@ -13,23 +13,24 @@ import (
 	tgotel "github.com/tollgate-go/tollgate/metrics/otel"
 )
 
-// A Limiter records to an Observer on a MeterProvider. A service would
-// give the provider a periodic reader and an exporter (OTLP, Prometheus);
-// the example reads it by hand.
+// A Limiter's instruments on a MeterProvider. A service would give the
+// provider a periodic reader and an exporter (OTLP, Prometheus); the
+// example collects by hand, which runs the callback that reads the
+// Limiter's Stats.
 func Example() {
 	reader := sdkmetric.NewManualReader()
 	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
 	defer mp.Shutdown(context.Background())
 
-	obs, err := tgotel.New(mp, tgotel.WithAttributes(attribute.String("limiter", "api")))
+	lim, err := tollgate.New(tollgate.NewMemoryStore(), []tollgate.Plan{{Name: "basic", Capacity: 2, Rate: 1}})
 	if err != nil {
 		log.Fatal(err)
 	}
-	lim, err := tollgate.New(tollgate.NewMemoryStore(), []tollgate.Plan{{Name: "basic", Capacity: 2, Rate: 1}},
-		tollgate.WithObserver(obs))
+	reg, err := tgotel.Register(lim, mp, tgotel.WithAttributes(attribute.String("limiter", "api")))
 	if err != nil {
 		log.Fatal(err)
 	}
+	defer reg.Unregister()
 	for i := 0; i < 3; i++ { // 2 allowed, 1 denied
 		if _, err := lim.Allow(context.Background(), "user-42"); err != nil {
 			log.Fatal(err)

@@ -1,0 +1,614 @@
+package tgotel_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/alicebob/miniredis/v2"
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+
+	"github.com/tollgate-go/tollgate"
+	"github.com/tollgate-go/tollgate/breaker"
+	tgotel "github.com/tollgate-go/tollgate/metrics/otel"
+)
+
+var plans = []tollgate.Plan{
+	{Name: "gold", Capacity: 2, Rate: 1},
+	{Name: "daily", Capacity: 100, Rate: tollgate.Per(100, 24*time.Hour)},
+}
+
+// flakyStore wraps a MemoryStore, and fails with err while it is set. Not
+// being a *tollgate.MemoryStore, it gets what a RedisStore gets: a
+// breaker, a denial cache, and its calls timed and counted.
+type flakyStore struct {
+	mu     sync.Mutex
+	err    error
+	delay  time.Duration
+	onTake func()
+	inner  *tollgate.MemoryStore
+}
+
+func newFlakyStore() *flakyStore { return &flakyStore{inner: tollgate.NewMemoryStore()} }
+
+func (f *flakyStore) fail(err error) {
+	f.mu.Lock()
+	f.err = err
+	f.mu.Unlock()
+}
+
+func (f *flakyStore) slow(d time.Duration) {
+	f.mu.Lock()
+	f.delay = d
+	f.mu.Unlock()
+}
+
+func (f *flakyStore) Take(ctx context.Context, key string, cost int64, plans []tollgate.Plan) (tollgate.Result, error) {
+	f.mu.Lock()
+	err, delay, onTake := f.err, f.delay, f.onTake
+	f.mu.Unlock()
+	time.Sleep(delay)
+	if onTake != nil {
+		onTake()
+	}
+	if err != nil {
+		return tollgate.Result{}, err
+	}
+	return f.inner.Take(ctx, key, cost, plans)
+}
+
+func (f *flakyStore) Reset(ctx context.Context, key string, plans []tollgate.Plan) error {
+	return f.inner.Reset(ctx, key, plans)
+}
+
+// timeoutError is a net.Error that timed out, as a client's read deadline
+// gives.
+type timeoutError struct{}
+
+func (timeoutError) Error() string   { return "i/o timeout" }
+func (timeoutError) Timeout() bool   { return true }
+func (timeoutError) Temporary() bool { return true }
+
+// reader collects what the instruments observe, as an exporter would.
+type reader struct {
+	t *testing.T
+	*sdkmetric.ManualReader
+}
+
+func (r reader) collect() []metricdata.Metrics {
+	r.t.Helper()
+	var rm metricdata.ResourceMetrics
+	require.NoError(r.t, r.Collect(context.Background(), &rm))
+	require.Len(r.t, rm.ScopeMetrics, 1)
+	assert.Equal(r.t, tgotel.ScopeName, rm.ScopeMetrics[0].Scope.Name)
+	return rm.ScopeMetrics[0].Metrics
+}
+
+func (r reader) metric(name string) metricdata.Metrics {
+	r.t.Helper()
+	for _, m := range r.collect() {
+		if m.Name == name {
+			return m
+		}
+	}
+	r.t.Fatalf("no metric %s", name)
+	return metricdata.Metrics{}
+}
+
+func match(set attribute.Set, kv []attribute.KeyValue) bool {
+	for _, want := range kv {
+		got, ok := set.Value(want.Key)
+		if !ok || got != want.Value {
+			return false
+		}
+	}
+	return true
+}
+
+// value returns the value of the one data point of the int64 counter or
+// gauge name whose attributes include kv.
+func (r reader) value(name string, kv ...attribute.KeyValue) int64 {
+	r.t.Helper()
+	var found []int64
+	switch d := r.metric(name).Data.(type) {
+	case metricdata.Sum[int64]:
+		for _, p := range d.DataPoints {
+			if match(p.Attributes, kv) {
+				found = append(found, p.Value)
+			}
+		}
+	case metricdata.Gauge[int64]:
+		for _, p := range d.DataPoints {
+			if match(p.Attributes, kv) {
+				found = append(found, p.Value)
+			}
+		}
+	default:
+		r.t.Fatalf("%s is a %T", name, d)
+	}
+	require.Len(r.t, found, 1, "data points of %s with %v", name, kv)
+	return found[0]
+}
+
+// points returns the number of data points of the int64 counter name.
+func (r reader) points(name string) int {
+	r.t.Helper()
+	d, ok := r.metric(name).Data.(metricdata.Sum[int64])
+	require.True(r.t, ok, "%s is an int64 sum", name)
+	return len(d.DataPoints)
+}
+
+// seconds returns the value of the one data point of tollgate.store.duration.
+func (r reader) seconds() float64 {
+	r.t.Helper()
+	d, ok := r.metric("tollgate.store.duration").Data.(metricdata.Sum[float64])
+	require.True(r.t, ok, "tollgate.store.duration is a float64 sum")
+	require.Len(r.t, d.DataPoints, 1)
+	return d.DataPoints[0].Value
+}
+
+func (r reader) decisions(plan, decision, source string) int64 {
+	r.t.Helper()
+	return r.value("tollgate.decisions", attribute.String("plan", plan),
+		attribute.String("decision", decision), attribute.String("source", source))
+}
+
+func (r reader) storeErrors(class string) int64 {
+	r.t.Helper()
+	return r.value("tollgate.store.errors", attribute.String("class", class))
+}
+
+func newReader(t *testing.T) (reader, *sdkmetric.MeterProvider) {
+	mr := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(mr))
+	t.Cleanup(func() { _ = mp.Shutdown(context.Background()) })
+	return reader{t, mr}, mp
+}
+
+// newRegistered returns a Limiter on store, and a reader of its
+// instruments.
+func newRegistered(t *testing.T, store tollgate.Store, opts ...tollgate.Option) (reader, *tollgate.Limiter) {
+	t.Helper()
+	lim, err := tollgate.New(store, plans, append([]tollgate.Option{tollgate.WithLogger(nil)}, opts...)...)
+	require.NoError(t, err)
+	r, mp := newReader(t)
+	_, err = tgotel.Register(lim, mp)
+	require.NoError(t, err)
+	return r, lim
+}
+
+func TestDecisionsBySource(t *testing.T) {
+	ctx := context.Background()
+	r, lim := newRegistered(t, newFlakyStore())
+	for i := 0; i < 3; i++ { // gold holds 2: allowed, allowed, denied
+		res, err := lim.Allow(ctx, "alice", "gold")
+		require.NoError(t, err)
+		require.Equal(t, tollgate.SourceStore, res.Source)
+	}
+	res, err := lim.Allow(ctx, "alice", "gold") // the denial is remembered
+	require.NoError(t, err)
+	require.Equal(t, tollgate.SourceCache, res.Source)
+	_, err = lim.Allow(ctx, "bob", "gold", "daily") // binding plan: gold
+	require.NoError(t, err)
+	_, err = lim.Peek(ctx, "alice", "daily") // takes nothing: not counted
+	require.NoError(t, err)
+
+	assert.Equal(t, int64(3), r.decisions("gold", "allowed", "store"))
+	assert.Equal(t, int64(1), r.decisions("gold", "denied", "store"))
+	assert.Equal(t, int64(1), r.decisions("gold", "denied", "cache"))
+	assert.Equal(t, int64(0), r.decisions("daily", "denied", "fallback"), "every data point exists from the first collection")
+	d := r.metric("tollgate.decisions")
+	sum := d.Data.(metricdata.Sum[int64])
+	assert.Len(t, sum.DataPoints, 16, "2 plans x 2 decisions x 4 sources")
+	assert.Equal(t, "{decision}", d.Unit)
+	assert.True(t, sum.IsMonotonic)
+	assert.Equal(t, metricdata.CumulativeTemporality, sum.Temporality)
+	assert.Equal(t, int64(5), r.value("tollgate.store.calls"), "alice's 3, bob's and the Peek; the cache answered without the store")
+}
+
+// TestMemoryStore: a MemoryStore's decisions are counted, but it cannot
+// fail and its calls are not timed.
+func TestMemoryStore(t *testing.T) {
+	r, lim := newRegistered(t, tollgate.NewMemoryStore())
+	for i := 0; i < 3; i++ {
+		_, err := lim.Allow(context.Background(), "alice", "gold")
+		require.NoError(t, err)
+	}
+	assert.Equal(t, int64(2), r.decisions("gold", "allowed", "store"))
+	assert.Equal(t, int64(1), r.decisions("gold", "denied", "store"))
+	assert.Equal(t, int64(0), r.value("tollgate.store.calls"))
+	assert.Equal(t, 0.0, r.seconds())
+}
+
+// TestStoreDuration: without a histogram, the total and the count of the
+// store calls.
+func TestStoreDuration(t *testing.T) {
+	f := newFlakyStore()
+	r, lim := newRegistered(t, f)
+	ctx := context.Background()
+	_, err := lim.Allow(ctx, "a", "daily")
+	require.NoError(t, err)
+	f.slow(30 * time.Millisecond)
+	_, err = lim.Allow(ctx, "b", "daily")
+	require.NoError(t, err)
+
+	got := r.seconds()
+	assert.Equal(t, lim.Stats().StoreTime.Seconds(), got, "nothing happened since the collection")
+	assert.GreaterOrEqual(t, got, 0.030)
+	assert.Equal(t, int64(2), r.value("tollgate.store.calls"))
+	d := r.metric("tollgate.store.duration")
+	assert.Equal(t, "s", d.Unit)
+	assert.True(t, d.Data.(metricdata.Sum[float64]).IsMonotonic)
+}
+
+// TestOutageAndRecovery fails the store, lets the fallback decide, and
+// brings the store back: every instrument of an outage must move and
+// settle.
+func TestOutageAndRecovery(t *testing.T) {
+	ctx := context.Background()
+	f := newFlakyStore()
+	// A cooldown long enough that the calls after the trip do not probe on
+	// a loaded machine.
+	const cooldown = 200 * time.Millisecond
+	r, lim := newRegistered(t, f, tollgate.WithBreaker(breaker.Settings{Failures: 2, Cooldown: cooldown}))
+	_, err := lim.Allow(ctx, "alice", "gold")
+	require.NoError(t, err)
+	assert.Equal(t, int64(0), r.value("tollgate.fallback.active"))
+	assert.Equal(t, int64(breaker.Closed), r.value("tollgate.breaker.state"))
+	assert.Equal(t, int64(0), r.value("tollgate.breaker.transitions", attribute.String("to", "open")))
+	assert.Equal(t, int64(0), r.storeErrors("other"))
+
+	f.fail(errors.New("connection refused"))
+	for i := 0; i < 4; i++ { // 2 failures open the breaker; 2 more skip the store
+		res, err := lim.Allow(ctx, "alice", "gold")
+		require.NoError(t, err)
+		require.Equal(t, tollgate.SourceFallback, res.Source)
+	}
+	assert.Equal(t, int64(2), r.storeErrors("other"), "calls the open breaker skipped are not errors")
+	assert.Equal(t, int64(1), r.value("tollgate.fallback.active"))
+	assert.Equal(t, int64(1), r.value("tollgate.fallback.active"), "a gauge keeps its value across collections")
+	assert.Equal(t, int64(breaker.Open), r.value("tollgate.breaker.state"))
+	assert.Equal(t, int64(2), r.decisions("gold", "allowed", "fallback"))
+	assert.Equal(t, int64(2), r.decisions("gold", "denied", "fallback"))
+
+	f.fail(nil)
+	time.Sleep(cooldown + 10*time.Millisecond) // the next call probes
+	res, err := lim.Allow(ctx, "bob", "gold")
+	require.NoError(t, err)
+	require.Equal(t, tollgate.SourceStore, res.Source)
+	assert.Equal(t, int64(breaker.Closed), r.value("tollgate.breaker.state"))
+	// The outage ends at a success two cooldowns after the last failure,
+	// which a slow machine may have reached already.
+	var outage int64
+	if lim.Stats().Outage {
+		outage = 1
+	}
+	assert.Equal(t, outage, r.value("tollgate.fallback.active"))
+	n := 0
+	require.Eventually(t, func() bool { // a new key each time, so that the store answers
+		n++
+		_, err := lim.Allow(ctx, fmt.Sprintf("user-%d", n), "gold")
+		return err == nil && !lim.Stats().Outage
+	}, 5*cooldown, 10*time.Millisecond)
+	assert.Equal(t, int64(0), r.value("tollgate.fallback.active"))
+	for to, want := range map[string]int64{"open": 1, "half-open": 1, "closed": 1} {
+		assert.Equal(t, want, r.value("tollgate.breaker.transitions", attribute.String("to", to)), "to %s", to)
+	}
+	assert.Equal(t, int64(2), r.storeErrors("other"))
+	calls := r.value("tollgate.store.calls")
+	assert.Equal(t, int64(lim.Stats().StoreCalls), calls)
+	assert.GreaterOrEqual(t, calls, int64(5), "1 before, 2 failed, the probe, 1 after")
+}
+
+// TestStoreErrorsByClass fails the store in each way the Limiter tells
+// apart.
+func TestStoreErrorsByClass(t *testing.T) {
+	f := newFlakyStore()
+	// The breaker stays closed, so that every call reaches the store.
+	r, lim := newRegistered(t, f, tollgate.WithBreaker(breaker.Settings{Failures: 1000}))
+	for _, err := range []error{
+		timeoutError{},
+		&net.OpError{Op: "dial", Net: "tcp", Err: errors.New("connection refused")},
+		&net.OpError{Op: "dial", Net: "tcp", Err: errors.New("connection refused")},
+		fmt.Errorf("parse: %w", tollgate.ErrBadReply),
+		errors.New("something else"),
+	} {
+		f.fail(err)
+		res, err := lim.Allow(context.Background(), "alice", "gold")
+		require.NoError(t, err)
+		require.Equal(t, tollgate.SourceFallback, res.Source)
+	}
+	for class, want := range map[string]int64{"timeout": 1, "network": 2, "bad-reply": 1, "other": 1, "canceled": 0} {
+		assert.Equal(t, want, r.storeErrors(class), "class %s", class)
+	}
+	assert.Equal(t, 5, r.points("tollgate.store.errors"))
+}
+
+func TestFailOpenDecisions(t *testing.T) {
+	f := newFlakyStore()
+	f.fail(errors.New("down"))
+	r, lim := newRegistered(t, f, tollgate.WithFailurePolicy(tollgate.FailOpen))
+	for i := 0; i < 5; i++ {
+		_, err := lim.Allow(context.Background(), "alice", "gold")
+		require.NoError(t, err)
+	}
+	assert.Equal(t, int64(5), r.decisions("gold", "allowed", "fail-open"))
+	assert.Equal(t, int64(0), r.decisions("gold", "allowed", "store"))
+}
+
+// TestCancelledCallIsNotAStoreError: a caller that gives up while the
+// store works says nothing about the store, as the Limiter's breaker
+// agrees; a store that cancels its own call has failed.
+func TestCancelledCallIsNotAStoreError(t *testing.T) {
+	f := newFlakyStore()
+	r, lim := newRegistered(t, f)
+	ctx, cancel := context.WithCancel(context.Background())
+	f.mu.Lock()
+	f.onTake = cancel
+	f.mu.Unlock()
+	_, err := lim.Allow(ctx, "alice", "gold")
+	require.ErrorIs(t, err, context.Canceled)
+	assert.Equal(t, int64(0), r.storeErrors("canceled"))
+	assert.Equal(t, int64(0), r.value("tollgate.fallback.active"))
+	assert.Equal(t, int64(1), r.value("tollgate.store.calls"), "the call is still timed")
+
+	f.mu.Lock()
+	f.onTake = nil
+	f.mu.Unlock()
+	f.fail(context.Canceled) // the store's own context, not the caller's
+	res, err := lim.Allow(context.Background(), "alice", "gold")
+	require.NoError(t, err)
+	assert.Equal(t, tollgate.SourceFallback, res.Source)
+	assert.Equal(t, int64(1), r.storeErrors("canceled"))
+}
+
+// TestRedisOutageAndScriptLoads runs a RedisStore on miniredis: the first
+// call loads the script (NOSCRIPT), an error Redis answers is counted by
+// its class, and closing the server is a real outage on the wire.
+func TestRedisOutageAndScriptLoads(t *testing.T) {
+	ctx := context.Background()
+	mr := miniredis.RunT(t)
+	client := redis.NewClient(&redis.Options{Addr: mr.Addr(), MaxRetries: -1, DialTimeout: 100 * time.Millisecond})
+	t.Cleanup(func() { _ = client.Close() })
+	r, lim := newRegistered(t, tollgate.NewRedisStore(client),
+		tollgate.WithBreaker(breaker.Settings{Failures: 1, Cooldown: 10 * time.Millisecond}))
+
+	_, err := lim.Allow(ctx, "alice", "gold")
+	require.NoError(t, err)
+	assert.Equal(t, int64(1), r.value("tollgate.script.loads"), "the first call loads the script")
+
+	mr.SetError("READONLY You can't write against a read only replica.")
+	res, err := lim.Allow(ctx, "carol", "gold")
+	require.NoError(t, err)
+	assert.Equal(t, tollgate.SourceFallback, res.Source)
+	assert.Equal(t, int64(1), r.storeErrors("READONLY"), "Redis's class, without the rest of its text")
+	assert.Equal(t, int64(1), r.value("tollgate.fallback.active"))
+	mr.SetError("")
+
+	mr.Close()
+	require.Eventually(t, func() bool { // past the cooldown, a probe fails on the wire
+		if _, err := lim.Allow(ctx, "alice", "gold"); err != nil {
+			return false
+		}
+		var n uint64
+		for class, v := range lim.Stats().StoreErrors {
+			if class != "READONLY" {
+				n += v
+			}
+		}
+		return n > 0
+	}, 2*time.Second, 5*time.Millisecond)
+	assert.Equal(t, int64(1), r.value("tollgate.fallback.active"))
+
+	require.NoError(t, mr.Restart())
+	require.Eventually(t, func() bool { // back on Redis, and two cooldowns without a failure
+		res, err := lim.Allow(ctx, "bob", "gold")
+		return err == nil && res.Source == tollgate.SourceStore && !lim.Stats().Outage
+	}, 2*time.Second, 5*time.Millisecond)
+	assert.Equal(t, int64(0), r.value("tollgate.fallback.active"))
+	assert.Equal(t, int64(breaker.Closed), r.value("tollgate.breaker.state"))
+}
+
+// TestSeveralLimitersShareAProvider: attributes tell Limiters apart.
+func TestSeveralLimitersShareAProvider(t *testing.T) {
+	ctx := context.Background()
+	r, mp := newReader(t)
+	apiStore, loginStore := newFlakyStore(), newFlakyStore()
+	api, err := tollgate.New(apiStore, plans, tollgate.WithLogger(nil))
+	require.NoError(t, err)
+	login, err := tollgate.New(loginStore, plans, tollgate.WithLogger(nil),
+		tollgate.WithBreaker(breaker.Settings{Failures: 1, Cooldown: time.Hour}))
+	require.NoError(t, err)
+	_, err = tgotel.Register(api, mp, tgotel.WithAttributes(attribute.String("limiter", "api")))
+	require.NoError(t, err)
+	_, err = tgotel.Register(login, mp, tgotel.WithAttributes(attribute.String("limiter", "login")))
+	require.NoError(t, err)
+
+	_, err = api.Allow(ctx, "alice", "gold")
+	require.NoError(t, err)
+	loginStore.fail(errors.New("down"))
+	_, err = login.Allow(ctx, "alice", "gold")
+	require.NoError(t, err)
+
+	api1, login1 := attribute.String("limiter", "api"), attribute.String("limiter", "login")
+	assert.Equal(t, int64(0), r.value("tollgate.fallback.active", api1))
+	assert.Equal(t, int64(1), r.value("tollgate.fallback.active", login1))
+	assert.Equal(t, int64(breaker.Closed), r.value("tollgate.breaker.state", api1))
+	assert.Equal(t, int64(breaker.Open), r.value("tollgate.breaker.state", login1))
+	allowed := []attribute.KeyValue{attribute.String("plan", "gold"), attribute.String("decision", "allowed")}
+	assert.Equal(t, int64(1), r.value("tollgate.decisions", append(allowed, api1, attribute.String("source", "store"))...))
+	assert.Equal(t, int64(1), r.value("tollgate.decisions", append(allowed, login1, attribute.String("source", "fallback"))...))
+	assert.Equal(t, int64(0), r.value("tollgate.decisions", append(allowed, login1, attribute.String("source", "store"))...))
+}
+
+// TestUnregister: after Unregister the callback is not called, and the
+// Limiter's data points are gone from the next collection.
+func TestUnregister(t *testing.T) {
+	r, mp := newReader(t)
+	api, err := tollgate.New(tollgate.NewMemoryStore(), plans)
+	require.NoError(t, err)
+	login, err := tollgate.New(tollgate.NewMemoryStore(), plans)
+	require.NoError(t, err)
+	reg, err := tgotel.Register(api, mp, tgotel.WithAttributes(attribute.String("limiter", "api")))
+	require.NoError(t, err)
+	_, err = tgotel.Register(login, mp, tgotel.WithAttributes(attribute.String("limiter", "login")))
+	require.NoError(t, err)
+	assert.Equal(t, 16*2, r.points("tollgate.decisions"))
+
+	require.NoError(t, reg.Unregister())
+	require.NoError(t, reg.Unregister(), "idempotent")
+	assert.Equal(t, 16, r.points("tollgate.decisions"), "the login Limiter's alone")
+	assert.Equal(t, int64(0), r.value("tollgate.fallback.active", attribute.String("limiter", "login")))
+}
+
+func TestNilLimiterPanics(t *testing.T) {
+	_, mp := newReader(t)
+	assert.PanicsWithValue(t, "tgotel: Register with a nil Limiter", func() { _, _ = tgotel.Register(nil, mp) })
+}
+
+// TestInstruments pins every instrument's name, unit and kind, which
+// decide the names an exporter gives them.
+func TestInstruments(t *testing.T) {
+	r, _ := newRegistered(t, newFlakyStore())
+	got := map[string]string{}
+	for _, m := range r.collect() {
+		kind := ""
+		switch d := m.Data.(type) {
+		case metricdata.Sum[int64]:
+			kind = "int64 up-down counter"
+			if d.IsMonotonic {
+				kind = "int64 counter"
+			}
+		case metricdata.Sum[float64]:
+			kind = "float64 up-down counter"
+			if d.IsMonotonic {
+				kind = "float64 counter"
+			}
+		case metricdata.Gauge[int64]:
+			kind = "int64 gauge"
+		default:
+			kind = fmt.Sprintf("%T", d)
+		}
+		got[m.Name] = kind + " " + m.Unit
+	}
+	assert.Equal(t, map[string]string{
+		"tollgate.decisions":           "int64 counter {decision}",
+		"tollgate.store.duration":      "float64 counter s",
+		"tollgate.store.calls":         "int64 counter {call}",
+		"tollgate.store.errors":        "int64 counter {error}",
+		"tollgate.fallback.active":     "int64 gauge ",
+		"tollgate.breaker.state":       "int64 gauge ",
+		"tollgate.breaker.transitions": "int64 counter {transition}",
+		"tollgate.script.loads":        "int64 counter {load}",
+	}, got)
+}
+
+func TestNilProviderMeansGlobal(t *testing.T) {
+	r, mp := newReader(t)
+	prev := otel.GetMeterProvider()
+	otel.SetMeterProvider(mp)
+	t.Cleanup(func() { otel.SetMeterProvider(prev) })
+	lim, err := tollgate.New(tollgate.NewMemoryStore(), plans)
+	require.NoError(t, err)
+	_, err = tgotel.Register(lim, nil)
+	require.NoError(t, err)
+	_, err = lim.Allow(context.Background(), "alice", "gold")
+	require.NoError(t, err)
+	assert.Equal(t, int64(1), r.decisions("gold", "allowed", "store"))
+}
+
+// TestConcurrentCollections collects from two readers while many
+// goroutines decide; run with -race.
+func TestConcurrentCollections(t *testing.T) {
+	r1, r2 := sdkmetric.NewManualReader(), sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(r1), sdkmetric.WithReader(r2))
+	t.Cleanup(func() { _ = mp.Shutdown(context.Background()) })
+	lim, err := tollgate.New(newFlakyStore(), plans, tollgate.WithLogger(nil))
+	require.NoError(t, err)
+	_, err = tgotel.Register(lim, mp)
+	require.NoError(t, err)
+
+	var wg sync.WaitGroup
+	for g := 0; g < 4; g++ {
+		wg.Go(func() {
+			for i := 0; i < 100; i++ {
+				_, _ = lim.Allow(context.Background(), fmt.Sprintf("user-%d", i%10), []string{"gold", "daily"}[i%2])
+			}
+		})
+	}
+	for _, rd := range []*sdkmetric.ManualReader{r1, r2} {
+		wg.Go(func() {
+			for i := 0; i < 20; i++ {
+				var rm metricdata.ResourceMetrics
+				assert.NoError(t, rd.Collect(context.Background(), &rm))
+			}
+		})
+	}
+	wg.Wait()
+	r := reader{t, r1}
+	var total int64
+	for _, p := range []string{"gold", "daily"} {
+		for _, d := range []string{"allowed", "denied"} {
+			for _, s := range []string{"store", "cache"} {
+				total += r.decisions(p, d, s)
+			}
+		}
+	}
+	assert.Equal(t, int64(400), total)
+}
+
+// BenchmarkCollect measures one collection of a Limiter with four plans:
+// Stats alone (the Limiter's share), and a ManualReader's Collect, which
+// runs the callback and the SDK's aggregation (what an exporter pays
+// before encoding).
+func BenchmarkCollect(b *testing.B) {
+	ctx := context.Background()
+	f := newFlakyStore()
+	lim, err := tollgate.New(f, []tollgate.Plan{
+		{Name: "free", Capacity: 10, Rate: 1},
+		{Name: "pro", Capacity: 100, Rate: 10},
+		{Name: "burst", Capacity: 5, Rate: 5},
+		{Name: "daily", Capacity: 1000, Rate: tollgate.Per(1000, 24*time.Hour)},
+	}, tollgate.WithLogger(nil), tollgate.WithBreaker(breaker.Settings{Failures: 1000}))
+	if err != nil {
+		b.Fatal(err)
+	}
+	for i := 0; i < 200; i++ {
+		_, _ = lim.Allow(ctx, fmt.Sprintf("user-%d", i%7), []string{"free", "pro", "burst", "daily"}[i%4])
+	}
+	f.fail(timeoutError{})
+	_, _ = lim.Allow(ctx, "user-1", "free")
+	f.fail(nil)
+
+	b.Run("stats", func(b *testing.B) {
+		b.ReportAllocs()
+		for b.Loop() {
+			_ = lim.Stats()
+		}
+	})
+	b.Run("collect", func(b *testing.B) {
+		rd := sdkmetric.NewManualReader()
+		mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(rd))
+		b.Cleanup(func() { _ = mp.Shutdown(ctx) })
+		if _, err := tgotel.Register(lim, mp, tgotel.WithAttributes(attribute.String("limiter", "api"))); err != nil {
+			b.Fatal(err)
+		}
+		var rm metricdata.ResourceMetrics
+		b.ReportAllocs()
+		for b.Loop() {
+			if err := rd.Collect(ctx, &rm); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+}
