@@ -7,7 +7,7 @@ require (
 	github.com/prometheus/client_golang v1.25.0
 	github.com/redis/go-redis/v9 v9.23.0
 	github.com/stretchr/testify v1.12.1
-	github.com/tollgate-go/tollgate v0.0.0
+	github.com/tollgate-go/tollgate v0.2.0
 )
 
 require (
@@ -24,5 +24,3 @@ require (
 	golang.org/x/sys v0.48.0 // indirect
 	google.golang.org/protobuf v1.36.12 // indirect
 )
-
-replace github.com/tollgate-go/tollgate => ../..
