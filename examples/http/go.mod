@@ -6,8 +6,8 @@ require (
 	github.com/alicebob/miniredis/v2 v2.40.0
 	github.com/prometheus/client_golang v1.25.0
 	github.com/redis/go-redis/v9 v9.23.0
-	github.com/tollgate-go/tollgate v0.0.0
-	github.com/tollgate-go/tollgate/metrics/prometheus v0.0.0
+	github.com/tollgate-go/tollgate v0.2.0
+	github.com/tollgate-go/tollgate/metrics/prometheus v0.2.0
 )
 
 require (
@@ -21,9 +21,4 @@ require (
 	go.uber.org/atomic v1.12.0 // indirect
 	golang.org/x/sys v0.48.0 // indirect
 	google.golang.org/protobuf v1.36.12 // indirect
-)
-
-replace (
-	github.com/tollgate-go/tollgate => ../..
-	github.com/tollgate-go/tollgate/metrics/prometheus => ../../metrics/prometheus
 )

@@ -59,18 +59,20 @@ func run(addr string, burst int, serve bool) error {
 	}
 	defer stop()
 
-	reg := prometheus.NewRegistry()
-	obs, err := tgprom.New(reg)
-	if err != nil {
-		return err
-	}
-	lim, err := tollgate.New(tollgate.NewRedisStore(client, tollgate.WithRedisObserver(obs)), []tollgate.Plan{
+	lim, err := tollgate.New(tollgate.NewRedisStore(client), []tollgate.Plan{
 		{Name: "burst", Capacity: 5, Rate: 1},
 		{Name: "daily", Capacity: 1000, Rate: tollgate.Per(1000, 24*time.Hour)},
-	}, tollgate.WithObserver(obs))
+	})
 	if err != nil {
 		return err
 	}
+	checkCtx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	if err := lim.Check(checkCtx); err != nil { // a wrong password fails here, not as a silent fallback
+		return err
+	}
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(tgprom.New(lim))
 	limit := httplimit.Middleware(lim, httplimit.ByHeader("X-API-Key"), httplimit.WithPlans("burst", "daily"))
 
 	mux := http.NewServeMux()
