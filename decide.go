@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/tollgate-go/tollgate/breaker"
+	"github.com/tollgate-go/tollgate/internal/redisscript"
 )
 
 // decide makes one decision into *r. It is a pipeline of steps, each
@@ -151,39 +152,49 @@ func (l *Limiter) ask(ctx context.Context, r *Result, key string, cost int64, pl
 	if !ok {
 		return l.degrade(ctx, r, key, cost, plans, errBreakerOpen)
 	}
+	// A probe must end in Success, Failure or Abandon, or the breaker stays
+	// half-open for ever: also when the store panics or its goroutine
+	// exits (runtime.Goexit, which recover does not see). Every way out
+	// after the store returns ends it.
+	returned := false
 	if probe {
-		// A probe that ends in a panic must not hold the breaker
-		// half-open for ever.
 		defer func() {
-			if p := recover(); p != nil {
+			if !returned {
 				l.breaker.Abandon()
-				panic(p)
 			}
 		}()
 	}
 	start := l.breaker.Now()
 	err := take(ctx, r, l.store, key, cost, plans)
-	elapsed := time.Duration(l.breaker.Now() - start)
+	returned = true
+	now := l.breaker.Now()
+	elapsed := time.Duration(now - start)
 	if err == nil {
 		l.stats.storeCall(elapsed, nil)
+		l.lastSuccess.Store(now)
 		l.breaker.Success()
 		if l.outage.active() {
 			l.recovered()
 		}
 		return nil
 	}
-	if cerr := callersFault(ctx, err); cerr != nil {
+	callerErr, storeFailed := l.blame(ctx, err, now)
+	if !storeFailed {
 		l.stats.storeCall(elapsed, nil)
 		if probe {
 			l.breaker.Abandon()
 		}
 		*r = Result{}
-		return cerr
+		return callerErr
 	}
 	l.stats.storeCall(elapsed, err)
-	l.outage.failed(l.breaker.Now())
+	l.outage.failed(now)
 	if l.breaker.Failure() {
 		l.tripped(err)
+	}
+	if callerErr != nil {
+		*r = Result{}
+		return callerErr
 	}
 	return l.degrade(ctx, r, key, cost, plans, err)
 }
@@ -201,31 +212,48 @@ func take(ctx context.Context, r *Result, s Store, key string, cost int64, plans
 	return err
 }
 
-// deadlineSlack is how close to its deadline a caller may be for a failed
-// store call to count as the caller's: the store's client may time out at
-// the deadline a moment before the context's own timer marks it done.
+// deadlineSlack is how close to its deadline a caller may be for a store
+// call that timed out to count as cut short by the caller: the store's
+// client may time out at the deadline a moment before the context's own
+// timer marks it done.
 const deadlineSlack = time.Millisecond
 
-// callersFault returns the error to give the caller when a store call
-// failed through the caller's own doing, and nil when the store failed.
-// The caller's doing is bad input, a context that ended, or a deadline
-// that passed (or is within deadlineSlack): a call cut short by the
-// caller's deadline says nothing about the store, and must neither trip
-// the breaker nor fall back.
-func callersFault(ctx context.Context, err error) error {
+// blame judges a store call that failed with err at now (the breaker's
+// clock). It returns the error to give the caller instead of a decision,
+// nil when the failure policy should decide, and whether the store failed.
+//
+//   - Bad input is the caller's alone.
+//   - An error Redis answered (OOM, READONLY, a bad reply) is the store's,
+//     however close the caller's deadline.
+//   - A call that ended after the caller's context did, or that timed out
+//     within deadlineSlack of the caller's deadline, was cut short by the
+//     caller: the caller gets its context's error, and the store is not
+//     blamed, so that impatient callers cannot open the breaker on a
+//     healthy store. Unless no store call has succeeded for a cooldown:
+//     then the store is hung or too slow for every caller, and is blamed
+//     too.
+func (l *Limiter) blame(ctx context.Context, err error, now int64) (callerErr error, storeFailed bool) {
 	if isCallerError(err) {
-		return err
+		return err, false
 	}
-	if cerr := ctx.Err(); cerr != nil {
-		if errors.Is(err, cerr) {
-			return err
+	var rerr *redisscript.Error
+	answered := errors.As(err, &rerr) || errors.Is(err, ErrBadReply)
+	cerr := ctx.Err()
+	if cerr == nil && !answered {
+		if dl, ok := ctx.Deadline(); ok && time.Until(dl) <= deadlineSlack {
+			cerr = context.DeadlineExceeded
 		}
-		return cerr
 	}
-	if dl, ok := ctx.Deadline(); ok && time.Until(dl) <= deadlineSlack {
-		return context.DeadlineExceeded
+	switch {
+	case cerr == nil:
+		return nil, true
+	case errors.Is(err, cerr):
+		callerErr = err
+	default:
+		callerErr = cerr
 	}
-	return nil
+	starved := now-l.lastSuccess.Load() >= int64(l.breaker.Settings().Cooldown)
+	return callerErr, answered || starved
 }
 
 // degrade decides by the failure policy, without the store, into *r.
@@ -279,7 +307,7 @@ func (l *Limiter) record(ctx context.Context, r *Result, cost int64, entry *plan
 			entry = l.byName[r.Plan] // nil if a foreign store named no plan of ours
 		}
 		if entry != nil {
-			l.stats.decision(entry.idx, r.Allowed, r.Source)
+			l.stats.decision(entry.idx, r)
 		}
 	}
 	if l.debug {

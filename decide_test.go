@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"runtime"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -15,6 +16,7 @@ import (
 	"testing/synctest"
 	"time"
 
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"github.com/tollgate-go/tollgate/breaker"
@@ -574,4 +576,124 @@ func TestPartialOutageLogsOncePerOutage(t *testing.T) {
 			assert.False(t, l.Stats().Outage)
 		})
 	}
+}
+
+type goexitStore struct {
+	failing, goexit atomic.Bool
+	calls           atomic.Int64
+	inner           *MemoryStore
+}
+
+func (s *goexitStore) Take(ctx context.Context, key string, cost int64, plans []Plan) (Result, error) {
+	s.calls.Add(1)
+	if s.goexit.Load() {
+		runtime.Goexit()
+	}
+	if s.failing.Load() {
+		return Result{}, errors.New("down")
+	}
+	return s.inner.Take(ctx, key, cost, plans)
+}
+
+func (s *goexitStore) Reset(ctx context.Context, key string, plans []Plan) error {
+	return s.inner.Reset(ctx, key, plans)
+}
+
+// ask guards the probe with recover, which catches panics but not
+// runtime.Goexit: a probe whose store call ends its goroutine that way
+// leaves the breaker half-open for ever, and every later call goes to the
+// failure policy although the store is healthy again.
+func TestProbeEndedByGoexitDoesNotHoldTheBreaker(t *testing.T) {
+	s := &goexitStore{inner: NewMemoryStore()}
+	l := newTestLimiter(t, s, WithBreaker(breaker.Settings{Failures: 1, Cooldown: time.Millisecond}))
+	s.failing.Store(true)
+	_, err := l.Allow(context.Background(), "k")
+	require.NoError(t, err)
+	require.Equal(t, breaker.Open, l.breaker.State())
+
+	time.Sleep(2 * time.Millisecond)
+	s.goexit.Store(true)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		_, _ = l.Allow(context.Background(), "k") // the probe
+	}()
+	<-done
+	s.goexit.Store(false)
+	s.failing.Store(false)
+
+	time.Sleep(5 * time.Millisecond)
+	r, err := l.Allow(context.Background(), "k")
+	require.NoError(t, err)
+	assert.Equal(t, SourceStore, r.Source, "the store is healthy; breaker state %v", l.breaker.State())
+}
+
+// callersFault blames the caller for any store error once the
+// caller's deadline has passed, however long after it the call failed. A
+// Redis that hangs (SIGSTOP, a partition without RST) behind a go-redis
+// client that does not cut calls at the context's deadline (the default,
+// ContextTimeoutEnabled false) fails every call at its ReadTimeout, after
+// the deadline of every caller with less time than that: the breaker never
+// hears a failure, nothing falls back, and every request waits the full
+// ReadTimeout for ever. A call that ran well past its caller's deadline was
+// cut by the store's own timeout, not by the caller.
+func TestHungRedisTripsTheBreakerForImpatientCallers(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = ln.Close() })
+	go func() { // accepts, reads, never answers: a hung Redis
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				buf := make([]byte, 4096)
+				for {
+					if _, err := c.Read(buf); err != nil {
+						_ = c.Close()
+						return
+					}
+				}
+			}()
+		}
+	}()
+	client := redis.NewClient(&redis.Options{Addr: ln.Addr().String(), ReadTimeout: 200 * time.Millisecond,
+		MaxRetries: -1, Protocol: 2})
+	t.Cleanup(func() { _ = client.Close() })
+	l := newTestLimiter(t, NewRedisStore(client))
+
+	var took time.Duration
+	for i := 0; i < 6; i++ {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+		start := time.Now()
+		_, _ = l.Allow(ctx, "k")
+		took = time.Since(start)
+		cancel()
+	}
+	s := l.Stats()
+	t.Logf("last call took %v; store calls %d, errors %v", took, s.StoreCalls, s.StoreErrors)
+	assert.NotZero(t, s.BreakerOpened, "6 calls failed at the client's 200ms ReadTimeout, 180ms after their callers' deadlines: the breaker must hear them")
+	assert.Less(t, took, 100*time.Millisecond, "once open, the breaker spares callers the hung store")
+}
+
+// callersFault turns every store error into the caller's
+// context.DeadlineExceeded once the deadline is within 1 ms, whatever the
+// error. An error Redis answered (READONLY from a demoted master, OOM,
+// NOPERM) arrives in a fraction of a millisecond and was not cut short by
+// any deadline; yet for a caller with about a millisecond left it is
+// returned as DeadlineExceeded (while ctx.Err() is nil), the failure
+// policy is skipped, and the breaker never hears of it. Services with
+// millisecond budgets then never fail over.
+func TestRedisErrorReplyNearTheDeadlineIsTheStores(t *testing.T) {
+	f := newFlakyStore()
+	f.fail(&redisscript.Error{Class: "READONLY"})
+	l := newTestLimiter(t, f, WithFailurePolicy(FailOpen), WithBreaker(breaker.Settings{Failures: 1}))
+	// 0.9 ms left, as a context is before its timer fires; a fixed
+	// deadline keeps a slow machine from ending it for real.
+	ctx := pastDeadline{context.Background(), time.Now().Add(900 * time.Microsecond)}
+	r, err := l.Allow(ctx, "k")
+	assert.NoError(t, err, "READONLY is no deadline: FailOpen decides")
+	assert.Equal(t, SourceFailOpen, r.Source)
+	assert.Equal(t, breaker.Open, l.breaker.State(), "the breaker hears the failure")
 }

@@ -26,6 +26,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"sync/atomic"
 	"time"
 
 	"github.com/tollgate-go/tollgate/breaker"
@@ -57,8 +58,9 @@ type Limiter struct {
 	plans    []Plan // as given to New
 	defaults *planEntry
 
-	stats  counters
-	outage outage
+	stats       counters
+	outage      outage
+	lastSuccess atomic.Int64 // the last store call that succeeded, on the breaker's clock
 }
 
 // planEntry is a plan as a Limiter looks it up by name.
@@ -160,8 +162,9 @@ func (l *Limiter) AllowN(ctx context.Context, key string, cost int64, plans ...s
 	return r, err
 }
 
-// Peek reports the buckets of key without taking a token. Its Result is
-// always Allowed; Remaining and ResetAfter describe the buckets.
+// Peek reports the buckets of key without taking a token: Allowed says
+// whether one token would be taken now, RetryAfter is the exact wait until
+// it would, and Remaining and ResetAfter describe the buckets.
 func (l *Limiter) Peek(ctx context.Context, key string, plans ...string) (r Result, err error) {
 	err = l.decide(ctx, &r, key, 0, 0, plans)
 	return r, err

@@ -1181,3 +1181,27 @@ func TestRedisErrorsNeverCarryKeys(t *testing.T) {
 	assert.NotContains(t, logs.text.String(), "alice")
 	assert.NotContains(t, logs.text.String(), "tollgate:{")
 }
+
+// Sanitize takes a pre-7.0 class from the word after the last
+// ": -" of an ERR reply. Redis's "unknown command" reply quotes the key,
+// so a key holding ": -" followed by capitals puts those capitals in the
+// class: in the caller's error, the outage warning and Stats.StoreErrors
+// (whose map keys a client then chooses, one new metric label each).
+func TestRedisErrorClassesNeverComeFromKeys(t *testing.T) {
+	redistest.SkipIfUnavailable(t)
+	srv := redistest.StartServer(t, "--rename-command", "EVALSHA", `""`)
+	const key = "x: -ALICESMITH y"
+	logs := &logCounter{minLevel: slog.LevelDebug}
+	l, err := New(NewRedisStore(redistest.NewClient(t, redistest.FailFast(srv.Addr())), WithKeyPrefix(redistest.KeyPrefix())),
+		testPlans, WithLogger(slog.New(logs)), WithFailurePolicy(FailClosed))
+	require.NoError(t, err)
+	for i := 0; i < 3; i++ {
+		_, err = l.Allow(context.Background(), key)
+		require.ErrorIs(t, err, ErrStoreUnavailable)
+		assert.NotContains(t, err.Error(), "ALICESMITH", "error text")
+	}
+	assert.NotContains(t, logs.text.String(), "ALICESMITH", "log")
+	for class := range l.Stats().StoreErrors {
+		assert.NotEqual(t, "ALICESMITH", class, "Stats.StoreErrors class")
+	}
+}

@@ -46,6 +46,7 @@ func (s Settings) withDefaults() Settings {
 	if s.Failures < 1 {
 		s.Failures = 3
 	}
+	s.Failures = min(s.Failures, math.MaxInt32) // as many as the counter holds
 	if !(s.FailureRate > 0) || s.FailureRate > 1 {
 		s.FailureRate = 0.5
 	}
@@ -124,7 +125,8 @@ type Breaker struct {
 }
 
 // New returns a closed Breaker configured by s. Fields out of range (see
-// Valid) mean their defaults.
+// Valid) mean their defaults, but for a Window under 10µs, which is used as
+// it is, and Failures, which holds at most math.MaxInt32.
 func New(s Settings) *Breaker {
 	b := &Breaker{s: s.withDefaults(), epoch: time.Now()}
 	b.width = max(int64(b.s.Window/steps), 1)
@@ -165,11 +167,11 @@ func (b *Breaker) Success() {
 	case Closed:
 		b.count(false)
 	case HalfOpen:
-		if b.transition(HalfOpen, Closed) {
-			// A closed breaker starts a fresh window: the failures that
-			// opened it must not trip it again at the next failure.
-			b.clearWindow()
-		}
+		// A closed breaker starts a fresh window: the failures that
+		// opened it must not trip it again at the next failure. Only the
+		// probe is in flight, so clearing first races with no one.
+		b.clearWindow()
+		b.transition(HalfOpen, Closed)
 	}
 }
 
@@ -232,7 +234,7 @@ func (b *Breaker) transition(from, to State) bool {
 // an estimate, which is all a breaker needs.
 func (b *Breaker) count(failed bool) (calls, failures uint64) {
 	slot := b.Now() / b.width
-	st := &b.window[slot%steps]
+	st := &b.window[uint64(slot)%steps] // Now is negative only if time.Now went back past New
 	if old := st.slot.Load(); old != slot && st.slot.CompareAndSwap(old, slot) {
 		st.calls.Store(0)
 		st.failures.Store(0)

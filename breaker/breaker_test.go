@@ -154,3 +154,33 @@ func TestSettings(t *testing.T) {
 	assert.Equal(t, "half-open", HalfOpen.String())
 	assert.Equal(t, "unknown", State(7).String())
 }
+
+// Failures is an int and Valid accepts any Failures >= 0, but
+// Failure compares the run with int32(Failures). math.MaxInt truncates to
+// -1, so a breaker meant to rely on the rate rule alone ("never trip on a
+// run") trips at the first failure; 1<<32 truncates to 0, the same.
+func TestHugeFailuresDoesNotTripAtOnce(t *testing.T) {
+	for _, failures := range []int{math.MaxInt, 1 << 32, 1 << 31} {
+		s := Settings{Failures: failures, MinCalls: 1000}
+		require.True(t, s.Valid(), "Failures %d is a valid setting", failures)
+		b := New(s)
+		for i := 0; i < 10; i++ {
+			if !assert.False(t, b.Failure(), "Failures %d: failure %d of a run of 10 tripped", failures, i+1) {
+				break
+			}
+		}
+	}
+}
+
+// the breaker's clock is time.Since(epoch). A Breaker (or a
+// Limiter) made outside a synctest bubble and used inside one reads a
+// negative clock there (the bubble's clock starts in 2000), and count
+// indexes window[slot%steps] with a negative slot: index out of range.
+func TestNegativeClockDoesNotPanic(t *testing.T) {
+	b := New(Settings{Failures: 100})
+	synctest.Test(t, func(t *testing.T) {
+		require.Negative(t, b.Now(), "the clock reads negative in a bubble")
+		assert.NotPanics(t, func() { b.Failure() })
+		assert.NotPanics(t, func() { b.Success() })
+	})
+}

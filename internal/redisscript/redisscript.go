@@ -86,35 +86,31 @@ func Sanitize(err error) error {
 	}
 	msg := rerr.Error()
 	class, _, _ := strings.Cut(msg, " ")
-	if !isClass(class) {
-		class = "ERR"
-	}
-	if class == "ERR" {
+	if class == "ERR" && strings.HasPrefix(msg, "ERR Error running script") {
 		// Before 7.0, an error a command raised inside a script comes
 		// wrapped: "ERR Error running script (call to f_…):
 		// @user_script:63: -OOM command not allowed …". Its own class
 		// is the word after the last ": -".
 		if i := strings.LastIndex(msg, ": -"); i >= 0 {
-			if inner, _, _ := strings.Cut(msg[i+3:], " "); isClass(inner) {
-				class = inner
-			}
+			class, _, _ = strings.Cut(msg[i+3:], " ")
 		}
+	}
+	if !classes[class] {
+		class = "ERR" // anything else may be data, and would be a metric label
 	}
 	return &Error{Class: class}
 }
 
-// isClass reports whether s looks like an error class: a short word of
-// capital letters. Anything else may be data.
-func isClass(s string) bool {
-	if s == "" || len(s) > 20 {
-		return false
-	}
-	for i := 0; i < len(s); i++ {
-		if s[i] < 'A' || s[i] > 'Z' {
-			return false
-		}
-	}
-	return true
+// classes are the error classes Redis answers with. A reply whose first
+// word is another, or an inner class of a wrapped script error that is not
+// among them, is reported as ERR: a caller's key quoted in the reply must
+// not pass for a class.
+var classes = map[string]bool{
+	"ERR": true, "WRONGTYPE": true, "OOM": true, "READONLY": true, "NOPERM": true,
+	"NOAUTH": true, "WRONGPASS": true, "NOSCRIPT": true, "BUSY": true, "LOADING": true,
+	"MASTERDOWN": true, "CLUSTERDOWN": true, "TRYAGAIN": true, "MOVED": true, "ASK": true,
+	"CROSSSLOT": true, "MISCONF": true, "NOREPLICAS": true, "EXECABORT": true,
+	"BUSYKEY": true, "UNBLOCKED": true, "NOTBUSY": true, "NOPROTO": true,
 }
 
 // MaxExact is the largest integer that Lua's doubles, and so a script's

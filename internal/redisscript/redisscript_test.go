@@ -65,12 +65,15 @@ func TestSanitize(t *testing.T) {
 		{fmt.Errorf("wrapped: %w", fakeRedisError("BUSY Redis is busy running a script")), "redis answered BUSY"},
 		{fakeRedisError("ERR Error running script (call to f_0a1b): @user_script:63: @user_script: 63: -OOM command not allowed when used memory > 'maxmemory'."), "redis answered OOM"},
 		{fakeRedisError("ERR Error running script (call to f_0a1b): @user_script:1: -alice@example.com"), "redis answered ERR"},
+		{fakeRedisError("ERR unknown command 'evalsha', with args beginning with: 'tollgate:{x: -ALICE y}:gold'"), "redis answered ERR"},
+		{fakeRedisError("ALICE is no class Redis answers"), "redis answered ERR"},
 		{timeout, timeout.Error()},
 		{context.Canceled, "context canceled"},
 	} {
 		got := Sanitize(tc.in)
 		assert.Equal(t, tc.want, got.Error(), "%v", tc.in)
 		assert.NotContains(t, got.Error(), "alice")
+		assert.NotContains(t, got.Error(), "ALICE")
 	}
 	assert.NoError(t, Sanitize(nil))
 	assert.True(t, errors.Is(Sanitize(context.Canceled), context.Canceled))
