@@ -170,8 +170,10 @@ func (l *Limiter) ask(ctx context.Context, r *Result, key string, cost int64, pl
 	now := l.breaker.Now()
 	elapsed := time.Duration(now - start)
 	if err == nil {
-		l.stats.storeCall(elapsed, nil)
-		l.lastSuccess.Store(now)
+		l.stats.storeCall(r, elapsed, nil)
+		if now-l.lastSuccess.Load() > int64(time.Millisecond) {
+			l.lastSuccess.Store(now) // to the ms: a write per call would make cores wait
+		}
 		l.breaker.Success()
 		if l.outage.active() {
 			l.recovered()
@@ -180,14 +182,14 @@ func (l *Limiter) ask(ctx context.Context, r *Result, key string, cost int64, pl
 	}
 	callerErr, storeFailed := l.blame(ctx, err, now)
 	if !storeFailed {
-		l.stats.storeCall(elapsed, nil)
+		l.stats.storeCall(r, elapsed, nil)
 		if probe {
 			l.breaker.Abandon()
 		}
 		*r = Result{}
 		return callerErr
 	}
-	l.stats.storeCall(elapsed, err)
+	l.stats.storeCall(r, elapsed, err)
 	l.outage.failed(now)
 	if l.breaker.Failure() {
 		l.tripped(err)
@@ -298,16 +300,27 @@ func (l *Limiter) recovered() {
 	}
 }
 
+// planIndex returns the index of the plan named name, or -1 if a foreign
+// store named none of ours. Plans are few, and their names the very
+// strings a Result carries, so a scan beats hashing the name.
+func (l *Limiter) planIndex(name string) int {
+	for i := range l.plans {
+		if l.plans[i].Name == name {
+			return i
+		}
+	}
+	return -1
+}
+
 // record counts a decision that took tokens, under its binding plan, and
 // logs it at debug level if the logger wants that. entry is the plan's
 // when one plan was asked, and nil for a chain.
 func (l *Limiter) record(ctx context.Context, r *Result, cost int64, entry *planEntry) {
 	if cost > 0 {
-		if entry == nil {
-			entry = l.byName[r.Plan] // nil if a foreign store named no plan of ours
-		}
 		if entry != nil {
-			l.stats.decision(entry.idx, r)
+			entry.counts.count(r)
+		} else if i := l.planIndex(r.Plan); i >= 0 { // a chain: the binding plan's
+			l.stats.plans[i].count(r)
 		}
 	}
 	if l.debug {

@@ -65,8 +65,8 @@ type Limiter struct {
 
 // planEntry is a plan as a Limiter looks it up by name.
 type planEntry struct {
-	one []Plan // the plan alone, so that a decision on one plan builds no slice
-	idx int    // its index in plans, and in Stats.Plans
+	one    []Plan       // the plan alone, so that a decision on one plan builds no slice
+	counts *planStripes // its decisions, for Stats
 }
 
 var _ RateLimiter = (*Limiter)(nil)
@@ -85,7 +85,7 @@ func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
 	if len(plans) == 0 {
 		return nil, fmt.Errorf("%w: no plans", ErrInvalidPlan)
 	}
-	l := &Limiter{store: store, byName: make(map[string]*planEntry, len(plans))}
+	l := &Limiter{store: store, byName: make(map[string]*planEntry, len(plans)), stats: newCounters(len(plans))}
 	for i, p := range plans {
 		if err := p.validate(); err != nil {
 			return nil, err
@@ -93,7 +93,7 @@ func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
 		if _, dup := l.byName[p.Name]; dup {
 			return nil, fmt.Errorf("%w: plan name %q is given twice", ErrInvalidPlan, p.Name)
 		}
-		l.byName[p.Name] = &planEntry{one: []Plan{p}, idx: i}
+		l.byName[p.Name] = &planEntry{one: []Plan{p}, counts: &l.stats.plans[i]}
 		l.plans = append(l.plans, p)
 	}
 	l.defaults = l.byName[plans[0].Name]
@@ -130,7 +130,6 @@ func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
 			l.fallback = NewMemoryStore()
 		}
 	}
-	l.stats = newCounters(len(plans))
 	return l, nil
 }
 

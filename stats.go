@@ -70,7 +70,7 @@ type PlanStats struct {
 }
 
 // latencyBounds are Stats.LatencyBounds.
-var latencyBounds = []time.Duration{
+var latencyBounds = [...]time.Duration{
 	50 * time.Microsecond, 100 * time.Microsecond, 250 * time.Microsecond, 500 * time.Microsecond,
 	time.Millisecond, 2500 * time.Microsecond, 5 * time.Millisecond, 10 * time.Millisecond,
 	25 * time.Millisecond, 50 * time.Millisecond, 100 * time.Millisecond, 250 * time.Millisecond,
@@ -85,58 +85,71 @@ const (
 	stripes    = 1 << stripeBits
 )
 
-// planCounters are one stripe of one plan's decision counters: 2 × 4 × 8
-// bytes, one cache line.
+// planCounters are one stripe of one plan's decision counters, by outcome
+// and Source: 2 × 4 × 8 bytes, one cache line.
 type planCounters [2][numSources]atomic.Uint64
 
-// counters are what a Limiter counts for Stats.
-type counters struct {
-	plans []planCounters // stripe s of plan i at s*nplans+i
-	n     int            // plans
+// planStripes are one plan's decision counters.
+type planStripes [stripes]planCounters
 
-	storeCalls atomic.Uint64
-	storeTime  atomic.Int64 // ns
-	latency    []atomic.Uint64
+// count counts the decision in *r.
+func (p *planStripes) count(r *Result) {
+	if r.Source >= numSources {
+		return
+	}
+	st := &p[stripe(r)]
+	if r.Allowed {
+		st[1][r.Source].Add(1)
+	} else {
+		st[0][r.Source].Add(1)
+	}
+}
+
+// counters are what a Limiter counts for Stats. Each counter a decision
+// touches has a copy per stripe, so that cores rarely write one cache line.
+type counters struct {
+	plans []planStripes // by plan, in the order given to New
+	calls []storeCounters
 
 	mu     sync.Mutex
 	errors map[string]uint64
 }
 
+// storeCounters are one stripe of the store calls' counters.
+type storeCounters struct {
+	time    atomic.Int64 // ns
+	latency [len(latencyBounds) + 1]atomic.Uint64
+	_       [64]byte // the next stripe's counters on other cache lines
+}
+
 func newCounters(plans int) counters {
 	return counters{
-		plans:   make([]planCounters, stripes*plans),
-		n:       plans,
-		latency: make([]atomic.Uint64, len(latencyBounds)+1),
-		errors:  make(map[string]uint64),
+		plans:  make([]planStripes, plans),
+		calls:  make([]storeCounters, stripes),
+		errors: make(map[string]uint64),
 	}
 }
 
-// decision counts the decision in *r under plan i. The stripe is a hash of
-// r's address: a Result is built on the deciding goroutine's stack, so
-// goroutines, and with them the cores, mostly count on different cache
-// lines. A random number per decision did the same at five times the
-// instructions (BenchmarkLimiterAllow/memory).
-func (c *counters) decision(i int, r *Result) {
-	if r.Source >= numSources {
-		return
-	}
-	a := 0
-	if r.Allowed {
-		a = 1
-	}
-	stripe := int(uint64(uintptr(unsafe.Pointer(r))) * 0x9E3779B97F4A7C15 >> (64 - stripeBits))
-	c.plans[stripe*c.n+i][a][r.Source].Add(1)
+// stripe picks a stripe from the address of r. A Result is built on the
+// deciding goroutine's stack, so goroutines, and with them the cores,
+// mostly count on different cache lines. A random number per decision did
+// the same at five times the instructions (BenchmarkLimiterAllow/memory),
+// and one set of counters made two cores deciding on Redis a quarter
+// slower (BenchmarkLimiterAllow/redis/client-only).
+func stripe(r *Result) int {
+	return int(uint64(uintptr(unsafe.Pointer(r))) * 0x9E3779B97F4A7C15 >> (64 - stripeBits))
 }
 
-// storeCall counts a call to the store, and its failure if err is not nil.
-func (c *counters) storeCall(elapsed time.Duration, err error) {
-	c.storeCalls.Add(1)
-	c.storeTime.Add(int64(elapsed))
+// storeCall counts a call to the store for the decision into *r, and its
+// failure if err is not nil.
+func (c *counters) storeCall(r *Result, elapsed time.Duration, err error) {
+	sc := &c.calls[stripe(r)]
+	sc.time.Add(int64(elapsed))
 	b := 0
 	for b < len(latencyBounds) && elapsed > latencyBounds[b] {
 		b++
 	}
-	c.latency[b].Add(1)
+	sc.latency[b].Add(1)
 	if err != nil {
 		class := errorClass(err)
 		c.mu.Lock()
@@ -170,26 +183,30 @@ func errorClass(err error) string {
 func (l *Limiter) Stats() Stats {
 	s := Stats{
 		Plans:         make([]PlanStats, len(l.plans)),
-		StoreCalls:    l.stats.storeCalls.Load(),
-		StoreTime:     time.Duration(l.stats.storeTime.Load()),
-		StoreLatency:  make([]uint64, len(l.stats.latency)),
-		LatencyBounds: append([]time.Duration(nil), latencyBounds...),
+		StoreLatency:  make([]uint64, len(latencyBounds)+1),
+		LatencyBounds: latencyBounds[:],
 		StoreErrors:   make(map[string]uint64),
 		Outage:        l.outage.active(),
+	}
+	for i := range l.stats.calls {
+		sc := &l.stats.calls[i]
+		s.StoreTime += time.Duration(sc.time.Load())
+		for b := range sc.latency {
+			n := sc.latency[b].Load()
+			s.StoreLatency[b] += n
+			s.StoreCalls += n
+		}
 	}
 	for i, p := range l.plans {
 		ps := &s.Plans[i]
 		ps.Plan = p.Name
 		for st := range stripes {
-			pc := &l.stats.plans[st*l.stats.n+i]
+			pc := &l.stats.plans[i][st]
 			for src := range numSources {
 				ps.Denied[src] += pc[0][src].Load()
 				ps.Allowed[src] += pc[1][src].Load()
 			}
 		}
-	}
-	for i := range l.stats.latency {
-		s.StoreLatency[i] = l.stats.latency[i].Load()
 	}
 	l.stats.mu.Lock()
 	for k, v := range l.stats.errors {

@@ -9,7 +9,9 @@
 // success would reset a count of consecutive failures.
 //
 // A Breaker is local to one process and lock-free: a closed breaker costs
-// a clock read and two atomic additions per call, an open one a clock read.
+// two atomic loads per successful call while no call has failed in its
+// window, and a clock read and an atomic addition while one has; an open
+// one costs a clock read.
 package breaker
 
 import (
@@ -115,6 +117,7 @@ type Breaker struct {
 
 	state    atomic.Int32 // State
 	failed   atomic.Int32 // consecutive failures while closed
+	failing  atomic.Bool  // the window holds a failure
 	openedAt atomic.Int64 // ns since epoch of the last opening
 	window   [steps]step
 
@@ -165,7 +168,13 @@ func (b *Breaker) Success() {
 	}
 	switch State(b.state.Load()) {
 	case Closed:
-		b.count(false)
+		// Successes are counted only while the window holds a failure:
+		// a healthy store's calls then write nothing that every core
+		// shares, and a failure rate is measured from a window's first
+		// failure on.
+		if b.failing.Load() {
+			b.count(false)
+		}
 	case HalfOpen:
 		// A closed breaker starts a fresh window: the failures that
 		// opened it must not trip it again at the next failure. Only the
@@ -240,10 +249,12 @@ func (b *Breaker) count(failed bool) (calls, failures uint64) {
 		st.failures.Store(0)
 	}
 	st.calls.Add(1)
-	if !failed {
-		return 0, 0 // only a failure asks for the rate
+	if failed {
+		st.failures.Add(1)
+		if !b.failing.Load() {
+			b.failing.Store(true)
+		}
 	}
-	st.failures.Add(1)
 	for i := range b.window {
 		w := &b.window[i]
 		if s := w.slot.Load(); s > slot-steps && s <= slot {
@@ -251,11 +262,15 @@ func (b *Breaker) count(failed bool) (calls, failures uint64) {
 			failures += w.failures.Load()
 		}
 	}
+	if failures == 0 {
+		b.failing.Store(false) // the window's failures have slid out
+	}
 	return calls, failures
 }
 
 // clearWindow forgets every call counted.
 func (b *Breaker) clearWindow() {
+	b.failing.Store(false)
 	for i := range b.window {
 		b.window[i].slot.Store(math.MinInt64)
 	}
