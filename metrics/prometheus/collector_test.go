@@ -19,6 +19,7 @@ import (
 
 	"github.com/tollgate-go/tollgate"
 	"github.com/tollgate-go/tollgate/breaker"
+	"github.com/tollgate-go/tollgate/internal/storetest"
 	tgprom "github.com/tollgate-go/tollgate/metrics/prometheus"
 )
 
@@ -26,57 +27,6 @@ var plans = []tollgate.Plan{
 	{Name: "gold", Capacity: 2, Rate: 1},
 	{Name: "daily", Capacity: 100, Rate: tollgate.Per(100, 24*time.Hour)},
 }
-
-// flakyStore wraps a MemoryStore, and fails with err while it is set. Not
-// being a *tollgate.MemoryStore, it gets what a RedisStore gets: a
-// breaker, a denial cache, and its calls timed and counted.
-type flakyStore struct {
-	mu     sync.Mutex
-	err    error
-	delay  time.Duration
-	onTake func()
-	inner  *tollgate.MemoryStore
-}
-
-func newFlakyStore() *flakyStore { return &flakyStore{inner: tollgate.NewMemoryStore()} }
-
-func (f *flakyStore) fail(err error) {
-	f.mu.Lock()
-	f.err = err
-	f.mu.Unlock()
-}
-
-func (f *flakyStore) slow(d time.Duration) {
-	f.mu.Lock()
-	f.delay = d
-	f.mu.Unlock()
-}
-
-func (f *flakyStore) Take(ctx context.Context, key string, cost int64, plans []tollgate.Plan) (tollgate.Result, error) {
-	f.mu.Lock()
-	err, delay, onTake := f.err, f.delay, f.onTake
-	f.mu.Unlock()
-	time.Sleep(delay)
-	if onTake != nil {
-		onTake()
-	}
-	if err != nil {
-		return tollgate.Result{}, err
-	}
-	return f.inner.Take(ctx, key, cost, plans)
-}
-
-func (f *flakyStore) Reset(ctx context.Context, key string, plans []tollgate.Plan) error {
-	return f.inner.Reset(ctx, key, plans)
-}
-
-// timeoutError is a net.Error that timed out, as a client's read deadline
-// gives.
-type timeoutError struct{}
-
-func (timeoutError) Error() string   { return "i/o timeout" }
-func (timeoutError) Timeout() bool   { return true }
-func (timeoutError) Temporary() bool { return true }
 
 // newCollected returns a Limiter on store, and a pedantic registry that
 // holds its Collector. A pedantic registry checks on every Gather that
@@ -152,7 +102,7 @@ func histogram(t *testing.T, g prometheus.Gatherer) (count uint64, sum float64, 
 
 func TestDecisionsBySource(t *testing.T) {
 	ctx := context.Background()
-	reg, lim := newCollected(t, newFlakyStore())
+	reg, lim := newCollected(t, storetest.NewFlaky())
 	for i := 0; i < 3; i++ { // gold holds 2: allowed, allowed, denied
 		r, err := lim.Allow(ctx, "alice", "gold")
 		require.NoError(t, err)
@@ -213,14 +163,14 @@ func TestMemoryStore(t *testing.T) {
 // TestStoreDurationHistogram: the histogram is the Limiter's, made
 // cumulative, with StoreTime as its sum.
 func TestStoreDurationHistogram(t *testing.T) {
-	f := newFlakyStore()
+	f := storetest.NewFlaky()
 	reg, lim := newCollected(t, f)
 	ctx := context.Background()
 	for _, key := range []string{"a", "b", "c"} {
 		_, err := lim.Allow(ctx, key, "daily")
 		require.NoError(t, err)
 	}
-	f.slow(30 * time.Millisecond)
+	f.Slow(30 * time.Millisecond)
 	_, err := lim.Allow(ctx, "d", "daily")
 	require.NoError(t, err)
 
@@ -244,7 +194,7 @@ func TestStoreDurationHistogram(t *testing.T) {
 // brings the store back: every metric of an outage must move and settle.
 func TestOutageAndRecovery(t *testing.T) {
 	ctx := context.Background()
-	f := newFlakyStore()
+	f := storetest.NewFlaky()
 	// A cooldown long enough that the calls after the trip do not probe on
 	// a loaded machine.
 	const cooldown = 200 * time.Millisecond
@@ -272,7 +222,7 @@ tollgate_store_errors_total{class="other"} 0
 tollgate_store_errors_total{class="timeout"} 0
 `), "tollgate_fallback_active", "tollgate_breaker_state", "tollgate_breaker_transitions_total", "tollgate_store_errors_total"), "before the outage")
 
-	f.fail(errors.New("connection refused"))
+	f.Fail(errors.New("connection refused"))
 	for i := 0; i < 4; i++ { // 2 failures open the breaker; 2 more skip the store
 		r, err := lim.Allow(ctx, "alice", "gold")
 		require.NoError(t, err)
@@ -286,7 +236,7 @@ tollgate_store_errors_total{class="timeout"} 0
 	assert.Equal(t, 2.0, decisions(t, reg, "gold", "allowed", "fallback"))
 	assert.Equal(t, 2.0, decisions(t, reg, "gold", "denied", "fallback"))
 
-	f.fail(nil)
+	f.Fail(nil)
 	time.Sleep(cooldown + 10*time.Millisecond) // the next call probes
 	r, err := lim.Allow(ctx, "bob", "gold")
 	require.NoError(t, err)
@@ -330,17 +280,17 @@ func boolValue(b bool) float64 {
 // TestStoreErrorsByClass fails the store in each way the Limiter tells
 // apart.
 func TestStoreErrorsByClass(t *testing.T) {
-	f := newFlakyStore()
+	f := storetest.NewFlaky()
 	// The breaker stays closed, so that every call reaches the store.
 	reg, lim := newCollected(t, f, tollgate.WithBreaker(breaker.Settings{Failures: 1000}))
 	for _, err := range []error{
-		timeoutError{},
+		storetest.TimeoutError{},
 		&net.OpError{Op: "dial", Net: "tcp", Err: errors.New("connection refused")},
 		&net.OpError{Op: "dial", Net: "tcp", Err: errors.New("connection refused")},
 		fmt.Errorf("parse: %w", tollgate.ErrBadReply),
 		errors.New("something else"),
 	} {
-		f.fail(err)
+		f.Fail(err)
 		r, err := lim.Allow(context.Background(), "alice", "gold")
 		require.NoError(t, err)
 		require.Equal(t, tollgate.SourceFallback, r.Source)
@@ -352,8 +302,8 @@ func TestStoreErrorsByClass(t *testing.T) {
 }
 
 func TestFailOpenDecisions(t *testing.T) {
-	f := newFlakyStore()
-	f.fail(errors.New("down"))
+	f := storetest.NewFlaky()
+	f.Fail(errors.New("down"))
 	reg, lim := newCollected(t, f, tollgate.WithFailurePolicy(tollgate.FailOpen))
 	for i := 0; i < 5; i++ {
 		_, err := lim.Allow(context.Background(), "alice", "gold")
@@ -366,8 +316,8 @@ func TestFailOpenDecisions(t *testing.T) {
 // TestFailClosedCountsNoDecision: under FailClosed an outage returns
 // errors, which are not decisions, but the outage metrics still move.
 func TestFailClosedCountsNoDecision(t *testing.T) {
-	f := newFlakyStore()
-	f.fail(errors.New("down"))
+	f := storetest.NewFlaky()
+	f.Fail(errors.New("down"))
 	reg, lim := newCollected(t, f, tollgate.WithFailurePolicy(tollgate.FailClosed),
 		tollgate.WithBreaker(breaker.Settings{Failures: 1}))
 	_, err := lim.Allow(context.Background(), "alice", "gold")
@@ -389,12 +339,10 @@ func TestFailClosedCountsNoDecision(t *testing.T) {
 // store works says nothing about the store, as the Limiter's breaker
 // agrees; a store that cancels its own call has failed.
 func TestCancelledCallIsNotAStoreError(t *testing.T) {
-	f := newFlakyStore()
+	f := storetest.NewFlaky()
 	reg, lim := newCollected(t, f)
 	ctx, cancel := context.WithCancel(context.Background())
-	f.mu.Lock()
-	f.onTake = cancel
-	f.mu.Unlock()
+	f.OnTake(cancel)
 	_, err := lim.Allow(ctx, "alice", "gold")
 	require.ErrorIs(t, err, context.Canceled)
 	assert.Equal(t, 0.0, storeErrors(t, reg, "canceled"))
@@ -402,10 +350,8 @@ func TestCancelledCallIsNotAStoreError(t *testing.T) {
 	count, _, _ := histogram(t, reg)
 	assert.Equal(t, uint64(1), count, "the call is still timed")
 
-	f.mu.Lock()
-	f.onTake = nil
-	f.mu.Unlock()
-	f.fail(context.Canceled) // the store's own context, not the caller's
+	f.OnTake(nil)
+	f.Fail(context.Canceled) // the store's own context, not the caller's
 	r, err := lim.Allow(context.Background(), "alice", "gold")
 	require.NoError(t, err)
 	assert.Equal(t, tollgate.SourceFallback, r.Source)
@@ -467,7 +413,7 @@ func TestRedisOutageAndScriptLoads(t *testing.T) {
 // the same labels twice are refused.
 func TestSeveralLimitersShareARegistry(t *testing.T) {
 	ctx := context.Background()
-	apiStore, loginStore := newFlakyStore(), newFlakyStore()
+	apiStore, loginStore := storetest.NewFlaky(), storetest.NewFlaky()
 	api, err := tollgate.New(apiStore, plans, tollgate.WithLogger(nil))
 	require.NoError(t, err)
 	login, err := tollgate.New(loginStore, plans, tollgate.WithLogger(nil),
@@ -482,7 +428,7 @@ func TestSeveralLimitersShareARegistry(t *testing.T) {
 
 	_, err = api.Allow(ctx, "alice", "gold")
 	require.NoError(t, err)
-	loginStore.fail(errors.New("down"))
+	loginStore.Fail(errors.New("down"))
 	_, err = login.Allow(ctx, "alice", "gold")
 	require.NoError(t, err)
 	assert.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(`
@@ -535,7 +481,7 @@ func TestNilLimiterPanics(t *testing.T) {
 // TestMetricNamesFollowConventions runs Prometheus's own linter over
 // every metric.
 func TestMetricNamesFollowConventions(t *testing.T) {
-	lim, err := tollgate.New(newFlakyStore(), plans)
+	lim, err := tollgate.New(storetest.NewFlaky(), plans)
 	require.NoError(t, err)
 	_, err = lim.Allow(context.Background(), "alice")
 	require.NoError(t, err)
@@ -562,7 +508,7 @@ func TestMetricNamesFollowConventions(t *testing.T) {
 // TestConcurrentScrapes scrapes while many goroutines decide; run with
 // -race.
 func TestConcurrentScrapes(t *testing.T) {
-	reg, lim := newCollected(t, newFlakyStore())
+	reg, lim := newCollected(t, storetest.NewFlaky())
 	var wg sync.WaitGroup
 	for g := 0; g < 4; g++ {
 		wg.Go(func() {
@@ -595,7 +541,7 @@ func TestConcurrentScrapes(t *testing.T) {
 // before encoding).
 func BenchmarkCollect(b *testing.B) {
 	ctx := context.Background()
-	f := newFlakyStore()
+	f := storetest.NewFlaky()
 	lim, err := tollgate.New(f, []tollgate.Plan{
 		{Name: "free", Capacity: 10, Rate: 1},
 		{Name: "pro", Capacity: 100, Rate: 10},
@@ -608,9 +554,9 @@ func BenchmarkCollect(b *testing.B) {
 	for i := 0; i < 200; i++ {
 		_, _ = lim.Allow(ctx, fmt.Sprintf("user-%d", i%7), []string{"free", "pro", "burst", "daily"}[i%4])
 	}
-	f.fail(timeoutError{})
+	f.Fail(storetest.TimeoutError{})
 	_, _ = lim.Allow(ctx, "user-1", "free")
-	f.fail(nil)
+	f.Fail(nil)
 	c := tgprom.New(lim, tgprom.WithConstLabels(prometheus.Labels{"limiter": "api"}))
 
 	b.Run("stats", func(b *testing.B) {
