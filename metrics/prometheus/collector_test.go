@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -69,6 +70,42 @@ func value(t *testing.T, g prometheus.Gatherer, name string, labels ...string) f
 	return found[0]
 }
 
+// heads are the HELP and TYPE lines of the metrics that tests compare as
+// exposition text, pinned here once: dashboards and alerts show them.
+var heads = map[string]string{
+	"tollgate_decisions_total": `# HELP tollgate_decisions_total Decisions that took tokens, by binding plan, decision (allowed, denied) and source (store, fallback, fail-open, cache).
+# TYPE tollgate_decisions_total counter`,
+	"tollgate_fallback_active": `# HELP tollgate_fallback_active 1 during an outage of the store (tollgate.Stats.Outage: from the breaker's trip until a success after two cooldowns without a failure), else 0.
+# TYPE tollgate_fallback_active gauge`,
+	"tollgate_breaker_state": `# HELP tollgate_breaker_state State of the circuit breaker in front of the store: 0 closed, 1 open, 2 half-open.
+# TYPE tollgate_breaker_state gauge`,
+	"tollgate_breaker_transitions_total": `# HELP tollgate_breaker_transitions_total Transitions of the circuit breaker, by the state it entered (closed, open, half-open); open counts trips, not the re-opening after a failed probe.
+# TYPE tollgate_breaker_transitions_total counter`,
+	"tollgate_store_errors_total": `# HELP tollgate_store_errors_total Calls to the Limiter's store that failed, by class; calls its caller ended are not counted.
+# TYPE tollgate_store_errors_total counter`,
+}
+
+// assertSeries checks that the series of each metric in want are exactly
+// want's, as testutil.GatherAndCompare does. want holds sample lines only,
+// each metric's together; the metric's HELP and TYPE lines come from heads.
+func assertSeries(t *testing.T, g prometheus.Gatherer, want string, msgAndArgs ...any) {
+	t.Helper()
+	var text strings.Builder
+	var names []string
+	for _, line := range strings.Split(strings.TrimSpace(want), "\n") {
+		name, _, _ := strings.Cut(line, "{")
+		name, _, _ = strings.Cut(name, " ")
+		if !slices.Contains(names, name) {
+			head, ok := heads[name]
+			require.True(t, ok, "no HELP and TYPE lines for %s", name)
+			text.WriteString(head + "\n")
+			names = append(names, name)
+		}
+		text.WriteString(line + "\n")
+	}
+	assert.NoError(t, testutil.GatherAndCompare(g, strings.NewReader(text.String()), names...), msgAndArgs...)
+}
+
 func decisions(t *testing.T, g prometheus.Gatherer, plan, decision, source string) float64 {
 	t.Helper()
 	return value(t, g, "tollgate_decisions_total", "plan", plan, "decision", decision, "source", source)
@@ -120,9 +157,7 @@ func TestDecisionsBySource(t *testing.T) {
 
 	// Every plan has all its series from the first scrape, so that the
 	// first denial or fallback shows in increase().
-	assert.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(`
-# HELP tollgate_decisions_total Decisions that took tokens, by binding plan, decision (allowed, denied) and source (store, fallback, fail-open, cache).
-# TYPE tollgate_decisions_total counter
+	assertSeries(t, reg, `
 tollgate_decisions_total{decision="allowed",plan="daily",source="cache"} 0
 tollgate_decisions_total{decision="allowed",plan="daily",source="fail-open"} 0
 tollgate_decisions_total{decision="allowed",plan="daily",source="fallback"} 0
@@ -139,7 +174,7 @@ tollgate_decisions_total{decision="denied",plan="gold",source="cache"} 1
 tollgate_decisions_total{decision="denied",plan="gold",source="fail-open"} 0
 tollgate_decisions_total{decision="denied",plan="gold",source="fallback"} 0
 tollgate_decisions_total{decision="denied",plan="gold",source="store"} 1
-`), "tollgate_decisions_total"))
+`)
 	count, _, _ := histogram(t, reg)
 	assert.Equal(t, uint64(5), count, "alice's 3 and bob's call and the Peek; the cache answered without the store")
 }
@@ -201,26 +236,18 @@ func TestOutageAndRecovery(t *testing.T) {
 	reg, lim := newCollected(t, f, tollgate.WithBreaker(breaker.Settings{Failures: 2, Cooldown: cooldown}))
 	_, err := lim.Allow(ctx, "alice", "gold")
 	require.NoError(t, err)
-	assert.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(`
-# HELP tollgate_fallback_active 1 during an outage of the store (tollgate.Stats.Outage: from the breaker's trip until a success after two cooldowns without a failure), else 0.
-# TYPE tollgate_fallback_active gauge
+	assertSeries(t, reg, `
 tollgate_fallback_active 0
-# HELP tollgate_breaker_state State of the circuit breaker in front of the store: 0 closed, 1 open, 2 half-open.
-# TYPE tollgate_breaker_state gauge
 tollgate_breaker_state 0
-# HELP tollgate_breaker_transitions_total Transitions of the circuit breaker, by the state it entered (closed, open, half-open); open counts trips, not the re-opening after a failed probe.
-# TYPE tollgate_breaker_transitions_total counter
 tollgate_breaker_transitions_total{to="closed"} 0
 tollgate_breaker_transitions_total{to="half-open"} 0
 tollgate_breaker_transitions_total{to="open"} 0
-# HELP tollgate_store_errors_total Calls to the Limiter's store that failed, by class; calls its caller ended are not counted.
-# TYPE tollgate_store_errors_total counter
 tollgate_store_errors_total{class="bad-reply"} 0
 tollgate_store_errors_total{class="canceled"} 0
 tollgate_store_errors_total{class="network"} 0
 tollgate_store_errors_total{class="other"} 0
 tollgate_store_errors_total{class="timeout"} 0
-`), "tollgate_fallback_active", "tollgate_breaker_state", "tollgate_breaker_transitions_total", "tollgate_store_errors_total"), "before the outage")
+`, "before the outage")
 
 	f.Fail(errors.New("connection refused"))
 	for i := 0; i < 4; i++ { // 2 failures open the breaker; 2 more skip the store
@@ -251,19 +278,13 @@ tollgate_store_errors_total{class="timeout"} 0
 		_, err := lim.Allow(ctx, fmt.Sprintf("user-%d", n), "gold")
 		return err == nil && !lim.Stats().Outage
 	}, 5*cooldown, 10*time.Millisecond)
-	assert.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(`
-# HELP tollgate_fallback_active 1 during an outage of the store (tollgate.Stats.Outage: from the breaker's trip until a success after two cooldowns without a failure), else 0.
-# TYPE tollgate_fallback_active gauge
+	assertSeries(t, reg, `
 tollgate_fallback_active 0
-# HELP tollgate_breaker_state State of the circuit breaker in front of the store: 0 closed, 1 open, 2 half-open.
-# TYPE tollgate_breaker_state gauge
 tollgate_breaker_state 0
-# HELP tollgate_breaker_transitions_total Transitions of the circuit breaker, by the state it entered (closed, open, half-open); open counts trips, not the re-opening after a failed probe.
-# TYPE tollgate_breaker_transitions_total counter
 tollgate_breaker_transitions_total{to="closed"} 1
 tollgate_breaker_transitions_total{to="half-open"} 1
 tollgate_breaker_transitions_total{to="open"} 1
-`), "tollgate_fallback_active", "tollgate_breaker_state", "tollgate_breaker_transitions_total"), "after recovery")
+`, "after recovery")
 	assert.Equal(t, 2.0, storeErrors(t, reg, "other"))
 	count, _, _ := histogram(t, reg)
 	assert.Equal(t, lim.Stats().StoreCalls, count)
@@ -431,16 +452,12 @@ func TestSeveralLimitersShareARegistry(t *testing.T) {
 	loginStore.Fail(errors.New("down"))
 	_, err = login.Allow(ctx, "alice", "gold")
 	require.NoError(t, err)
-	assert.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(`
-# HELP tollgate_fallback_active 1 during an outage of the store (tollgate.Stats.Outage: from the breaker's trip until a success after two cooldowns without a failure), else 0.
-# TYPE tollgate_fallback_active gauge
+	assertSeries(t, reg, `
 tollgate_fallback_active{limiter="api"} 0
 tollgate_fallback_active{limiter="login"} 1
-# HELP tollgate_breaker_state State of the circuit breaker in front of the store: 0 closed, 1 open, 2 half-open.
-# TYPE tollgate_breaker_state gauge
 tollgate_breaker_state{limiter="api"} 0
 tollgate_breaker_state{limiter="login"} 1
-`), "tollgate_fallback_active", "tollgate_breaker_state"))
+`)
 	assert.Equal(t, 1.0, value(t, reg, "tollgate_decisions_total", "limiter", "api", "plan", "gold", "decision", "allowed", "source", "store"))
 	assert.Equal(t, 1.0, value(t, reg, "tollgate_decisions_total", "limiter", "login", "plan", "gold", "decision", "allowed", "source", "fallback"))
 	assert.Equal(t, 0.0, value(t, reg, "tollgate_decisions_total", "limiter", "login", "plan", "gold", "decision", "allowed", "source", "store"))
