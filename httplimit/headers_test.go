@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/tollgate-go/tollgate"
+	"github.com/tollgate-go/tollgate/internal/storetest"
 )
 
 // rateLimitFields returns the rate limit fields of w, an absent one as "".
@@ -88,7 +89,7 @@ func TestFields(t *testing.T) {
 }
 
 func TestFieldsUnderFailOpen(t *testing.T) {
-	lim, err := tollgate.New(downStore{}, testPlans, tollgate.WithFailurePolicy(tollgate.FailOpen))
+	lim, err := tollgate.New(storetest.Down(errRefused), testPlans, tollgate.WithFailurePolicy(tollgate.FailOpen))
 	require.NoError(t, err)
 	w := get(Middleware(lim, ByHeader("X-Api-Key"), WithPlans("gold", "daily"))(ok), "/")
 

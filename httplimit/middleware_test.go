@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/tollgate-go/tollgate"
+	"github.com/tollgate-go/tollgate/internal/storetest"
 )
 
 var testPlans = []tollgate.Plan{
@@ -77,16 +78,8 @@ func (s *stubLimiter) AllowN(_ context.Context, key string, cost int64, plans ..
 	return s.res, s.err
 }
 
-// downStore is a Store that always fails.
-type downStore struct{}
-
-func (downStore) Take(context.Context, string, int64, []tollgate.Plan) (tollgate.Result, error) {
-	return tollgate.Result{}, errors.New("connection refused")
-}
-
-func (downStore) Reset(context.Context, string, []tollgate.Plan) error {
-	return errors.New("connection refused")
-}
+// errRefused is what a store out of reach answers.
+var errRefused = errors.New("connection refused")
 
 func TestMiddlewareDeniedBody(t *testing.T) {
 	lim := &stubLimiter{res: tollgate.Result{Plan: "gold", Limit: 20, RetryAfter: time.Second}}
@@ -211,12 +204,12 @@ func TestMiddlewareCost(t *testing.T) {
 func TestMiddlewareStoreDown(t *testing.T) {
 	// A function builds each limiter, as the type of a failure policy is
 	// not among the root names this package relies on.
-	fallback := func() (*tollgate.Limiter, error) { return tollgate.New(downStore{}, testPlans) }
+	fallback := func() (*tollgate.Limiter, error) { return tollgate.New(storetest.Down(errRefused), testPlans) }
 	failOpen := func() (*tollgate.Limiter, error) {
-		return tollgate.New(downStore{}, testPlans, tollgate.WithFailurePolicy(tollgate.FailOpen))
+		return tollgate.New(storetest.Down(errRefused), testPlans, tollgate.WithFailurePolicy(tollgate.FailOpen))
 	}
 	failClosed := func() (*tollgate.Limiter, error) {
-		return tollgate.New(downStore{}, testPlans, tollgate.WithFailurePolicy(tollgate.FailClosed))
+		return tollgate.New(storetest.Down(errRefused), testPlans, tollgate.WithFailurePolicy(tollgate.FailClosed))
 	}
 	tests := []struct {
 		name   string

@@ -122,26 +122,12 @@ func roundDuration(d time.Duration) time.Duration {
 	return d.Round(r)
 }
 
-// fastCluster is the README's client advice for Cluster: fail fast, and
-// reload the slot map often enough to notice a failover.
-func fastCluster() *redis.ClusterOptions {
+// failFast is the README's client advice (redistest.FailFast) for a client
+// of any kind: its Cluster and Failover methods copy these fields into the
+// options of each. The addresses are left to the harness's Client methods.
+func failFast() *redis.UniversalOptions {
 	o := redistest.FailFast("")
-	return &redis.ClusterOptions{
-		DialTimeout:                o.DialTimeout,
-		ReadTimeout:                o.ReadTimeout,
-		WriteTimeout:               o.WriteTimeout,
-		PoolTimeout:                o.PoolTimeout,
-		MaxRetries:                 o.MaxRetries,
-		DialerRetries:              o.DialerRetries,
-		ContextTimeoutEnabled:      o.ContextTimeoutEnabled,
-		ClusterStateReloadInterval: 500 * time.Millisecond,
-	}
-}
-
-// fastFailover is the README's client advice for Sentinel.
-func fastFailover() *redis.FailoverOptions {
-	o := redistest.FailFast("")
-	return &redis.FailoverOptions{
+	return &redis.UniversalOptions{
 		DialTimeout:           o.DialTimeout,
 		ReadTimeout:           o.ReadTimeout,
 		WriteTimeout:          o.WriteTimeout,
@@ -151,6 +137,17 @@ func fastFailover() *redis.FailoverOptions {
 		ContextTimeoutEnabled: o.ContextTimeoutEnabled,
 	}
 }
+
+// fastCluster is the README's client advice for Cluster: fail fast, and
+// reload the slot map often enough to notice a failover.
+func fastCluster() *redis.ClusterOptions {
+	o := failFast().Cluster()
+	o.ClusterStateReloadInterval = 500 * time.Millisecond
+	return o
+}
+
+// fastFailover is the README's client advice for Sentinel.
+func fastFailover() *redis.FailoverOptions { return failFast().Failover() }
 
 // instance is one service instance: a Limiter with its own client, its own
 // fallback MemoryStore, and the RedisStore under it.

@@ -19,20 +19,8 @@ import (
 	"github.com/tollgate-go/tollgate"
 	"github.com/tollgate-go/tollgate/breaker"
 	"github.com/tollgate-go/tollgate/internal/redistest"
+	"github.com/tollgate-go/tollgate/internal/storetest"
 )
-
-// downStore is a store that fails every call, as a Redis out of reach does.
-type downStore struct{}
-
-var _ tollgate.Store = downStore{}
-
-var errDown = errors.New("down")
-
-func (downStore) Take(context.Context, string, int64, []tollgate.Plan) (tollgate.Result, error) {
-	return tollgate.Result{}, errDown
-}
-
-func (downStore) Reset(context.Context, string, []tollgate.Plan) error { return errDown }
 
 // heapInuse returns the heap in use after a full collection.
 func heapInuse() uint64 {
@@ -54,7 +42,7 @@ func TestChaosKeyFlood(t *testing.T) {
 	fallback := tollgate.NewMemoryStore(tollgate.WithMaxKeys(maxKeys))
 	// A bucket of 10 that refills in an hour: no bucket is full again during
 	// the flood, so eviction, not the sweep of full buckets, keeps the bound.
-	lim, err := tollgate.New(downStore{}, []tollgate.Plan{{Name: "flood", Capacity: 10, Rate: tollgate.Per(10, time.Hour)}},
+	lim, err := tollgate.New(storetest.Down(errors.New("down")), []tollgate.Plan{{Name: "flood", Capacity: 10, Rate: tollgate.Per(10, time.Hour)}},
 		tollgate.WithFallback(fallback), tollgate.WithLogger(nil), tollgate.WithBreaker(breaker.Settings{Cooldown: time.Hour}))
 	require.NoError(t, err)
 

@@ -20,6 +20,7 @@ import (
 
 	"github.com/tollgate-go/tollgate"
 	"github.com/tollgate-go/tollgate/breaker"
+	"github.com/tollgate-go/tollgate/internal/storetest"
 	tgotel "github.com/tollgate-go/tollgate/metrics/otel"
 )
 
@@ -27,57 +28,6 @@ var plans = []tollgate.Plan{
 	{Name: "gold", Capacity: 2, Rate: 1},
 	{Name: "daily", Capacity: 100, Rate: tollgate.Per(100, 24*time.Hour)},
 }
-
-// flakyStore wraps a MemoryStore, and fails with err while it is set. Not
-// being a *tollgate.MemoryStore, it gets what a RedisStore gets: a
-// breaker, a denial cache, and its calls timed and counted.
-type flakyStore struct {
-	mu     sync.Mutex
-	err    error
-	delay  time.Duration
-	onTake func()
-	inner  *tollgate.MemoryStore
-}
-
-func newFlakyStore() *flakyStore { return &flakyStore{inner: tollgate.NewMemoryStore()} }
-
-func (f *flakyStore) fail(err error) {
-	f.mu.Lock()
-	f.err = err
-	f.mu.Unlock()
-}
-
-func (f *flakyStore) slow(d time.Duration) {
-	f.mu.Lock()
-	f.delay = d
-	f.mu.Unlock()
-}
-
-func (f *flakyStore) Take(ctx context.Context, key string, cost int64, plans []tollgate.Plan) (tollgate.Result, error) {
-	f.mu.Lock()
-	err, delay, onTake := f.err, f.delay, f.onTake
-	f.mu.Unlock()
-	time.Sleep(delay)
-	if onTake != nil {
-		onTake()
-	}
-	if err != nil {
-		return tollgate.Result{}, err
-	}
-	return f.inner.Take(ctx, key, cost, plans)
-}
-
-func (f *flakyStore) Reset(ctx context.Context, key string, plans []tollgate.Plan) error {
-	return f.inner.Reset(ctx, key, plans)
-}
-
-// timeoutError is a net.Error that timed out, as a client's read deadline
-// gives.
-type timeoutError struct{}
-
-func (timeoutError) Error() string   { return "i/o timeout" }
-func (timeoutError) Timeout() bool   { return true }
-func (timeoutError) Temporary() bool { return true }
 
 // reader collects what the instruments observe, as an exporter would.
 type reader struct {
@@ -189,7 +139,7 @@ func newRegistered(t *testing.T, store tollgate.Store, opts ...tollgate.Option) 
 
 func TestDecisionsBySource(t *testing.T) {
 	ctx := context.Background()
-	r, lim := newRegistered(t, newFlakyStore())
+	r, lim := newRegistered(t, storetest.NewFlaky())
 	for i := 0; i < 3; i++ { // gold holds 2: allowed, allowed, denied
 		res, err := lim.Allow(ctx, "alice", "gold")
 		require.NoError(t, err)
@@ -233,12 +183,12 @@ func TestMemoryStore(t *testing.T) {
 // TestStoreDuration: without a histogram, the total and the count of the
 // store calls.
 func TestStoreDuration(t *testing.T) {
-	f := newFlakyStore()
+	f := storetest.NewFlaky()
 	r, lim := newRegistered(t, f)
 	ctx := context.Background()
 	_, err := lim.Allow(ctx, "a", "daily")
 	require.NoError(t, err)
-	f.slow(30 * time.Millisecond)
+	f.Slow(30 * time.Millisecond)
 	_, err = lim.Allow(ctx, "b", "daily")
 	require.NoError(t, err)
 
@@ -256,7 +206,7 @@ func TestStoreDuration(t *testing.T) {
 // settle.
 func TestOutageAndRecovery(t *testing.T) {
 	ctx := context.Background()
-	f := newFlakyStore()
+	f := storetest.NewFlaky()
 	// A cooldown long enough that the calls after the trip do not probe on
 	// a loaded machine.
 	const cooldown = 200 * time.Millisecond
@@ -268,7 +218,7 @@ func TestOutageAndRecovery(t *testing.T) {
 	assert.Equal(t, int64(0), r.value("tollgate.breaker.transitions", attribute.String("to", "open")))
 	assert.Equal(t, int64(0), r.storeErrors("other"))
 
-	f.fail(errors.New("connection refused"))
+	f.Fail(errors.New("connection refused"))
 	for i := 0; i < 4; i++ { // 2 failures open the breaker; 2 more skip the store
 		res, err := lim.Allow(ctx, "alice", "gold")
 		require.NoError(t, err)
@@ -281,7 +231,7 @@ func TestOutageAndRecovery(t *testing.T) {
 	assert.Equal(t, int64(2), r.decisions("gold", "allowed", "fallback"))
 	assert.Equal(t, int64(2), r.decisions("gold", "denied", "fallback"))
 
-	f.fail(nil)
+	f.Fail(nil)
 	time.Sleep(cooldown + 10*time.Millisecond) // the next call probes
 	res, err := lim.Allow(ctx, "bob", "gold")
 	require.NoError(t, err)
@@ -313,17 +263,17 @@ func TestOutageAndRecovery(t *testing.T) {
 // TestStoreErrorsByClass fails the store in each way the Limiter tells
 // apart.
 func TestStoreErrorsByClass(t *testing.T) {
-	f := newFlakyStore()
+	f := storetest.NewFlaky()
 	// The breaker stays closed, so that every call reaches the store.
 	r, lim := newRegistered(t, f, tollgate.WithBreaker(breaker.Settings{Failures: 1000}))
 	for _, err := range []error{
-		timeoutError{},
+		storetest.TimeoutError{},
 		&net.OpError{Op: "dial", Net: "tcp", Err: errors.New("connection refused")},
 		&net.OpError{Op: "dial", Net: "tcp", Err: errors.New("connection refused")},
 		fmt.Errorf("parse: %w", tollgate.ErrBadReply),
 		errors.New("something else"),
 	} {
-		f.fail(err)
+		f.Fail(err)
 		res, err := lim.Allow(context.Background(), "alice", "gold")
 		require.NoError(t, err)
 		require.Equal(t, tollgate.SourceFallback, res.Source)
@@ -335,8 +285,8 @@ func TestStoreErrorsByClass(t *testing.T) {
 }
 
 func TestFailOpenDecisions(t *testing.T) {
-	f := newFlakyStore()
-	f.fail(errors.New("down"))
+	f := storetest.NewFlaky()
+	f.Fail(errors.New("down"))
 	r, lim := newRegistered(t, f, tollgate.WithFailurePolicy(tollgate.FailOpen))
 	for i := 0; i < 5; i++ {
 		_, err := lim.Allow(context.Background(), "alice", "gold")
@@ -350,22 +300,18 @@ func TestFailOpenDecisions(t *testing.T) {
 // store works says nothing about the store, as the Limiter's breaker
 // agrees; a store that cancels its own call has failed.
 func TestCancelledCallIsNotAStoreError(t *testing.T) {
-	f := newFlakyStore()
+	f := storetest.NewFlaky()
 	r, lim := newRegistered(t, f)
 	ctx, cancel := context.WithCancel(context.Background())
-	f.mu.Lock()
-	f.onTake = cancel
-	f.mu.Unlock()
+	f.OnTake(cancel)
 	_, err := lim.Allow(ctx, "alice", "gold")
 	require.ErrorIs(t, err, context.Canceled)
 	assert.Equal(t, int64(0), r.storeErrors("canceled"))
 	assert.Equal(t, int64(0), r.value("tollgate.fallback.active"))
 	assert.Equal(t, int64(1), r.value("tollgate.store.calls"), "the call is still timed")
 
-	f.mu.Lock()
-	f.onTake = nil
-	f.mu.Unlock()
-	f.fail(context.Canceled) // the store's own context, not the caller's
+	f.OnTake(nil)
+	f.Fail(context.Canceled) // the store's own context, not the caller's
 	res, err := lim.Allow(context.Background(), "alice", "gold")
 	require.NoError(t, err)
 	assert.Equal(t, tollgate.SourceFallback, res.Source)
@@ -423,7 +369,7 @@ func TestRedisOutageAndScriptLoads(t *testing.T) {
 func TestSeveralLimitersShareAProvider(t *testing.T) {
 	ctx := context.Background()
 	r, mp := newReader(t)
-	apiStore, loginStore := newFlakyStore(), newFlakyStore()
+	apiStore, loginStore := storetest.NewFlaky(), storetest.NewFlaky()
 	api, err := tollgate.New(apiStore, plans, tollgate.WithLogger(nil))
 	require.NoError(t, err)
 	login, err := tollgate.New(loginStore, plans, tollgate.WithLogger(nil),
@@ -436,7 +382,7 @@ func TestSeveralLimitersShareAProvider(t *testing.T) {
 
 	_, err = api.Allow(ctx, "alice", "gold")
 	require.NoError(t, err)
-	loginStore.fail(errors.New("down"))
+	loginStore.Fail(errors.New("down"))
 	_, err = login.Allow(ctx, "alice", "gold")
 	require.NoError(t, err)
 
@@ -479,7 +425,7 @@ func TestNilLimiterPanics(t *testing.T) {
 // TestInstruments pins every instrument's name, unit and kind, which
 // decide the names an exporter gives them.
 func TestInstruments(t *testing.T) {
-	r, _ := newRegistered(t, newFlakyStore())
+	r, _ := newRegistered(t, storetest.NewFlaky())
 	got := map[string]string{}
 	for _, m := range r.collect() {
 		kind := ""
@@ -533,7 +479,7 @@ func TestConcurrentCollections(t *testing.T) {
 	r1, r2 := sdkmetric.NewManualReader(), sdkmetric.NewManualReader()
 	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(r1), sdkmetric.WithReader(r2))
 	t.Cleanup(func() { _ = mp.Shutdown(context.Background()) })
-	lim, err := tollgate.New(newFlakyStore(), plans, tollgate.WithLogger(nil))
+	lim, err := tollgate.New(storetest.NewFlaky(), plans, tollgate.WithLogger(nil))
 	require.NoError(t, err)
 	_, err = tgotel.Register(lim, mp)
 	require.NoError(t, err)
@@ -573,7 +519,7 @@ func TestConcurrentCollections(t *testing.T) {
 // before encoding).
 func BenchmarkCollect(b *testing.B) {
 	ctx := context.Background()
-	f := newFlakyStore()
+	f := storetest.NewFlaky()
 	lim, err := tollgate.New(f, []tollgate.Plan{
 		{Name: "free", Capacity: 10, Rate: 1},
 		{Name: "pro", Capacity: 100, Rate: 10},
@@ -586,9 +532,9 @@ func BenchmarkCollect(b *testing.B) {
 	for i := 0; i < 200; i++ {
 		_, _ = lim.Allow(ctx, fmt.Sprintf("user-%d", i%7), []string{"free", "pro", "burst", "daily"}[i%4])
 	}
-	f.fail(timeoutError{})
+	f.Fail(storetest.TimeoutError{})
 	_, _ = lim.Allow(ctx, "user-1", "free")
-	f.fail(nil)
+	f.Fail(nil)
 
 	b.Run("stats", func(b *testing.B) {
 		b.ReportAllocs()

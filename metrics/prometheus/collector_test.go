@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -19,6 +20,7 @@ import (
 
 	"github.com/tollgate-go/tollgate"
 	"github.com/tollgate-go/tollgate/breaker"
+	"github.com/tollgate-go/tollgate/internal/storetest"
 	tgprom "github.com/tollgate-go/tollgate/metrics/prometheus"
 )
 
@@ -26,57 +28,6 @@ var plans = []tollgate.Plan{
 	{Name: "gold", Capacity: 2, Rate: 1},
 	{Name: "daily", Capacity: 100, Rate: tollgate.Per(100, 24*time.Hour)},
 }
-
-// flakyStore wraps a MemoryStore, and fails with err while it is set. Not
-// being a *tollgate.MemoryStore, it gets what a RedisStore gets: a
-// breaker, a denial cache, and its calls timed and counted.
-type flakyStore struct {
-	mu     sync.Mutex
-	err    error
-	delay  time.Duration
-	onTake func()
-	inner  *tollgate.MemoryStore
-}
-
-func newFlakyStore() *flakyStore { return &flakyStore{inner: tollgate.NewMemoryStore()} }
-
-func (f *flakyStore) fail(err error) {
-	f.mu.Lock()
-	f.err = err
-	f.mu.Unlock()
-}
-
-func (f *flakyStore) slow(d time.Duration) {
-	f.mu.Lock()
-	f.delay = d
-	f.mu.Unlock()
-}
-
-func (f *flakyStore) Take(ctx context.Context, key string, cost int64, plans []tollgate.Plan) (tollgate.Result, error) {
-	f.mu.Lock()
-	err, delay, onTake := f.err, f.delay, f.onTake
-	f.mu.Unlock()
-	time.Sleep(delay)
-	if onTake != nil {
-		onTake()
-	}
-	if err != nil {
-		return tollgate.Result{}, err
-	}
-	return f.inner.Take(ctx, key, cost, plans)
-}
-
-func (f *flakyStore) Reset(ctx context.Context, key string, plans []tollgate.Plan) error {
-	return f.inner.Reset(ctx, key, plans)
-}
-
-// timeoutError is a net.Error that timed out, as a client's read deadline
-// gives.
-type timeoutError struct{}
-
-func (timeoutError) Error() string   { return "i/o timeout" }
-func (timeoutError) Timeout() bool   { return true }
-func (timeoutError) Temporary() bool { return true }
 
 // newCollected returns a Limiter on store, and a pedantic registry that
 // holds its Collector. A pedantic registry checks on every Gather that
@@ -119,6 +70,42 @@ func value(t *testing.T, g prometheus.Gatherer, name string, labels ...string) f
 	return found[0]
 }
 
+// heads are the HELP and TYPE lines of the metrics that tests compare as
+// exposition text, pinned here once: dashboards and alerts show them.
+var heads = map[string]string{
+	"tollgate_decisions_total": `# HELP tollgate_decisions_total Decisions that took tokens, by binding plan, decision (allowed, denied) and source (store, fallback, fail-open, cache).
+# TYPE tollgate_decisions_total counter`,
+	"tollgate_fallback_active": `# HELP tollgate_fallback_active 1 during an outage of the store (tollgate.Stats.Outage: from the breaker's trip until a success after two cooldowns without a failure), else 0.
+# TYPE tollgate_fallback_active gauge`,
+	"tollgate_breaker_state": `# HELP tollgate_breaker_state State of the circuit breaker in front of the store: 0 closed, 1 open, 2 half-open.
+# TYPE tollgate_breaker_state gauge`,
+	"tollgate_breaker_transitions_total": `# HELP tollgate_breaker_transitions_total Transitions of the circuit breaker, by the state it entered (closed, open, half-open); open counts trips, not the re-opening after a failed probe.
+# TYPE tollgate_breaker_transitions_total counter`,
+	"tollgate_store_errors_total": `# HELP tollgate_store_errors_total Calls to the Limiter's store that failed, by class; calls its caller ended are not counted.
+# TYPE tollgate_store_errors_total counter`,
+}
+
+// assertSeries checks that the series of each metric in want are exactly
+// want's, as testutil.GatherAndCompare does. want holds sample lines only,
+// each metric's together; the metric's HELP and TYPE lines come from heads.
+func assertSeries(t *testing.T, g prometheus.Gatherer, want string, msgAndArgs ...any) {
+	t.Helper()
+	var text strings.Builder
+	var names []string
+	for _, line := range strings.Split(strings.TrimSpace(want), "\n") {
+		name, _, _ := strings.Cut(line, "{")
+		name, _, _ = strings.Cut(name, " ")
+		if !slices.Contains(names, name) {
+			head, ok := heads[name]
+			require.True(t, ok, "no HELP and TYPE lines for %s", name)
+			text.WriteString(head + "\n")
+			names = append(names, name)
+		}
+		text.WriteString(line + "\n")
+	}
+	assert.NoError(t, testutil.GatherAndCompare(g, strings.NewReader(text.String()), names...), msgAndArgs...)
+}
+
 func decisions(t *testing.T, g prometheus.Gatherer, plan, decision, source string) float64 {
 	t.Helper()
 	return value(t, g, "tollgate_decisions_total", "plan", plan, "decision", decision, "source", source)
@@ -152,7 +139,7 @@ func histogram(t *testing.T, g prometheus.Gatherer) (count uint64, sum float64, 
 
 func TestDecisionsBySource(t *testing.T) {
 	ctx := context.Background()
-	reg, lim := newCollected(t, newFlakyStore())
+	reg, lim := newCollected(t, storetest.NewFlaky())
 	for i := 0; i < 3; i++ { // gold holds 2: allowed, allowed, denied
 		r, err := lim.Allow(ctx, "alice", "gold")
 		require.NoError(t, err)
@@ -170,9 +157,7 @@ func TestDecisionsBySource(t *testing.T) {
 
 	// Every plan has all its series from the first scrape, so that the
 	// first denial or fallback shows in increase().
-	assert.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(`
-# HELP tollgate_decisions_total Decisions that took tokens, by binding plan, decision (allowed, denied) and source (store, fallback, fail-open, cache).
-# TYPE tollgate_decisions_total counter
+	assertSeries(t, reg, `
 tollgate_decisions_total{decision="allowed",plan="daily",source="cache"} 0
 tollgate_decisions_total{decision="allowed",plan="daily",source="fail-open"} 0
 tollgate_decisions_total{decision="allowed",plan="daily",source="fallback"} 0
@@ -189,7 +174,7 @@ tollgate_decisions_total{decision="denied",plan="gold",source="cache"} 1
 tollgate_decisions_total{decision="denied",plan="gold",source="fail-open"} 0
 tollgate_decisions_total{decision="denied",plan="gold",source="fallback"} 0
 tollgate_decisions_total{decision="denied",plan="gold",source="store"} 1
-`), "tollgate_decisions_total"))
+`)
 	count, _, _ := histogram(t, reg)
 	assert.Equal(t, uint64(5), count, "alice's 3 and bob's call and the Peek; the cache answered without the store")
 }
@@ -213,14 +198,14 @@ func TestMemoryStore(t *testing.T) {
 // TestStoreDurationHistogram: the histogram is the Limiter's, made
 // cumulative, with StoreTime as its sum.
 func TestStoreDurationHistogram(t *testing.T) {
-	f := newFlakyStore()
+	f := storetest.NewFlaky()
 	reg, lim := newCollected(t, f)
 	ctx := context.Background()
 	for _, key := range []string{"a", "b", "c"} {
 		_, err := lim.Allow(ctx, key, "daily")
 		require.NoError(t, err)
 	}
-	f.slow(30 * time.Millisecond)
+	f.Slow(30 * time.Millisecond)
 	_, err := lim.Allow(ctx, "d", "daily")
 	require.NoError(t, err)
 
@@ -244,35 +229,27 @@ func TestStoreDurationHistogram(t *testing.T) {
 // brings the store back: every metric of an outage must move and settle.
 func TestOutageAndRecovery(t *testing.T) {
 	ctx := context.Background()
-	f := newFlakyStore()
+	f := storetest.NewFlaky()
 	// A cooldown long enough that the calls after the trip do not probe on
 	// a loaded machine.
 	const cooldown = 200 * time.Millisecond
 	reg, lim := newCollected(t, f, tollgate.WithBreaker(breaker.Settings{Failures: 2, Cooldown: cooldown}))
 	_, err := lim.Allow(ctx, "alice", "gold")
 	require.NoError(t, err)
-	assert.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(`
-# HELP tollgate_fallback_active 1 during an outage of the store (tollgate.Stats.Outage: from the breaker's trip until a success after two cooldowns without a failure), else 0.
-# TYPE tollgate_fallback_active gauge
+	assertSeries(t, reg, `
 tollgate_fallback_active 0
-# HELP tollgate_breaker_state State of the circuit breaker in front of the store: 0 closed, 1 open, 2 half-open.
-# TYPE tollgate_breaker_state gauge
 tollgate_breaker_state 0
-# HELP tollgate_breaker_transitions_total Transitions of the circuit breaker, by the state it entered (closed, open, half-open); open counts trips, not the re-opening after a failed probe.
-# TYPE tollgate_breaker_transitions_total counter
 tollgate_breaker_transitions_total{to="closed"} 0
 tollgate_breaker_transitions_total{to="half-open"} 0
 tollgate_breaker_transitions_total{to="open"} 0
-# HELP tollgate_store_errors_total Calls to the Limiter's store that failed, by class; calls its caller ended are not counted.
-# TYPE tollgate_store_errors_total counter
 tollgate_store_errors_total{class="bad-reply"} 0
 tollgate_store_errors_total{class="canceled"} 0
 tollgate_store_errors_total{class="network"} 0
 tollgate_store_errors_total{class="other"} 0
 tollgate_store_errors_total{class="timeout"} 0
-`), "tollgate_fallback_active", "tollgate_breaker_state", "tollgate_breaker_transitions_total", "tollgate_store_errors_total"), "before the outage")
+`, "before the outage")
 
-	f.fail(errors.New("connection refused"))
+	f.Fail(errors.New("connection refused"))
 	for i := 0; i < 4; i++ { // 2 failures open the breaker; 2 more skip the store
 		r, err := lim.Allow(ctx, "alice", "gold")
 		require.NoError(t, err)
@@ -286,7 +263,7 @@ tollgate_store_errors_total{class="timeout"} 0
 	assert.Equal(t, 2.0, decisions(t, reg, "gold", "allowed", "fallback"))
 	assert.Equal(t, 2.0, decisions(t, reg, "gold", "denied", "fallback"))
 
-	f.fail(nil)
+	f.Fail(nil)
 	time.Sleep(cooldown + 10*time.Millisecond) // the next call probes
 	r, err := lim.Allow(ctx, "bob", "gold")
 	require.NoError(t, err)
@@ -301,19 +278,13 @@ tollgate_store_errors_total{class="timeout"} 0
 		_, err := lim.Allow(ctx, fmt.Sprintf("user-%d", n), "gold")
 		return err == nil && !lim.Stats().Outage
 	}, 5*cooldown, 10*time.Millisecond)
-	assert.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(`
-# HELP tollgate_fallback_active 1 during an outage of the store (tollgate.Stats.Outage: from the breaker's trip until a success after two cooldowns without a failure), else 0.
-# TYPE tollgate_fallback_active gauge
+	assertSeries(t, reg, `
 tollgate_fallback_active 0
-# HELP tollgate_breaker_state State of the circuit breaker in front of the store: 0 closed, 1 open, 2 half-open.
-# TYPE tollgate_breaker_state gauge
 tollgate_breaker_state 0
-# HELP tollgate_breaker_transitions_total Transitions of the circuit breaker, by the state it entered (closed, open, half-open); open counts trips, not the re-opening after a failed probe.
-# TYPE tollgate_breaker_transitions_total counter
 tollgate_breaker_transitions_total{to="closed"} 1
 tollgate_breaker_transitions_total{to="half-open"} 1
 tollgate_breaker_transitions_total{to="open"} 1
-`), "tollgate_fallback_active", "tollgate_breaker_state", "tollgate_breaker_transitions_total"), "after recovery")
+`, "after recovery")
 	assert.Equal(t, 2.0, storeErrors(t, reg, "other"))
 	count, _, _ := histogram(t, reg)
 	assert.Equal(t, lim.Stats().StoreCalls, count)
@@ -330,17 +301,17 @@ func boolValue(b bool) float64 {
 // TestStoreErrorsByClass fails the store in each way the Limiter tells
 // apart.
 func TestStoreErrorsByClass(t *testing.T) {
-	f := newFlakyStore()
+	f := storetest.NewFlaky()
 	// The breaker stays closed, so that every call reaches the store.
 	reg, lim := newCollected(t, f, tollgate.WithBreaker(breaker.Settings{Failures: 1000}))
 	for _, err := range []error{
-		timeoutError{},
+		storetest.TimeoutError{},
 		&net.OpError{Op: "dial", Net: "tcp", Err: errors.New("connection refused")},
 		&net.OpError{Op: "dial", Net: "tcp", Err: errors.New("connection refused")},
 		fmt.Errorf("parse: %w", tollgate.ErrBadReply),
 		errors.New("something else"),
 	} {
-		f.fail(err)
+		f.Fail(err)
 		r, err := lim.Allow(context.Background(), "alice", "gold")
 		require.NoError(t, err)
 		require.Equal(t, tollgate.SourceFallback, r.Source)
@@ -352,8 +323,8 @@ func TestStoreErrorsByClass(t *testing.T) {
 }
 
 func TestFailOpenDecisions(t *testing.T) {
-	f := newFlakyStore()
-	f.fail(errors.New("down"))
+	f := storetest.NewFlaky()
+	f.Fail(errors.New("down"))
 	reg, lim := newCollected(t, f, tollgate.WithFailurePolicy(tollgate.FailOpen))
 	for i := 0; i < 5; i++ {
 		_, err := lim.Allow(context.Background(), "alice", "gold")
@@ -366,8 +337,8 @@ func TestFailOpenDecisions(t *testing.T) {
 // TestFailClosedCountsNoDecision: under FailClosed an outage returns
 // errors, which are not decisions, but the outage metrics still move.
 func TestFailClosedCountsNoDecision(t *testing.T) {
-	f := newFlakyStore()
-	f.fail(errors.New("down"))
+	f := storetest.NewFlaky()
+	f.Fail(errors.New("down"))
 	reg, lim := newCollected(t, f, tollgate.WithFailurePolicy(tollgate.FailClosed),
 		tollgate.WithBreaker(breaker.Settings{Failures: 1}))
 	_, err := lim.Allow(context.Background(), "alice", "gold")
@@ -389,12 +360,10 @@ func TestFailClosedCountsNoDecision(t *testing.T) {
 // store works says nothing about the store, as the Limiter's breaker
 // agrees; a store that cancels its own call has failed.
 func TestCancelledCallIsNotAStoreError(t *testing.T) {
-	f := newFlakyStore()
+	f := storetest.NewFlaky()
 	reg, lim := newCollected(t, f)
 	ctx, cancel := context.WithCancel(context.Background())
-	f.mu.Lock()
-	f.onTake = cancel
-	f.mu.Unlock()
+	f.OnTake(cancel)
 	_, err := lim.Allow(ctx, "alice", "gold")
 	require.ErrorIs(t, err, context.Canceled)
 	assert.Equal(t, 0.0, storeErrors(t, reg, "canceled"))
@@ -402,10 +371,8 @@ func TestCancelledCallIsNotAStoreError(t *testing.T) {
 	count, _, _ := histogram(t, reg)
 	assert.Equal(t, uint64(1), count, "the call is still timed")
 
-	f.mu.Lock()
-	f.onTake = nil
-	f.mu.Unlock()
-	f.fail(context.Canceled) // the store's own context, not the caller's
+	f.OnTake(nil)
+	f.Fail(context.Canceled) // the store's own context, not the caller's
 	r, err := lim.Allow(context.Background(), "alice", "gold")
 	require.NoError(t, err)
 	assert.Equal(t, tollgate.SourceFallback, r.Source)
@@ -467,7 +434,7 @@ func TestRedisOutageAndScriptLoads(t *testing.T) {
 // the same labels twice are refused.
 func TestSeveralLimitersShareARegistry(t *testing.T) {
 	ctx := context.Background()
-	apiStore, loginStore := newFlakyStore(), newFlakyStore()
+	apiStore, loginStore := storetest.NewFlaky(), storetest.NewFlaky()
 	api, err := tollgate.New(apiStore, plans, tollgate.WithLogger(nil))
 	require.NoError(t, err)
 	login, err := tollgate.New(loginStore, plans, tollgate.WithLogger(nil),
@@ -482,19 +449,15 @@ func TestSeveralLimitersShareARegistry(t *testing.T) {
 
 	_, err = api.Allow(ctx, "alice", "gold")
 	require.NoError(t, err)
-	loginStore.fail(errors.New("down"))
+	loginStore.Fail(errors.New("down"))
 	_, err = login.Allow(ctx, "alice", "gold")
 	require.NoError(t, err)
-	assert.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(`
-# HELP tollgate_fallback_active 1 during an outage of the store (tollgate.Stats.Outage: from the breaker's trip until a success after two cooldowns without a failure), else 0.
-# TYPE tollgate_fallback_active gauge
+	assertSeries(t, reg, `
 tollgate_fallback_active{limiter="api"} 0
 tollgate_fallback_active{limiter="login"} 1
-# HELP tollgate_breaker_state State of the circuit breaker in front of the store: 0 closed, 1 open, 2 half-open.
-# TYPE tollgate_breaker_state gauge
 tollgate_breaker_state{limiter="api"} 0
 tollgate_breaker_state{limiter="login"} 1
-`), "tollgate_fallback_active", "tollgate_breaker_state"))
+`)
 	assert.Equal(t, 1.0, value(t, reg, "tollgate_decisions_total", "limiter", "api", "plan", "gold", "decision", "allowed", "source", "store"))
 	assert.Equal(t, 1.0, value(t, reg, "tollgate_decisions_total", "limiter", "login", "plan", "gold", "decision", "allowed", "source", "fallback"))
 	assert.Equal(t, 0.0, value(t, reg, "tollgate_decisions_total", "limiter", "login", "plan", "gold", "decision", "allowed", "source", "store"))
@@ -535,7 +498,7 @@ func TestNilLimiterPanics(t *testing.T) {
 // TestMetricNamesFollowConventions runs Prometheus's own linter over
 // every metric.
 func TestMetricNamesFollowConventions(t *testing.T) {
-	lim, err := tollgate.New(newFlakyStore(), plans)
+	lim, err := tollgate.New(storetest.NewFlaky(), plans)
 	require.NoError(t, err)
 	_, err = lim.Allow(context.Background(), "alice")
 	require.NoError(t, err)
@@ -562,7 +525,7 @@ func TestMetricNamesFollowConventions(t *testing.T) {
 // TestConcurrentScrapes scrapes while many goroutines decide; run with
 // -race.
 func TestConcurrentScrapes(t *testing.T) {
-	reg, lim := newCollected(t, newFlakyStore())
+	reg, lim := newCollected(t, storetest.NewFlaky())
 	var wg sync.WaitGroup
 	for g := 0; g < 4; g++ {
 		wg.Go(func() {
@@ -595,7 +558,7 @@ func TestConcurrentScrapes(t *testing.T) {
 // before encoding).
 func BenchmarkCollect(b *testing.B) {
 	ctx := context.Background()
-	f := newFlakyStore()
+	f := storetest.NewFlaky()
 	lim, err := tollgate.New(f, []tollgate.Plan{
 		{Name: "free", Capacity: 10, Rate: 1},
 		{Name: "pro", Capacity: 100, Rate: 10},
@@ -608,9 +571,9 @@ func BenchmarkCollect(b *testing.B) {
 	for i := 0; i < 200; i++ {
 		_, _ = lim.Allow(ctx, fmt.Sprintf("user-%d", i%7), []string{"free", "pro", "burst", "daily"}[i%4])
 	}
-	f.fail(timeoutError{})
+	f.Fail(storetest.TimeoutError{})
 	_, _ = lim.Allow(ctx, "user-1", "free")
-	f.fail(nil)
+	f.Fail(nil)
 	c := tgprom.New(lim, tgprom.WithConstLabels(prometheus.Labels{"limiter": "api"}))
 
 	b.Run("stats", func(b *testing.B) {
