@@ -143,10 +143,12 @@ func (l *Limiter) remember(key, pk string, cost int64, r *Result, asked int64) {
 var errBreakerOpen = errors.New("circuit breaker open")
 
 // ask has the store decide, behind the breaker. While the store fails, the
-// failure policy decides instead. A store that cannot fail has no breaker.
+// failure policy decides instead. A MemoryStore, which cannot fail, has no
+// breaker.
 func (l *Limiter) ask(ctx context.Context, r *Result, key string, cost int64, plans []Plan) error {
-	if l.breaker == nil {
-		return take(ctx, r, l.store, key, cost, plans)
+	if l.mem != nil { // a MemoryStore cannot fail: no breaker, no policy
+		l.mem.takeInto(r, key, cost, plans)
+		return nil
 	}
 	ok, probe := l.breaker.Allow()
 	if !ok {
@@ -324,8 +326,14 @@ func (l *Limiter) record(ctx context.Context, r *Result, cost int64, entry *plan
 		}
 	}
 	if l.debug {
-		l.log.LogAttrs(ctx, slog.LevelDebug, "tollgate: decision", slog.String("plan", r.Plan),
-			slog.Bool("allowed", r.Allowed), slog.Int64("remaining", r.Remaining),
-			slog.Duration("retry_after", r.RetryAfter), slog.String("source", r.Source.String()))
+		l.logDecision(ctx, r)
 	}
+}
+
+// logDecision logs a decision at debug level, never its key. It is a
+// function of its own so that record, without it, stays small.
+func (l *Limiter) logDecision(ctx context.Context, r *Result) {
+	l.log.LogAttrs(ctx, slog.LevelDebug, "tollgate: decision", slog.String("plan", r.Plan),
+		slog.Bool("allowed", r.Allowed), slog.Int64("remaining", r.Remaining),
+		slog.Duration("retry_after", r.RetryAfter), slog.String("source", r.Source.String()))
 }

@@ -49,7 +49,8 @@ type Limiter struct {
 	store    Store
 	fallback Store // nil unless the policy is Fallback
 	policy   FailurePolicy
-	breaker  *breaker.Breaker // nil when the store cannot fail
+	mem      *MemoryStore     // the store, when it is a MemoryStore
+	breaker  *breaker.Breaker // nil when the store is a MemoryStore
 	denials  *denialcache.Cache[Result]
 	log      *slog.Logger
 	debug    bool // log every decision: the logger had debug enabled at New
@@ -110,13 +111,11 @@ func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
 	}
 	l.policy, l.log = c.policy, c.log
 	l.debug = l.log.Enabled(context.Background(), slog.LevelDebug)
-	_, local := store.(*MemoryStore)
-	if !local {
-		l.breaker = breaker.New(c.breaker)
-	}
 	keys := defaultDenialCacheKeys
-	if local {
-		keys = 0
+	if m, ok := store.(*MemoryStore); ok {
+		l.mem, keys = m, 0
+	} else {
+		l.breaker = breaker.New(c.breaker)
 	}
 	if c.denialKeys != nil {
 		keys = *c.denialKeys
