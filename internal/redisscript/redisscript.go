@@ -65,6 +65,8 @@ type Error struct {
 	Class string
 }
 
+// Error returns "redis answered " and the class, for example "redis
+// answered OOM".
 func (e *Error) Error() string { return "redis answered " + e.Class }
 
 // Sanitize replaces an error Redis answered with its class, for any

@@ -116,6 +116,7 @@ type TimeoutError struct{}
 
 var _ net.Error = TimeoutError{}
 
+// Error returns "i/o timeout", as a read past its deadline says.
 func (TimeoutError) Error() string { return "i/o timeout" }
 
 // Timeout reports true: the error is a timeout.
