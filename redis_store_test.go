@@ -48,6 +48,25 @@ func TestRedisStoreTTLIsTimeUntilFull(t *testing.T) {
 	assert.Equal(t, int64(4), r.Remaining)
 }
 
+// TestRedisStoreTTLCountsFromTheStamp steps Redis TIME back after a take:
+// the bucket then fills from its stamp, which is ahead of the clock, and
+// must not expire, and read as full, before it would be full.
+func TestRedisStoreTTLCountsFromTheStamp(t *testing.T) {
+	ctx := context.Background()
+	s, mr, setTime := newMiniredisStore(t)
+	_, err := s.Take(ctx, "k", 3, []Plan{gold}) // 1 token left at t0
+	require.NoError(t, err)
+	setTime(t0 - 1_000_000) // TIME steps back 1 s
+	r, err := s.Take(ctx, "k", 1, []Plan{gold})
+	require.NoError(t, err)
+	require.True(t, r.Allowed)
+	// Empty at the stamp t0, 4 tokens at 2/s: full at t0 + 2 s, which is
+	// 3 s after the stepped-back clock.
+	ttl := mr.TTL(s.Key("k", "gold"))
+	assert.GreaterOrEqual(t, ttl, 3000*time.Millisecond)
+	assert.LessOrEqual(t, ttl, 3002*time.Millisecond)
+}
+
 func TestRedisStoreDenialWritesNothing(t *testing.T) {
 	ctx := context.Background()
 	s, mr, setTime := newMiniredisStore(t)

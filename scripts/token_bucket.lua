@@ -71,9 +71,13 @@ if reply[1] == 1 and need > 0 then
     reply[2 * i + 1], reply[2 * i + 2] = t, ts
     if foreign and foreign[i] then redis.call('DEL', KEYS[i]) end
     redis.call('HSET', KEYS[i], 't', t, 'ts', ts, 'v', 1)
-    -- Until full again, rounded up, plus a millisecond for the expiry clock.
+    -- Until full again, rounded up, plus a millisecond for the expiry
+    -- clock. The bucket fills from its stamp, which is ahead of now after
+    -- TIME stepped back: counted from now, the key would expire, and read
+    -- as full, that much early.
     redis.call('PEXPIRE', KEYS[i],
-      math.floor((tonumber(ARGV[2 * i]) * 1000000 - t) / tonumber(ARGV[2 * i + 1]) / 1000) + 2)
+      math.floor(((tonumber(ARGV[2 * i]) * 1000000 - t) / tonumber(ARGV[2 * i + 1])
+        + math.max(0, ts - now)) / 1000) + 2)
   end
 end
 return reply
