@@ -14,9 +14,10 @@ import (
 
 // decide makes one decision into *r. It is a pipeline of steps, each
 // readable alone: validate the request, answer a remembered denial from the
-// cache, ask the store behind its breaker and failure policy, and record
-// the decision. Allow, AllowN and Peek pass the Result they return, so it
-// is built in place rather than copied up the steps.
+// cache, ask the store behind its breaker and failure policy (a MemoryStore,
+// which cannot fail, directly), and record the decision. Allow, AllowN and
+// Peek pass the Result they return, so it is built in place rather than
+// copied up the steps.
 func (l *Limiter) decide(ctx context.Context, r *Result, key string, cost, minCost int64, names []string) error {
 	plans, entry, err := l.validate(ctx, key, cost, minCost, names)
 	if err != nil {
@@ -32,7 +33,9 @@ func (l *Limiter) decide(ctx context.Context, r *Result, key string, cost, minCo
 			return nil
 		}
 	}
-	if err := l.ask(ctx, r, key, cost, plans); err != nil {
+	if l.mem != nil { // a MemoryStore cannot fail: no breaker, no policy
+		l.mem.takeInto(r, key, cost, plans)
+	} else if err := l.ask(ctx, r, key, cost, plans); err != nil {
 		return err
 	}
 	if cache {
@@ -102,24 +105,23 @@ func planKey(names []string) string {
 // cached answers the request from a remembered denial, as of now, and
 // reports whether there was one.
 func (l *Limiter) cached(r *Result, key, pk string, cost, now int64) bool {
-	res, at, until, ok := l.denials.Get(key, pk, cost, now)
+	at, until, ok := l.denials.Get(key, pk, cost, now, r)
 	if !ok {
 		return false
 	}
 	elapsed := time.Duration(now - at)
-	res.Source = SourceCache
-	res.RetryAfter = time.Duration(until - now)
-	res.ResetAfter = max(0, res.ResetAfter-elapsed)
-	if res.chain != nil {
-		chain := make([]PlanResult, len(res.chain)) // the caller owns its Result
-		for i, pr := range res.chain {
+	r.Source = SourceCache
+	r.RetryAfter = time.Duration(until - now)
+	r.ResetAfter = max(0, r.ResetAfter-elapsed)
+	if r.chain != nil {
+		chain := make([]PlanResult, len(r.chain)) // the caller owns its Result
+		for i, pr := range r.chain {
 			pr.RetryAfter = max(0, pr.RetryAfter-elapsed)
 			pr.ResetAfter = max(0, pr.ResetAfter-elapsed)
 			chain[i] = pr
 		}
-		res.chain = chain
+		r.chain = chain
 	}
-	*r = res
 	return true
 }
 
@@ -142,18 +144,20 @@ func (l *Limiter) remember(key, pk string, cost int64, r *Result, asked int64) {
 // keeps calls from the store.
 var errBreakerOpen = errors.New("circuit breaker open")
 
-// ask has the store decide, behind the breaker. While the store fails, the
-// failure policy decides instead. A MemoryStore, which cannot fail, has no
-// breaker.
+// ask has a store that can fail decide, behind the breaker. While the
+// store fails, the failure policy decides instead.
 func (l *Limiter) ask(ctx context.Context, r *Result, key string, cost int64, plans []Plan) error {
-	if l.mem != nil { // a MemoryStore cannot fail: no breaker, no policy
-		l.mem.takeInto(r, key, cost, plans)
-		return nil
-	}
 	ok, probe := l.breaker.Allow()
 	if !ok {
 		return l.degrade(ctx, r, key, cost, plans, errBreakerOpen)
 	}
+	return l.call(ctx, r, key, cost, plans, probe)
+}
+
+// call calls the store, times the call, and judges a failure: the
+// breaker hears it, and the failure policy decides, unless the caller's own
+// doing ended the call. probe says whether this call is the breaker's probe.
+func (l *Limiter) call(ctx context.Context, r *Result, key string, cost int64, plans []Plan, probe bool) error {
 	// A probe must end in Success, Failure or Abandon, or the breaker stays
 	// half-open for ever: also when the store panics or its goroutine
 	// exits (runtime.Goexit, which recover does not see). Every way out

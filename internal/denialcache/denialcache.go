@@ -47,19 +47,23 @@ func New[V any](max int) *Cache[V] {
 // Now reads the cache's clock: monotonic nanoseconds since New.
 func (c *Cache[V]) Now() int64 { return int64(time.Since(c.epoch)) }
 
-// Get returns the remembered denial of a request that still holds at now,
-// a reading of Now: its value, and when the store was asked for it. Only
-// the same plans and cost match: a costlier request would wait longer, and
-// a cheaper one may pass.
-func (c *Cache[V]) Get(key, plans string, cost, now int64) (val V, asked, until int64, ok bool) {
+// Get looks up the remembered denial of a request that still holds at
+// now, a reading of Now. If there is one, it copies its value into *into
+// and returns when the store was asked for it and until when it holds.
+// Only the same plans and cost match: a costlier request would wait
+// longer, and a cheaper one may pass. A miss copies nothing: the value
+// may be large, and misses are the common case.
+func (c *Cache[V]) Get(key, plans string, cost, now int64, into *V) (asked, until int64, ok bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	for _, d := range c.keys[key] {
+	for i := range c.keys[key] {
+		d := &c.keys[key][i]
 		if d.plans == plans && d.cost == cost && now < d.until {
-			return d.val, d.at, d.until, true
+			*into = d.val
+			return d.at, d.until, true
 		}
 	}
-	return val, 0, 0, false
+	return 0, 0, false
 }
 
 // Put remembers a denial that holds until until, of a request sent at

@@ -14,16 +14,17 @@ func TestGetMatchesTheSameRequestUntilItEnds(t *testing.T) {
 	c := New[string](10)
 	now := c.Now()
 	c.Put("k", "p", 2, "denied", now, now+hour)
-	v, asked, until, ok := c.Get("k", "p", 2, now)
+	var v string
+	asked, until, ok := c.Get("k", "p", 2, now, &v)
 	assert.True(t, ok)
 	assert.Equal(t, "denied", v)
 	assert.Equal(t, now, asked)
 	assert.Equal(t, now+hour, until)
-	_, _, _, ok = c.Get("k", "p", 1, now)
+	_, _, ok = c.Get("k", "p", 1, now, new(string))
 	assert.False(t, ok, "a cheaper request may pass")
-	_, _, _, ok = c.Get("k", "p,q", 2, now)
+	_, _, ok = c.Get("k", "p,q", 2, now, new(string))
 	assert.False(t, ok, "other plans")
-	_, _, _, ok = c.Get("k", "p", 2, now+hour)
+	_, _, ok = c.Get("k", "p", 2, now+hour, new(string))
 	assert.False(t, ok, "ended")
 }
 
@@ -40,11 +41,11 @@ func TestRefusesDenialsOlderThanAForget(t *testing.T) {
 	asked := c.Now()
 	c.Forget("k") // a Reset while the denied request was in flight
 	c.Put("k", "p", 1, 0, asked, asked+hour)
-	_, _, _, ok := c.Get("k", "p", 1, c.Now())
+	_, _, ok := c.Get("k", "p", 1, c.Now(), new(int))
 	assert.False(t, ok, "a denial asked before the Reset may be stale")
 	now := c.Now()
 	c.Put("k", "p", 1, 0, now, now+hour)
-	_, _, _, ok = c.Get("k", "p", 1, c.Now())
+	_, _, ok = c.Get("k", "p", 1, c.Now(), new(int))
 	assert.True(t, ok)
 }
 
@@ -55,14 +56,15 @@ func TestBoundsEachKey(t *testing.T) {
 		c.Put("k", "p", cost, 0, now, now+hour)
 	}
 	assert.LessOrEqual(t, len(c.keys["k"]), MaxPerKey)
-	_, _, _, ok := c.Get("k", "p", 1000, c.Now())
+	_, _, ok := c.Get("k", "p", 1000, c.Now(), new(int))
 	assert.True(t, ok, "the newest denial is kept")
 }
 
 func TestKeepsADenialOfTheFirstInstant(t *testing.T) {
 	c := New[int](10)
 	c.Put("k", "p", 1, 7, 0, hour)
-	v, _, _, ok := c.Get("k", "p", 1, 0)
+	var v int
+	_, _, ok := c.Get("k", "p", 1, 0, &v)
 	assert.True(t, ok)
 	assert.Equal(t, 7, v)
 }
