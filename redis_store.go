@@ -80,6 +80,14 @@ func (s *RedisStore) Take(ctx context.Context, key string, cost int64, plans []P
 	if err := checkTake(key, cost, plans); err != nil {
 		return Result{}, err
 	}
+	return s.take(ctx, key, cost, plans)
+}
+
+// take is Take for a request already checked.
+func (s *RedisStore) take(ctx context.Context, key string, cost int64, plans []Plan) (Result, error) {
+	if s.err != nil {
+		return Result{}, s.err
+	}
 	keys := make([]string, len(plans))
 	args := make([]any, 1+2*len(plans))
 	args[0] = cost
