@@ -25,9 +25,9 @@ func (l *Limiter) decide(ctx context.Context, r *Result, key string, cost, minCo
 	}
 	cache := l.denials != nil && cost > 0
 	var pk string   // the denial cache's name for plans
-	var asked int64 // when the store was asked, on the denial cache's clock
+	var asked int64 // when the store was asked, on the Limiter's clock, which the cache shares
 	if cache {
-		pk, asked = planKey(names), l.denials.Now()
+		pk, asked = planKey(names), l.now()
 		if l.cached(r, key, pk, cost, asked) {
 			l.record(ctx, r, cost, entry)
 			return nil
@@ -35,8 +35,13 @@ func (l *Limiter) decide(ctx context.Context, r *Result, key string, cost, minCo
 	}
 	if l.mem != nil { // a MemoryStore cannot fail: no breaker, no policy
 		l.mem.takeInto(r, key, cost, plans)
-	} else if err := l.ask(ctx, r, key, cost, plans); err != nil {
-		return err
+	} else {
+		if !cache {
+			asked = l.now()
+		}
+		if err := l.ask(ctx, r, key, cost, plans, asked); err != nil {
+			return err
+		}
 	}
 	if cache {
 		l.remember(key, pk, cost, r, asked)
@@ -146,18 +151,21 @@ var errBreakerOpen = errors.New("circuit breaker open")
 
 // ask has a store that can fail decide, behind the breaker. While the
 // store fails, the failure policy decides instead.
-func (l *Limiter) ask(ctx context.Context, r *Result, key string, cost int64, plans []Plan) error {
+// start is when the decision asked, on the Limiter's clock: the store
+// call is timed from it.
+func (l *Limiter) ask(ctx context.Context, r *Result, key string, cost int64, plans []Plan, start int64) error {
 	ok, probe := l.breaker.Allow()
 	if !ok {
 		return l.degrade(ctx, r, key, cost, plans, errBreakerOpen)
 	}
-	return l.call(ctx, r, key, cost, plans, probe)
+	return l.call(ctx, r, key, cost, plans, probe, start)
 }
 
 // call calls the store, times the call, and judges a failure: the
 // breaker hears it, and the failure policy decides, unless the caller's own
-// doing ended the call. probe says whether this call is the breaker's probe.
-func (l *Limiter) call(ctx context.Context, r *Result, key string, cost int64, plans []Plan, probe bool) error {
+// doing ended the call. probe says whether this call is the breaker's probe;
+// start is when the decision asked, on the Limiter's clock.
+func (l *Limiter) call(ctx context.Context, r *Result, key string, cost int64, plans []Plan, probe bool, start int64) error {
 	// A probe must end in Success, Failure or Abandon, or the breaker stays
 	// half-open for ever: also when the store panics or its goroutine
 	// exits (runtime.Goexit, which recover does not see). Every way out
@@ -170,10 +178,9 @@ func (l *Limiter) call(ctx context.Context, r *Result, key string, cost int64, p
 			}
 		}()
 	}
-	start := l.breaker.Now()
 	err := take(ctx, r, l.store, key, cost, plans)
 	returned = true
-	now := l.breaker.Now()
+	now := l.now()
 	elapsed := time.Duration(now - start)
 	if err == nil {
 		l.stats.storeCall(r, elapsed, nil)
@@ -182,7 +189,7 @@ func (l *Limiter) call(ctx context.Context, r *Result, key string, cost int64, p
 		}
 		l.breaker.Success()
 		if l.outage.active() {
-			l.recovered()
+			l.recovered(now)
 		}
 		return nil
 	}
@@ -231,7 +238,7 @@ func take(ctx context.Context, r *Result, s Store, key string, cost int64, plans
 // timer marks it done.
 const deadlineSlack = time.Millisecond
 
-// blame judges a store call that failed with err at now (the breaker's
+// blame judges a store call that failed with err at now (the Limiter's
 // clock). It returns the error to give the caller instead of a decision,
 // nil when the failure policy should decide, and whether the store failed.
 //
@@ -299,12 +306,13 @@ func (l *Limiter) tripped(err error) {
 }
 
 // recovered logs the end of an outage, once: at a success when the breaker
-// is closed and no call has failed for two cool-downs.
-func (l *Limiter) recovered() {
+// is closed and no call has failed for two cool-downs before now (the
+// Limiter's clock).
+func (l *Limiter) recovered(now int64) {
 	if l.breaker.State() != breaker.Closed {
 		return
 	}
-	start, failed, trips, ok := l.outage.end(l.breaker.Now(), 2*int64(l.breaker.Settings().Cooldown))
+	start, failed, trips, ok := l.outage.end(now, 2*int64(l.breaker.Settings().Cooldown))
 	if ok {
 		l.log.Info("tollgate: store recovered", "outage", time.Duration(time.Now().UnixNano()-start),
 			"failed_calls", failed, "trips", trips)

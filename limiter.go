@@ -59,9 +59,10 @@ type Limiter struct {
 	plans    []Plan // as given to New
 	defaults *planEntry
 
+	epoch       time.Time // the Limiter's clock, and its denial cache's, counts from here
 	stats       counters
 	outage      outage
-	lastSuccess atomic.Int64 // the last store call that succeeded, on the breaker's clock
+	lastSuccess atomic.Int64 // the last store call that succeeded, on the Limiter's clock
 }
 
 // planEntry is a plan as a Limiter looks it up by name.
@@ -86,7 +87,7 @@ func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
 	if len(plans) == 0 {
 		return nil, fmt.Errorf("%w: no plans", ErrInvalidPlan)
 	}
-	l := &Limiter{store: store, byName: make(map[string]*planEntry, len(plans)), stats: newCounters(len(plans))}
+	l := &Limiter{store: store, byName: make(map[string]*planEntry, len(plans)), stats: newCounters(len(plans)), epoch: time.Now()}
 	for i, p := range plans {
 		if err := p.validate(); err != nil {
 			return nil, err
@@ -121,7 +122,7 @@ func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
 		keys = *c.denialKeys
 	}
 	if keys > 0 {
-		l.denials = denialcache.New[Result](keys)
+		l.denials = denialcache.New[Result](keys, l.epoch)
 	}
 	if l.policy == Fallback {
 		l.fallback = c.fallback
@@ -131,6 +132,10 @@ func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
 	}
 	return l, nil
 }
+
+// now reads the Limiter's monotonic clock, in nanoseconds since New; the
+// denial cache's reads the same.
+func (l *Limiter) now() int64 { return int64(time.Since(l.epoch)) }
 
 // Plan returns the plan named name, and whether there is one.
 func (l *Limiter) Plan(name string) (Plan, bool) {

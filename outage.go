@@ -8,12 +8,12 @@ import "sync/atomic"
 // many times; those trips and the failed calls are counted, not logged.
 type outage struct {
 	start       atomic.Int64  // UnixNano when it began; 0 when there is none
-	lastFailure atomic.Int64  // when a store call last failed, on the breaker's clock
+	lastFailure atomic.Int64  // when a store call last failed, on the Limiter's clock
 	failures    atomic.Uint64 // failed store calls since it began
 	trips       atomic.Uint64 // trips of the breaker since it began
 }
 
-// failed counts a failed store call at now, on the breaker's clock.
+// failed counts a failed store call at now, on the Limiter's clock.
 func (o *outage) failed(now int64) {
 	o.lastFailure.Store(now)
 	if o.start.Load() != 0 {
@@ -34,7 +34,7 @@ func (o *outage) begin(now int64) bool {
 }
 
 // end ends the outage if no call has failed in the quiet nanoseconds
-// before clock (the breaker's clock), and returns when it began (wall
+// before clock (the Limiter's clock), and returns when it began (wall
 // time) and what it counted. Exactly one caller ends an outage.
 func (o *outage) end(clock, quiet int64) (start int64, failures, trips uint64, ok bool) {
 	if clock-o.lastFailure.Load() < quiet {

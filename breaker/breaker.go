@@ -140,9 +140,9 @@ func New(s Settings) *Breaker {
 // Settings returns the breaker's settings, defaults filled in.
 func (b *Breaker) Settings() Settings { return b.s }
 
-// Now reads the Breaker's monotonic clock, in nanoseconds since New. It is
+// now reads the Breaker's monotonic clock, in nanoseconds since New. It is
 // cheaper than time.Now, which reads the wall clock too.
-func (b *Breaker) Now() int64 { return int64(time.Since(b.epoch)) }
+func (b *Breaker) now() int64 { return int64(time.Since(b.epoch)) }
 
 // Allow reports whether a call may go through, and whether that call is
 // the probe, which must end in Success, Failure or Abandon. When the
@@ -152,7 +152,7 @@ func (b *Breaker) Allow() (ok, probe bool) {
 	case Closed:
 		return true, false
 	case Open:
-		if b.Now()-b.openedAt.Load() < int64(b.s.Cooldown) {
+		if b.now()-b.openedAt.Load() < int64(b.s.Cooldown) {
 			return false, false
 		}
 		ok = b.transition(Open, HalfOpen)
@@ -190,7 +190,7 @@ func (b *Breaker) Success() {
 func (b *Breaker) Failure() (tripped bool) {
 	switch State(b.state.Load()) {
 	case HalfOpen:
-		b.openedAt.Store(b.Now())
+		b.openedAt.Store(b.now())
 		b.state.CompareAndSwap(int32(HalfOpen), int32(Open))
 	case Closed:
 		calls, failures := b.count(true)
@@ -198,7 +198,7 @@ func (b *Breaker) Failure() (tripped bool) {
 		if b.failed.Add(1) >= int32(b.s.Failures) || rate {
 			// The time first, so that no caller sees an open breaker with
 			// a stale opening time and probes at once.
-			b.openedAt.Store(b.Now())
+			b.openedAt.Store(b.now())
 			return b.transition(Closed, Open)
 		}
 	}
@@ -242,7 +242,7 @@ func (b *Breaker) transition(from, to State) bool {
 // lock, so a call counted as its step is recycled may be lost: the rate is
 // an estimate, which is all a breaker needs.
 func (b *Breaker) count(failed bool) (calls, failures uint64) {
-	slot := b.Now() / b.width
+	slot := b.now() / b.width
 	st := &b.window[uint64(slot)%steps] // Now is negative only if time.Now went back past New
 	if old := st.slot.Load(); old != slot && st.slot.CompareAndSwap(old, slot) {
 		st.calls.Store(0)

@@ -37,14 +37,16 @@ const evictSample = 16
 // plan chains its requests ask for.
 const MaxPerKey = 4
 
-// New returns a Cache that holds at most max keys.
-func New[V any](max int) *Cache[V] {
+// New returns a Cache that holds at most max keys, whose clock counts from
+// epoch: a caller that shares the epoch can read the time once for its own
+// use and the cache's.
+func New[V any](max int, epoch time.Time) *Cache[V] {
 	// forgotAt starts before any reading of the clock, so that a denial
 	// asked at the cache's first instant is kept.
-	return &Cache[V]{max: max, epoch: time.Now(), keys: make(map[string][]denial[V]), forgotAt: -1}
+	return &Cache[V]{max: max, epoch: epoch, keys: make(map[string][]denial[V]), forgotAt: -1}
 }
 
-// Now reads the cache's clock: monotonic nanoseconds since New.
+// Now reads the cache's clock: monotonic nanoseconds since its epoch.
 func (c *Cache[V]) Now() int64 { return int64(time.Since(c.epoch)) }
 
 // Get looks up the remembered denial of a request that still holds at

@@ -11,7 +11,7 @@ import (
 const hour = int64(time.Hour)
 
 func TestGetMatchesTheSameRequestUntilItEnds(t *testing.T) {
-	c := New[string](10)
+	c := New[string](10, time.Now())
 	now := c.Now()
 	c.Put("k", "p", 2, "denied", now, now+hour)
 	var v string
@@ -29,7 +29,7 @@ func TestGetMatchesTheSameRequestUntilItEnds(t *testing.T) {
 }
 
 func TestIsBounded(t *testing.T) {
-	c := New[int](100)
+	c := New[int](100, time.Now())
 	for i := 0; i < 10_000; i++ {
 		c.Put("key-"+strconv.Itoa(i), "p", 1, i, c.Now(), c.Now()+hour)
 	}
@@ -37,7 +37,7 @@ func TestIsBounded(t *testing.T) {
 }
 
 func TestRefusesDenialsOlderThanAForget(t *testing.T) {
-	c := New[int](10)
+	c := New[int](10, time.Now())
 	asked := c.Now()
 	c.Forget("k") // a Reset while the denied request was in flight
 	c.Put("k", "p", 1, 0, asked, asked+hour)
@@ -50,7 +50,7 @@ func TestRefusesDenialsOlderThanAForget(t *testing.T) {
 }
 
 func TestBoundsEachKey(t *testing.T) {
-	c := New[int](10)
+	c := New[int](10, time.Now())
 	for cost := int64(1); cost <= 1000; cost++ {
 		now := c.Now()
 		c.Put("k", "p", cost, 0, now, now+hour)
@@ -61,7 +61,7 @@ func TestBoundsEachKey(t *testing.T) {
 }
 
 func TestKeepsADenialOfTheFirstInstant(t *testing.T) {
-	c := New[int](10)
+	c := New[int](10, time.Now())
 	c.Put("k", "p", 1, 7, 0, hour)
 	var v int
 	_, _, ok := c.Get("k", "p", 1, 0, &v)
