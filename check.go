@@ -53,12 +53,9 @@ func (s *RedisStore) check(ctx context.Context) error {
 	}
 	// "=" opens a base64 key, and the empty key is no caller's: the
 	// encoding of the empty key, "=", is reserved.
-	key := s.prefix + ":{=}:" + checkPlan.Name
-	reply, err := s.script.Run(ctx, s.client, []string{key}, 1, checkPlan.Capacity, formatRate(checkPlan.Rate))
+	_, err := s.run(ctx, []string{s.prefix + ":{=}:" + checkPlan.Name}, 1, []Plan{checkPlan})
 	if err == nil {
-		var stack [4]TokenBucket
-		_, _, _, err = parseReply(stack[:0], reply, []Plan{checkPlan})
-		return err
+		return nil
 	}
 	if v, ok := s.version(ctx); ok && v < 5 {
 		return fmt.Errorf("%w: Redis %d is older than 5.0, which scripts that read TIME need", err, v)

@@ -81,8 +81,8 @@ func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
 	if store == nil {
 		return nil, fmt.Errorf("%w: nil store", ErrInvalidOption)
 	}
-	if s, ok := store.(*RedisStore); ok && s.err != nil {
-		return nil, s.err
+	if err := wiringError(store); err != nil {
+		return nil, err
 	}
 	if len(plans) == 0 {
 		return nil, fmt.Errorf("%w: no plans", ErrInvalidPlan)
@@ -110,6 +110,9 @@ func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
 	if c.policy < Fallback || c.policy > FailClosed {
 		return nil, fmt.Errorf("%w: unknown failure policy %d", ErrInvalidOption, c.policy)
 	}
+	if err := wiringError(c.fallback); err != nil {
+		return nil, fmt.Errorf("fallback store: %w", err)
+	}
 	l.policy, l.log = c.policy, c.log
 	l.debug = l.log.Enabled(context.Background(), slog.LevelDebug)
 	keys := defaultDenialCacheKeys
@@ -131,6 +134,16 @@ func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
 		}
 	}
 	return l, nil
+}
+
+// wiringError returns the mistake a store was built with, which it would
+// otherwise report on every call: a RedisStore with a nil client or a
+// braced key prefix.
+func wiringError(s Store) error {
+	if rs, ok := s.(*RedisStore); ok {
+		return rs.err
+	}
+	return nil
 }
 
 // now reads the Limiter's monotonic clock, in nanoseconds since New; the

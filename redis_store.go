@@ -74,9 +74,6 @@ func (s *RedisStore) ScriptLoads() int64 {
 
 // Take implements Store.
 func (s *RedisStore) Take(ctx context.Context, key string, cost int64, plans []Plan) (Result, error) {
-	if s.err != nil {
-		return Result{}, s.err
-	}
 	if err := checkTake(key, cost, plans); err != nil {
 		return Result{}, err
 	}
@@ -89,10 +86,17 @@ func (s *RedisStore) take(ctx context.Context, key string, cost int64, plans []P
 		return Result{}, s.err
 	}
 	keys := make([]string, len(plans))
+	for i, p := range plans {
+		keys[i] = s.Key(key, p.Name)
+	}
+	return s.run(ctx, keys, cost, plans)
+}
+
+// run runs the script on the buckets at keys, one per plan.
+func (s *RedisStore) run(ctx context.Context, keys []string, cost int64, plans []Plan) (Result, error) {
 	args := make([]any, 1+2*len(plans))
 	args[0] = cost
 	for i, p := range plans {
-		keys[i] = s.Key(key, p.Name)
 		args[1+2*i] = p.Capacity
 		args[2+2*i] = formatRate(p.Rate)
 	}

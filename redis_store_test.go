@@ -180,6 +180,15 @@ func TestRedisStoreBadOptions(t *testing.T) {
 	_, err = s.Take(ctx, "k", 1, []Plan{gold})
 	assert.ErrorIs(t, err, ErrInvalidOption)
 	assert.ErrorIs(t, s.Reset(ctx, "k", []Plan{gold}), ErrInvalidOption)
+
+	// Given to a Limiter, as its store or its fallback, the mistake fails
+	// New: at startup, not on every request.
+	for _, bad := range []*RedisStore{NewRedisStore(nil), s} {
+		_, err = New(bad, testPlans)
+		assert.ErrorIs(t, err, ErrInvalidOption)
+		_, err = New(NewMemoryStore(), testPlans, WithFallback(bad))
+		assert.ErrorIs(t, err, ErrInvalidOption)
+	}
 }
 
 func TestParseReply(t *testing.T) {

@@ -184,7 +184,7 @@ func (l *Limiter) Stats() Stats {
 	s := Stats{
 		Plans:         make([]PlanStats, len(l.plans)),
 		StoreLatency:  make([]uint64, len(latencyBounds)+1),
-		LatencyBounds: latencyBounds[:],
+		LatencyBounds: append([]time.Duration(nil), latencyBounds[:]...), // the caller's to change
 		StoreErrors:   make(map[string]uint64),
 		Outage:        l.outage.active(),
 	}

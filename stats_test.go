@@ -108,6 +108,8 @@ func TestStatsOfMemoryStore(t *testing.T) {
 	assert.Equal(t, uint64(1), s.Plans[0].Allowed[SourceStore])
 	assert.Zero(t, s.StoreCalls, "a MemoryStore cannot fail and is not timed")
 	assert.Equal(t, breaker.Closed, s.Breaker)
+	s.LatencyBounds[0] = time.Hour // the snapshot is the caller's
+	assert.Equal(t, 50*time.Microsecond, l.Stats().LatencyBounds[0])
 }
 
 func TestStatsDoNotSlowDecisionsDown(t *testing.T) {
