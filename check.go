@@ -4,11 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"strconv"
 	"strings"
-
-	"github.com/tollgate-go/tollgate/internal/redisscript"
 )
 
 // Check makes one real decision through the store, on a key reserved for
@@ -79,35 +76,33 @@ func (s *RedisStore) version(ctx context.Context) (int, bool) {
 	return 0, false
 }
 
-// checkCause names, for an operator, what a failed Check says.
+// checkCause names, for an operator, what a failed Check says. It reads
+// the class Stats counts the failure under.
 func checkCause(err error) string {
-	var rerr *redisscript.Error
-	var nerr net.Error
-	switch {
-	case errors.Is(err, ErrInvalidOption):
+	if errors.Is(err, ErrInvalidOption) {
 		return "the store is misconfigured"
-	case errors.As(err, &rerr):
-		switch rerr.Class {
-		case "NOAUTH", "WRONGPASS":
-			return "Redis refused the credentials: check the client's Username and Password"
-		case "NOPERM":
-			return "the ACL user may not run a command the script needs (EVALSHA, EVAL, TIME, HMGET, HSET, PEXPIRE, DEL) on the key prefix"
-		case "CLUSTERDOWN", "MASTERDOWN":
-			return "the Redis Cluster or its master is down"
-		case "READONLY":
-			return "the client is connected to a read-only replica"
-		case "OOM":
-			return "Redis is out of memory under a noeviction policy"
-		case "LOADING", "BUSY":
-			return "Redis is busy loading or running a script"
-		case "ERR":
-			return "Redis rejected the script (EVALSHA or EVAL disabled or renamed, scripting off, or a server too old)"
-		}
-		return "Redis answered with an error"
-	case errors.Is(err, ErrBadReply):
-		return "the script's reply had the wrong shape (a proxy or a server that is not Redis?)"
-	case errors.As(err, &nerr):
-		return "cannot reach Redis"
 	}
-	return "the store failed"
+	switch errorClass(err) {
+	case "NOAUTH", "WRONGPASS":
+		return "Redis refused the credentials: check the client's Username and Password"
+	case "NOPERM":
+		return "the ACL user may not run a command the script needs (EVALSHA, EVAL, TIME, HMGET, HSET, PEXPIRE, DEL) on the key prefix"
+	case "CLUSTERDOWN", "MASTERDOWN":
+		return "the Redis Cluster or its master is down"
+	case "READONLY":
+		return "the client is connected to a read-only replica"
+	case "OOM":
+		return "Redis is out of memory under a noeviction policy"
+	case "LOADING", "BUSY":
+		return "Redis is busy loading or running a script"
+	case "ERR":
+		return "Redis rejected the script (EVALSHA or EVAL disabled or renamed, scripting off, or a server too old)"
+	case "bad-reply":
+		return "the script's reply had the wrong shape (a proxy or a server that is not Redis?)"
+	case "network", "timeout":
+		return "cannot reach Redis"
+	case "canceled", "other":
+		return "the store failed"
+	}
+	return "Redis answered with an error"
 }
