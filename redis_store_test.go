@@ -1080,10 +1080,15 @@ func TestPartialOutagesOnRealRedis(t *testing.T) {
 	oom := redistest.StartServer(t, "--maxmemory", "2mb", "--maxmemory-policy", "noeviction")
 	fill := oom.Client(t)
 	ctx := context.Background()
-	for i := 0; ; i++ {
-		if err := fill.Set(ctx, fmt.Sprint("ballast-", i), strings.Repeat("x", 64<<10), 0).Err(); err != nil {
+	// Fill in large values, then small ones, until even a small one is
+	// refused after a pause: Redis frees a large query buffer some time
+	// after the command that failed, which can bring it back under its
+	// limit for a while.
+	for i, size, oom := 0, 64<<10, 0; oom < 3; i++ {
+		if err := fill.Set(ctx, fmt.Sprint("ballast-", i), strings.Repeat("x", size), 0).Err(); err != nil {
 			require.True(t, strings.HasPrefix(err.Error(), "OOM"), "filling: %v", err)
-			break
+			size, oom = 64, oom+1
+			time.Sleep(50 * time.Millisecond)
 		}
 	}
 	master := redistest.StartServer(t)
