@@ -10,7 +10,7 @@ const microTokens = 1_000_000
 // TokenBucket is the state of one plan's bucket and the arithmetic that
 // refills and drains it. It does no I/O and reads no clock: every method
 // takes the time, in microseconds since the Unix epoch (the unit of Redis
-// TIME). MemoryStore applies it under a lock; scripts/token_bucket.lua
+// TIME). MemoryStore applies it under a lock; scripts/limit.lua
 // repeats the same arithmetic inside Redis, and a test keeps the two equal.
 //
 // A TokenBucket is a value; methods return a new state and never modify
@@ -78,16 +78,13 @@ func (b TokenBucket) Take(p Plan, now, cost int64) (TokenBucket, bool) {
 	return one[0], ok
 }
 
-// takeAll is Take for chained plans, all or nothing: it refills every
-// bucket to now, and takes cost tokens from each only if each holds them.
+// takeAll is Take for chained bucket plans, all or nothing: it refills
+// every bucket to now, and takes cost tokens from each only if each holds
+// them.
 // buckets[i] is the bucket of plans[i] and is updated in place.
 func takeAll(plans []Plan, buckets []TokenBucket, now, cost int64) bool {
 	need := cost * microTokens
-	ok := true
-	for i := range plans {
-		buckets[i] = buckets[i].Refill(plans[i], now)
-		ok = ok && buckets[i].Tokens >= need
-	}
+	ok := chain(plans, buckets, nil, nil, now, cost, 0)
 	if ok {
 		for i := range buckets {
 			buckets[i].Tokens -= need

@@ -23,7 +23,9 @@ func (l *Limiter) decide(ctx context.Context, r *Result, key string, cost, minCo
 	if err != nil {
 		return err
 	}
-	cache := l.denials != nil && cost > 0
+	// Suppressed plans write on every request, so a remembered denial
+	// would not be the store's answer.
+	cache := l.denials != nil && cost > 0 && !suppressedIn(plans)
 	var pk string   // the denial cache's name for plans
 	var asked int64 // when the store was asked, on the Limiter's clock, which the cache shares
 	if cache {

@@ -34,7 +34,8 @@ type MemoryStore struct {
 
 	epoch      time.Time // monotonic clock base
 	epochMicro int64
-	fakeNow    func() int64 // replaces the clock in tests
+	fakeNow    func() int64  // replaces the clock in tests
+	random     func() uint64 // draws for suppressed plans; tests replace it
 }
 
 type memShard struct {
@@ -43,52 +44,99 @@ type memShard struct {
 	_    [48]byte // keeps neighbouring shard locks off one cache line
 }
 
-// memEntry holds the buckets of one key, one per plan it was charged to.
+// memEntry holds the buckets and windows of one key, one per plan it was
+// charged to.
 type memEntry struct {
 	buckets []memBucket
 	seen    int64 // µs: the last decision on the key, denials and reads included
 }
 
+// memBucket is the state of one plan: its bucket, or its window when the
+// plan is a window plan.
 type memBucket struct {
 	plan Plan
 	TokenBucket
+	win *window
 }
 
-// bucket returns the stored bucket of plan p, or a full one at now if
-// there is none. e may be nil: a key without buckets.
-func (e *memEntry) bucket(p Plan, now int64) TokenBucket {
+// find returns the stored state of plan p's name, or nil. e may be nil: a
+// key without state.
+func (e *memEntry) find(p Plan) *memBucket {
 	if e != nil {
 		for i := range e.buckets {
 			if e.buckets[i].plan.Name == p.Name {
-				return e.buckets[i].TokenBucket
+				return &e.buckets[i]
 			}
 		}
+	}
+	return nil
+}
+
+// bucket returns the stored bucket of plan p, or a full one at now if
+// there is none.
+func (e *memEntry) bucket(p Plan, now int64) TokenBucket {
+	if b := e.find(p); b != nil && b.win == nil {
+		return b.TokenBucket
 	}
 	return fullBucket(p, now)
 }
 
-// store sets the bucket of plan p.
-func (e *memEntry) store(p Plan, b TokenBucket) {
-	for i := range e.buckets {
-		switch eb := &e.buckets[i]; {
-		case eb.plan.Name != p.Name:
-		case eb.plan.Capacity != p.Capacity || eb.plan.Rate != p.Rate:
-			// Another Limiter with other plans of that name shares the store.
-			*eb = memBucket{p, b}
-			return
-		default: // no pointer written, no write barrier
-			eb.TokenBucket = b
-			return
-		}
+// window returns the stored window of plan p, or nil, which counts
+// nothing, if there is none or it was kept for a plan of another shape:
+// Redis reads such a window as foreign, and so does the store.
+func (e *memEntry) window(p Plan) *window {
+	if b := e.find(p); b != nil && b.win != nil && sameShape(b.plan, p) {
+		return b.win
 	}
-	e.buckets = append(e.buckets, memBucket{p, b})
+	return nil
 }
 
-// fullAt returns when every bucket of the entry is full again.
+// sameShape reports whether window plans a and b count in the same
+// sub-windows, so that one may read the other's window.
+func sameShape(a, b Plan) bool {
+	return a.width() == b.width() && a.slots() == b.slots() && (a.Suppress != 0) == (b.Suppress != 0)
+}
+
+// store sets the bucket of plan p.
+func (e *memEntry) store(p Plan, b TokenBucket) {
+	eb := e.find(p)
+	switch {
+	case eb == nil:
+		e.buckets = append(e.buckets, memBucket{plan: p, TokenBucket: b})
+	case eb.plan != p:
+		// Another Limiter with other plans of that name shares the store.
+		*eb = memBucket{plan: p, TokenBucket: b}
+	default: // no pointer written, no write barrier
+		eb.TokenBucket = b
+	}
+}
+
+// storeWindow returns plan p's window to write in, new if there is none
+// or it was kept for a plan of another shape.
+func (e *memEntry) storeWindow(p Plan) *window {
+	eb := e.find(p)
+	switch {
+	case eb == nil:
+		e.buckets = append(e.buckets, memBucket{plan: p, win: &window{}})
+		return e.buckets[len(e.buckets)-1].win
+	case eb.win == nil || !sameShape(eb.plan, p):
+		*eb = memBucket{plan: p, win: &window{}}
+	case eb.plan != p:
+		eb.plan = p
+	}
+	return eb.win
+}
+
+// fullAt returns when every bucket of the entry is full again, and every
+// window counts nothing.
 func (e *memEntry) fullAt(now int64) int64 {
 	at := int64(0)
 	for _, b := range e.buckets {
-		at = max(at, b.FullAt(b.plan, now))
+		if b.win != nil {
+			at = max(at, b.win.emptyAt(b.plan))
+		} else {
+			at = max(at, b.FullAt(b.plan, now))
+		}
 	}
 	return at
 }
@@ -120,7 +168,7 @@ const (
 
 // NewMemoryStore returns an empty MemoryStore.
 func NewMemoryStore(opts ...MemoryOption) *MemoryStore {
-	m := &MemoryStore{seed: maphash.MakeSeed(), epoch: time.Now()}
+	m := &MemoryStore{seed: maphash.MakeSeed(), epoch: time.Now(), random: random53}
 	m.epochMicro = m.epoch.UnixMicro()
 	for _, o := range opts {
 		o(m)
@@ -187,9 +235,17 @@ func (m *MemoryStore) Take(ctx context.Context, key string, cost int64, plans []
 // takeInto is Take for a request already checked, with its Result built
 // in *r.
 func (m *MemoryStore) takeInto(r *Result, key string, cost int64, plans []Plan) {
-	// A fixed array keeps a decision on up to four chained plans off the heap.
-	var buf [4]TokenBucket
-	buckets := buf[:0]
+	// Fixed arrays keep a decision on up to four chained plans off the heap.
+	var bbuf [4]TokenBucket
+	var wbuf [4]*window
+	var cbuf [4][2]int64
+	var sbuf [4]planState
+	buckets, windows, counts, states := bbuf[:0], wbuf[:0], cbuf[:0], sbuf[:0]
+	var u uint64
+	suppressed := suppressedIn(plans)
+	if suppressed {
+		u = m.random()
+	}
 
 	s := m.shard(key)
 	s.mu.Lock()
@@ -203,24 +259,53 @@ func (m *MemoryStore) takeInto(r *Result, key string, cost int64, plans []Plan) 
 	}
 	for _, p := range plans {
 		buckets = append(buckets, e.bucket(p, now))
+		windows = append(windows, e.window(p))
+		counts = append(counts, [2]int64{})
+		states = append(states, planState{})
 	}
-	allowed := takeAll(plans, buckets, now, cost)
-	if allowed && cost > 0 {
+	allowed := chain(plans, buckets, windows, counts, now, cost, u)
+	taken := allowed && cost > 0
+	if taken || suppressed && cost > 0 {
 		if e == nil {
 			e = &memEntry{buckets: make([]memBucket, 0, len(plans)), seen: now}
 			s.insert(strings.Clone(key), e, m.perCap, now)
 		}
 		for i, p := range plans {
-			e.store(p, buckets[i])
+			switch {
+			case p.isWindow() && (taken || p.Suppress != 0):
+				admitted := int64(0)
+				if taken {
+					admitted = cost
+				}
+				windows[i] = e.storeWindow(p)
+				windows[i].add(p, now, admitted, cost)
+			case !p.isWindow() && taken:
+				buckets[i].Tokens -= cost * microTokens
+				e.store(p, buckets[i])
+			}
 		}
-	} else {
-		// A denial or a read leaves the buckets as they were.
-		for i, p := range plans {
+	}
+	for i, p := range plans {
+		switch {
+		case p.isWindow():
+			// Windows change in place: they are described under the lock.
+			w, ready := windows[i], now
+			if !taken {
+				ready = w.readyAt(p, now, max(cost, 1))
+			}
+			states[i] = windowState(p, counts[i][0], counts[i][1], ready, w.resetAt(p, now), now, cost, allowed)
+		case !taken:
+			// A denial or a read leaves the buckets as they were.
 			buckets[i] = e.bucket(p, now)
 		}
 	}
 	s.mu.Unlock()
-	r.describe(plans, buckets, now, cost, allowed)
+	for i, p := range plans {
+		if !p.isWindow() {
+			states[i] = bucketState(p, buckets[i], now, cost, allowed)
+		}
+	}
+	r.describe(plans, states, cost, allowed)
 }
 
 // insert adds a key, dropping full keys it comes across and, at the bound,

@@ -18,18 +18,54 @@ const maxCapacity = (1 << 53) / microTokens
 // time.Duration and every TTL fits Redis.
 const MaxRefillPeriod = 100 * 365 * 24 * time.Hour
 
-// Plan is a named token bucket configuration. The zero value is not valid.
+// Default and largest Plan.Slots, and the shortest Plan.Window.
+const (
+	defaultSlots = 20
+	maxSlots     = 64 // 64 counts and 2 fields keep Redis's hash a listpack
+	minWindow    = time.Millisecond
+)
+
+// Plan is a named limit: a token bucket when Rate is set, a sliding window
+// when Window is set, never both. The zero value is not valid.
+//
+// A token bucket holds Capacity tokens and refills at Rate: it admits at
+// most Capacity + Rate × t in any span of t. A sliding window admits at
+// most Capacity in any span of Window, whatever its start: it counts in
+// Slots sub-windows and counts the oldest one in full until it lies wholly
+// outside the window, so it never admits early, and may refuse for up to
+// Window/Slots longer than an exact log would (ADR 16).
 type Plan struct {
 	// Name identifies the plan in calls and in Redis keys: 1 to 64 bytes
 	// of [A-Za-z0-9_.-].
 	Name string
-	// Capacity is the bucket size, the largest burst, in tokens: 1 to
-	// 9,007,199,254 (2^53 micro-tokens, the largest whole number a Lua
-	// number holds exactly).
+	// Capacity is the bucket size, the largest burst, in tokens; for a
+	// window plan, the most admitted in any Window: 1 to 9,007,199,254
+	// (2^53 micro-tokens, the largest whole number a Lua number holds
+	// exactly).
 	Capacity int64
-	// Rate is the refill rate in tokens per second: positive, finite, and
-	// at least Capacity / MaxRefillPeriod. Per converts "n per duration".
+	// Rate is the refill rate of a token bucket in tokens per second:
+	// positive, finite, and at least Capacity / MaxRefillPeriod. Per
+	// converts "n per duration". It must be 0 for a window plan.
 	Rate float64
+	// Window makes the plan a sliding window of this length: 1 ms to
+	// MaxRefillPeriod, counted in whole microseconds, rounded up. It must
+	// be 0 for a token bucket.
+	Window time.Duration
+	// Slots is the number of sub-windows a window plan counts in, 1 to
+	// 64; 0 means 20. A request may be refused for up to Window/Slots
+	// longer than the window (5% by default); memory per key grows with
+	// Slots (README). It must be 0 for a token bucket.
+	Slots int
+	// Suppress, when not 0, puts a window plan in suppressed mode (seed
+	// 003): Capacity becomes a soft limit, and Capacity × Suppress,
+	// rounded down, a hard one. Below the soft limit a request is
+	// admitted; past the hard limit it is refused; in between it is
+	// admitted with probability Capacity ÷ the load offered in the window,
+	// admitted or not, so that in steady overload about Capacity pass per
+	// window. It must be at least 1 (1.5 to 2 are usual), and 0 for a
+	// token bucket. Suppressed plans write on every request, refusals
+	// included, so the denial cache never answers for them.
+	Suppress float64
 }
 
 // Per returns the rate, in tokens per second, of n tokens every d. For
@@ -55,18 +91,67 @@ func (p Plan) validate() error {
 	return nil
 }
 
-// validateNumbers checks Capacity and Rate, the fields the arithmetic
-// depends on. Stores call it on every request, since they accept plans
-// from callers other than Limiter.
+// validateNumbers checks the fields the arithmetic depends on. Stores
+// call it on every request, since they accept plans from callers other
+// than Limiter.
 func (p Plan) validateNumbers() error {
 	if p.Capacity < 1 || p.Capacity > maxCapacity {
 		return fmt.Errorf("%w: capacity must be 1 to %d, got %d", ErrInvalidPlan, maxCapacity, p.Capacity)
 	}
+	if p.Window != 0 {
+		return p.validateWindow()
+	}
+	if p.Slots != 0 || p.Suppress != 0 {
+		return fmt.Errorf("%w: slots and suppress are for window plans, and the plan has no window", ErrInvalidPlan)
+	}
 	if !(p.Rate > 0) || math.IsInf(p.Rate, 0) { // also rejects NaN
-		return fmt.Errorf("%w: rate must be positive and finite, got %v", ErrInvalidPlan, p.Rate)
+		return fmt.Errorf("%w: rate must be positive and finite for a token bucket, got %v (or set Window for a sliding window)", ErrInvalidPlan, p.Rate)
 	}
 	if float64(p.Capacity) > p.Rate*MaxRefillPeriod.Seconds() {
 		return fmt.Errorf("%w: capacity/rate is %.3g s, longer than MaxRefillPeriod", ErrInvalidPlan, float64(p.Capacity)/p.Rate)
 	}
 	return nil
+}
+
+// validateWindow checks the fields of a window plan.
+func (p Plan) validateWindow() error {
+	switch {
+	case p.Rate != 0:
+		return fmt.Errorf("%w: both rate and window are set: a rate makes a token bucket, a window a sliding window", ErrInvalidPlan)
+	case p.Window < minWindow || p.Window > MaxRefillPeriod:
+		return fmt.Errorf("%w: window must be 1ms to MaxRefillPeriod, got %v", ErrInvalidPlan, p.Window)
+	case p.Slots < 0 || p.Slots > maxSlots:
+		return fmt.Errorf("%w: slots must be 0 (for %d) to %d, got %d", ErrInvalidPlan, defaultSlots, maxSlots, p.Slots)
+	case p.Suppress != 0 && !(p.Suppress >= 1) || math.IsInf(p.Suppress, 0): // also rejects NaN
+		return fmt.Errorf("%w: suppress must be 0 or at least 1, got %v", ErrInvalidPlan, p.Suppress)
+	case float64(p.Capacity)*p.Suppress > maxCapacity:
+		return fmt.Errorf("%w: the hard limit capacity × suppress exceeds %d", ErrInvalidPlan, maxCapacity)
+	}
+	return nil
+}
+
+// isWindow reports whether p is a sliding window rather than a bucket.
+func (p Plan) isWindow() bool { return p.Window != 0 }
+
+// slots returns k, the number of sub-windows of a window plan.
+func (p Plan) slots() int64 {
+	if p.Slots == 0 {
+		return defaultSlots
+	}
+	return int64(p.Slots)
+}
+
+// width returns the length of one sub-window of a window plan, in µs: the
+// window rounded up to whole µs, divided by k, rounded up, so that k
+// sub-windows span at least the window.
+func (p Plan) width() int64 {
+	w := (p.Window + time.Microsecond - 1) / time.Microsecond
+	k := p.slots()
+	return (int64(w) + k - 1) / k
+}
+
+// hardLimit returns the hard limit of a suppressed plan, in tokens: the
+// most it admits in any window.
+func (p Plan) hardLimit() int64 {
+	return int64(math.Floor(float64(p.Capacity) * p.Suppress))
 }

@@ -36,6 +36,7 @@ type RedisStore struct {
 	prefix string
 	err    error // a wiring mistake: New reports it, and so does every call
 	script *redisscript.Script
+	random func() uint64 // draws for suppressed plans; tests replace it
 }
 
 // RedisOption configures a RedisStore.
@@ -53,7 +54,7 @@ func WithKeyPrefix(prefix string) RedisOption {
 // when the store is given to a Limiter, so that it shows at startup, and
 // by every call of a store used on its own.
 func NewRedisStore(client redis.UniversalClient, opts ...RedisOption) *RedisStore {
-	s := &RedisStore{client: client, prefix: defaultKeyPrefix, script: redisscript.New(scripts.TokenBucket)}
+	s := &RedisStore{client: client, prefix: defaultKeyPrefix, script: redisscript.New(scripts.Limit), random: random53}
 	for _, o := range opts {
 		o(s)
 	}
@@ -92,24 +93,35 @@ func (s *RedisStore) take(ctx context.Context, key string, cost int64, plans []P
 	return s.run(ctx, keys, cost, plans)
 }
 
-// run runs the script on the buckets at keys, one per plan.
+// run runs the script on the state at keys, one key per plan.
 func (s *RedisStore) run(ctx context.Context, keys []string, cost int64, plans []Plan) (Result, error) {
-	args := make([]any, 1+2*len(plans))
-	args[0] = cost
+	args := make([]any, 2+4*len(plans))
+	args[0], args[1] = cost, 0
+	if suppressedIn(plans) {
+		args[1] = s.random()
+	}
 	for i, p := range plans {
-		args[1+2*i] = p.Capacity
-		args[2+2*i] = formatRate(p.Rate)
+		a := args[2+4*i : 6+4*i]
+		if p.isWindow() {
+			hard := int64(0)
+			if p.Suppress != 0 {
+				hard = p.hardLimit()
+			}
+			a[0], a[1], a[2], a[3] = p.Capacity, p.width(), p.slots(), hard
+		} else {
+			a[0], a[1], a[2], a[3] = p.Capacity, formatRate(p.Rate), 0, 0
+		}
 	}
 	reply, err := s.script.Run(ctx, s.client, keys, args...)
 	if err != nil {
 		return Result{}, err
 	}
-	var stack [4]TokenBucket // up to four plans without allocating
-	allowed, now, buckets, err := parseReply(stack[:0], reply, plans)
+	var stack [4]planState // up to four plans without allocating
+	allowed, _, states, err := parseReply(stack[:0], reply, plans, cost)
 	if err != nil {
 		return Result{}, err
 	}
-	return newResult(plans, buckets, now, cost, allowed), nil
+	return newResult(plans, states, cost, allowed), nil
 }
 
 // formatRate writes a rate as the shortest decimal that parses back to it
@@ -119,25 +131,54 @@ func formatRate(rate float64) string {
 	return strconv.FormatFloat(rate, 'f', -1, 64)
 }
 
-// parseReply checks the shape of the script's reply instead of trusting it:
-// {allowed, now, tokens_1, stamp_1, ...}, all integers, with tokens and
-// stamps that Lua's doubles hold exactly, and appends the buckets to dst.
-// The buckets are as stored; a stamp after now (Redis TIME stepped back)
-// or tokens above a capacity that shrank are for Refill to judge, as the
-// next decision will.
-func parseReply(dst []TokenBucket, reply any, plans []Plan) (allowed bool, now int64, buckets []TokenBucket, err error) {
-	var stack [2 + 2*4]int64
-	vals, err := redisscript.Ints(stack[:0], reply, 2+2*len(plans))
+// replyLen returns the length of the script's reply for plans: two
+// integers, then two per bucket and four per window.
+func replyLen(plans []Plan) int {
+	n := 2
+	for _, p := range plans {
+		n += 2
+		if p.isWindow() {
+			n += 2
+		}
+	}
+	return n
+}
+
+// maxWait bounds every wait a reply may tell, in µs: no plan's bucket
+// fills, nor its window empties, in longer.
+var maxWait = 2 * MaxRefillPeriod.Microseconds()
+
+// parseReply checks the shape of the script's reply instead of trusting it
+// (see scripts/limit.lua): all integers, with counts, tokens and stamps
+// that Lua's doubles hold exactly, and waits no plan could tell. It
+// appends the state of each plan to dst. Bucket states are as stored; a
+// stamp after now (Redis TIME stepped back) or tokens above a capacity
+// that shrank are for Refill to judge, as the next decision will.
+func parseReply(dst []planState, reply any, plans []Plan, cost int64) (allowed bool, now int64, states []planState, err error) {
+	var stack [2 + 4*4]int64
+	vals, err := redisscript.Ints(stack[:0], reply, replyLen(plans))
 	if err != nil {
 		return false, 0, nil, err
 	}
 	if vals[0] > 1 {
 		return false, 0, nil, fmt.Errorf("%w: allowed flag is %d", ErrBadReply, vals[0])
 	}
-	for i := range plans {
-		dst = append(dst, TokenBucket{Tokens: vals[2+2*i], Stamp: vals[3+2*i]})
+	allowed, now = vals[0] == 1, vals[1]
+	vals = vals[2:]
+	for _, p := range plans {
+		if !p.isWindow() {
+			dst = append(dst, bucketState(p, TokenBucket{Tokens: vals[0], Stamp: vals[1]}, now, cost, allowed))
+			vals = vals[2:]
+			continue
+		}
+		admitted, offered, ready, reset := vals[0], vals[1], vals[2], vals[3]
+		if ready < now || reset < now || ready-now > maxWait || reset-now > maxWait {
+			return false, 0, nil, fmt.Errorf("%w: a window's wait is out of range", ErrBadReply)
+		}
+		dst = append(dst, windowState(p, admitted, offered, ready, reset, now, cost, allowed))
+		vals = vals[4:]
 	}
-	return vals[0] == 1, vals[1], dst, nil
+	return allowed, now, dst, nil
 }
 
 // Reset implements Store: it deletes the buckets, which then read as full.

@@ -213,9 +213,32 @@ func TestParseReply(t *testing.T) {
 		{"tokens past what Lua holds exactly", []any{int64(1), t0, int64(1<<53 + 1), t0}, false},
 		{"tokens above a capacity that shrank are Refill's to clamp", []any{int64(1), t0, int64(4_000_001), t0}, true},
 	}
+	win := Plan{Name: "w", Capacity: 5, Window: time.Second}
+	windowTests := []struct {
+		name  string
+		reply any
+		ok    bool
+	}{
+		{"window", []any{int64(0), t0, int64(5), int64(0), t0 + 50_000, t0 + 1_000_000}, true},
+		{"window short", []any{int64(0), t0, int64(5), int64(0), t0}, false},
+		{"window ready before now", []any{int64(0), t0, int64(5), int64(0), t0 - 1, t0}, false},
+		{"window reset before now", []any{int64(0), t0, int64(5), int64(0), t0, t0 - 1}, false},
+		{"window wait too long", []any{int64(0), t0, int64(5), int64(0), t0 + maxWait + 1, t0}, false},
+		{"window negative count", []any{int64(0), t0, int64(-1), int64(0), t0, t0}, false},
+	}
+	for _, tt := range windowTests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, _, _, err := parseReply(nil, tt.reply, []Plan{win}, 1)
+			if tt.ok {
+				assert.NoError(t, err)
+			} else {
+				assert.ErrorIs(t, err, ErrBadReply)
+			}
+		})
+	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			_, _, _, err := parseReply(nil, tt.reply, plans)
+			_, _, _, err := parseReply(nil, tt.reply, plans, 1)
 			if tt.ok {
 				assert.NoError(t, err)
 			} else {
@@ -284,7 +307,7 @@ func TestRedisStoreAutoPipelines(t *testing.T) {
 	mr := miniredis.RunT(t)
 	c := redis.NewClient(&redis.Options{Addr: mr.Addr()})
 	t.Cleanup(func() { _ = c.Close() })
-	require.NoError(t, c.ScriptLoad(ctx, scripts.TokenBucket).Err()) // no NOSCRIPT, and no EVAL
+	require.NoError(t, c.ScriptLoad(ctx, scripts.Limit).Err()) // no NOSCRIPT, and no EVAL
 	var h scriptCounter
 	c.AddHook(&h)
 	ap, err := c.AutoPipeline()
@@ -316,7 +339,7 @@ type replyReader struct{ b []byte }
 // plan's capacity.
 func wellFormed(reply any, plans []Plan) bool {
 	arr, ok := reply.([]any)
-	if !ok || len(arr) != 2+2*len(plans) {
+	if !ok || len(arr) != replyLen(plans) {
 		return false
 	}
 	for _, v := range arr {
@@ -328,6 +351,19 @@ func wellFormed(reply any, plans []Plan) bool {
 		if x := v.(int64); x < 0 || x > 1<<53 {
 			return false // beyond what Lua's doubles hold exactly
 		}
+	}
+	now, vals := arr[1].(int64), arr[2:]
+	for _, p := range plans {
+		if !p.isWindow() {
+			vals = vals[2:]
+			continue
+		}
+		for _, at := range vals[2:4] { // ready and reset
+			if at := at.(int64); at < now || at-now > maxWait {
+				return false
+			}
+		}
+		vals = vals[4:]
 	}
 	return arr[0].(int64) <= 1 // the allowed flag
 }
@@ -349,13 +385,19 @@ func FuzzParseReply(f *testing.F) {
 		r := &replyReader{b: data}
 		plans := make([]Plan, 1+r.byte()%4)
 		for i := range plans {
-			plans[i] = Plan{Name: "p", Capacity: 1 + int64(r.byte())*int64(r.byte())}
-			if r.byte()%8 == 0 {
+			plans[i] = Plan{Name: "p", Capacity: 1 + int64(r.byte())*int64(r.byte()), Rate: 1}
+			switch r.byte() % 8 {
+			case 0:
 				plans[i].Capacity = maxCapacity
+			case 1:
+				plans[i].Rate, plans[i].Window = 0, time.Minute
+			case 2:
+				plans[i].Rate, plans[i].Window, plans[i].Suppress = 0, time.Minute, 1.5
 			}
 		}
+		cost := int64(r.byte() % 3)
 		reply := r.value(plans, 0)
-		allowed, now, buckets, err := parseReply(nil, reply, plans)
+		allowed, now, states, err := parseReply(nil, reply, plans, cost)
 		if !wellFormed(reply, plans) {
 			if !errors.Is(err, ErrBadReply) {
 				t.Fatalf("reply %#v for %d plans: err %v, want ErrBadReply", reply, len(plans), err)
@@ -366,12 +408,21 @@ func FuzzParseReply(f *testing.F) {
 			t.Fatalf("well-formed reply %#v rejected: %v", reply, err)
 		}
 		arr := reply.([]any)
-		if allowed != (arr[0] == int64(1)) || now != arr[1] || len(buckets) != len(plans) {
-			t.Fatalf("reply %#v parsed as %v, %d, %v", reply, allowed, now, buckets)
+		if allowed != (arr[0] == int64(1)) || now != arr[1] || len(states) != len(plans) {
+			t.Fatalf("reply %#v parsed as %v, %d, %v", reply, allowed, now, states)
 		}
-		for i, b := range buckets {
-			if b.Tokens != arr[2+2*i] || b.Stamp != arr[3+2*i] {
-				t.Fatalf("reply %#v: bucket %d parsed as %+v", reply, i, b)
+		vals := arr[2:]
+		for i, p := range plans {
+			var want planState
+			if p.isWindow() {
+				want = windowState(p, vals[0].(int64), vals[1].(int64), vals[2].(int64), vals[3].(int64), now, cost, allowed)
+				vals = vals[4:]
+			} else {
+				want = bucketState(p, TokenBucket{Tokens: vals[0].(int64), Stamp: vals[1].(int64)}, now, cost, allowed)
+				vals = vals[2:]
+			}
+			if states[i] != want {
+				t.Fatalf("reply %#v: plan %d parsed as %+v, want %+v", reply, i, states[i], want)
 			}
 		}
 	})
@@ -427,7 +478,7 @@ func (r *replyReader) value(plans []Plan, depth int) any {
 	case 4, 5:
 		n := int(r.byte() % 8)
 		if tag%11 == 5 {
-			n = 2 + 2*len(plans) // the right length, maybe the wrong contents
+			n = replyLen(plans) // the right length, maybe the wrong contents
 		}
 		if depth > 3 {
 			n = 0
@@ -446,9 +497,14 @@ func (r *replyReader) value(plans []Plan, depth int) any {
 	case 9:
 		return r.byte()%2 == 0
 	}
-	// The script's shape: {allowed, now, tokens_1, stamp_1, ...}.
+	// The script's shape: {allowed, now, then tokens, stamp per bucket,
+	// and admitted, offered, ready, reset per window}.
 	arr := []any{r.near(1), r.near(t0)}
 	for _, p := range plans {
+		if p.isWindow() {
+			arr = append(arr, r.near(p.Capacity), r.near(p.Capacity), r.near(t0+maxWait), r.near(t0+maxWait))
+			continue
+		}
 		arr = append(arr, r.near(p.Capacity*microTokens), r.near(t0))
 	}
 	return arr
@@ -462,6 +518,18 @@ var agreementPlans = []Plan{
 	{Name: "odd", Capacity: 17, Rate: 7.77},
 	{Name: "daily", Capacity: 1000, Rate: Per(1000, 24*time.Hour)},
 	{Name: "fast", Capacity: 100_000, Rate: 123_456.789},
+	// Window plans: the default slots, one slot, uneven sub-windows,
+	// suppressed, and sub-windows so narrow that their numbers pass 10^14.
+	{Name: "win", Capacity: 5, Window: time.Second},
+	{Name: "win1", Capacity: 3, Window: 10 * time.Second, Slots: 1},
+	{Name: "oddwin", Capacity: 17, Window: 777 * time.Millisecond, Slots: 7},
+	{Name: "sup", Capacity: 4, Window: 2 * time.Second, Slots: 10, Suppress: 2},
+	{Name: "fine", Capacity: 10, Window: time.Millisecond, Slots: 64},
+}
+
+// bucketPlans returns the bucket plans of plans.
+func bucketPlans(plans []Plan) []Plan {
+	return slices.DeleteFunc(slices.Clone(plans), Plan.isWindow)
 }
 
 type agreementStep struct {
@@ -521,6 +589,8 @@ func runAgreement(t *testing.T, steps []agreementOp) {
 	// the clock back too. Giving each key a shard of its own keeps inserting
 	// one key from sweeping another.
 	keys := keysInOwnShards(ms, steps)
+	// Both stores draw the same numbers for suppressed plans.
+	rs.random, ms.random = sameDraws(), sameDraws()
 	pure := map[string]TokenBucket{} // by key and plan name
 	for i, s := range steps {
 		now += s.advance
@@ -541,30 +611,102 @@ func runAgreement(t *testing.T, steps []agreementOp) {
 		require.NoError(t, err, "step %d", i)
 		assert.Equal(t, want, got, "step %d: Lua and MemoryStore disagree", i)
 
-		buckets := make([]TokenBucket, len(s.plans))
-		for j, p := range s.plans {
+		// The pure model: TokenBucket for the bucket plans; a chain with
+		// windows takes from its buckets exactly when the stores allowed.
+		var bplans []Plan
+		var buckets []TokenBucket
+		for _, p := range s.plans {
+			if p.isWindow() {
+				continue
+			}
 			b, ok := pure[key+"/"+p.Name]
 			if !ok {
 				b = fullBucket(p, now)
 			}
-			buckets[j] = b
+			bplans, buckets = append(bplans, p), append(buckets, b)
 		}
 		stored := slices.Clone(buckets) // what a denial or a read leaves
-		allowed := takeAll(s.plans, buckets, now, s.cost)
-		if allowed && s.cost > 0 {
-			stored = buckets
+		allowed := takeAll(bplans, buckets, now, s.cost)
+		if len(bplans) == len(s.plans) {
+			if allowed && s.cost > 0 {
+				stored = buckets
+			}
+			states := make([]planState, len(s.plans))
+			for j, p := range s.plans {
+				states[j] = bucketState(p, stored[j], now, s.cost, allowed)
+			}
+			assert.Equal(t, newResult(s.plans, states, s.cost, allowed), got, "step %d: Lua and TokenBucket disagree", i)
+		} else if got.Allowed && s.cost > 0 {
+			assert.True(t, allowed, "step %d: allowed, though a bucket lacks the tokens", i)
 		}
-		assert.Equal(t, newResult(s.plans, stored, now, s.cost, allowed), got, "step %d: Lua and TokenBucket disagree", i)
-		if !allowed || s.cost == 0 {
-			continue // nothing is written
+		for _, p := range s.plans {
+			if p.isWindow() {
+				assertSameWindow(t, rs, ms, key, p, now, "step %d plan %s", i, p.Name)
+			}
 		}
-		for j, p := range s.plans {
+		if !got.Allowed || s.cost == 0 {
+			continue // no bucket is written
+		}
+		for j, p := range bplans {
 			pure[key+"/"+p.Name] = buckets[j]
 			rk := rs.Key(key, p.Name)
 			assert.Equal(t, strconv.FormatInt(buckets[j].Tokens, 10), mr.HGet(rk, "t"), "step %d plan %s: tokens", i, p.Name)
 			assert.Equal(t, strconv.FormatInt(buckets[j].Stamp, 10), mr.HGet(rk, "ts"), "step %d plan %s: stamp", i, p.Name)
 		}
 	}
+}
+
+// assertSameWindow checks that the window of plan p for key holds the
+// same counts, digit for digit, in Redis (rs, on miniredis) and in ms:
+// every count that still counts at now.
+func assertSameWindow(t *testing.T, rs *RedisStore, ms *MemoryStore, key string, p Plan, now int64, msgAndArgs ...any) {
+	t.Helper()
+	fields, err := rs.client.HGetAll(context.Background(), rs.Key(key, p.Name)).Result()
+	require.NoError(t, err)
+	inRedis := map[string]string{}
+	first := now/p.width() - p.slots()
+	newest := int64(math.MinInt64)
+	for f, v := range fields {
+		x, err := strconv.ParseInt(strings.TrimPrefix(f, "o"), 10, 64)
+		if f != "v" && (err != nil || x >= first) && v != "0" {
+			inRedis[f] = v
+			newest = max(newest, x)
+		}
+	}
+	if newest > first+2*p.slots() {
+		clear(inRedis) // a window ahead of the clock: garbage, read as empty
+	}
+	inMemory := map[string]string{}
+	s := ms.shard(key)
+	s.mu.Lock()
+	w := s.keys[key].window(p)
+	lo, hi := w.span(p, now)
+	for i := lo; i <= hi; i++ {
+		n := int64(len(w.admitted))
+		if c := w.admitted[i%n]; c != 0 {
+			inMemory[strconv.FormatInt(i, 10)] = strconv.FormatInt(c, 10)
+		}
+		if w.offered != nil && w.offered[i%n] != 0 {
+			inMemory["o"+strconv.FormatInt(i, 10)] = strconv.FormatInt(w.offered[i%n], 10)
+		}
+	}
+	s.mu.Unlock()
+	if len(inMemory) > 0 {
+		shape := "w"
+		if p.Suppress != 0 {
+			shape = "s"
+		}
+		inMemory["v"] = fmt.Sprintf("%s%d/%d", shape, p.width(), p.slots())
+		inRedis["v"] = fields["v"]
+	}
+	assert.Equal(t, inMemory, inRedis, msgAndArgs...)
+}
+
+// sameDraws returns a source of the random numbers of suppressed plans
+// that gives the same sequence each time it is made.
+func sameDraws() func() uint64 {
+	rng := rand.New(rand.NewPCG(3, 5))
+	return func() uint64 { return rng.Uint64() >> 11 }
 }
 
 // keysInOwnShards names the keys the steps use, each in a shard of m's
@@ -705,7 +847,7 @@ func TestLuaAgreesWithGoOnRealRedis(t *testing.T) {
 	ctx := context.Background()
 	s := NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix()))
 	rng := rand.New(rand.NewPCG(7, 7))
-	plans := append(slices.Clone(agreementPlans), extremeRates...)
+	plans := append(bucketPlans(agreementPlans), extremeRates...)
 	for i := 0; i < 500; i++ {
 		p := plans[rng.IntN(len(plans))]
 		key := s.Key("user", p.Name)
@@ -717,10 +859,10 @@ func TestLuaAgreesWithGoOnRealRedis(t *testing.T) {
 		require.NoError(t, c.HSet(ctx, key, "t", planted.Tokens, "ts", planted.Stamp, "v", 1).Err())
 		cost := rng.Int64N(min(p.Capacity, 5) + 1)
 		keys := []string{key}
-		args := []any{cost, p.Capacity, formatRate(p.Rate)}
-		reply, err := c.Eval(ctx, scripts.TokenBucket, keys, args...).Result()
+		args := []any{cost, 0, p.Capacity, formatRate(p.Rate), 0, 0}
+		reply, err := c.Eval(ctx, scripts.Limit, keys, args...).Result()
 		require.NoError(t, err)
-		allowed, now, got, err := parseReply(nil, reply, []Plan{p})
+		allowed, now, got, err := parseReply(nil, reply, []Plan{p}, cost)
 		require.NoError(t, err)
 		want := []TokenBucket{planted}
 		wantAllowed := takeAll([]Plan{p}, want, now, cost)
@@ -729,7 +871,7 @@ func TestLuaAgreesWithGoOnRealRedis(t *testing.T) {
 		if allowed && cost > 0 {
 			written = want[0]
 		}
-		assert.Equal(t, []TokenBucket{written}, got, "case %d: planted %+v, cost %d, plan %+v", i, planted, cost, p)
+		assert.Equal(t, []planState{bucketState(p, written, now, cost, allowed)}, got, "case %d: planted %+v, cost %d, plan %+v", i, planted, cost, p)
 		stored, err := c.HMGet(ctx, key, "t", "ts").Result()
 		require.NoError(t, err)
 		if stored[0] == nil && allowed && cost > 0 {

@@ -49,9 +49,14 @@ type PlanResult struct {
 	// RetryAfter is 0 when this plan has the tokens; otherwise the wait
 	// until it would, for example 100ms.
 	RetryAfter time.Duration
-	// ResetAfter is the wait until the bucket is full again, for example
-	// 100ms; 0 when it is full.
+	// ResetAfter is the wait until the bucket is full again, or until a
+	// window counts nothing, for example 100ms; 0 when it is full or
+	// counts nothing.
 	ResetAfter time.Duration
+	// Suppression is, for a suppressed window plan, the probability that
+	// the plan refused the request, 0 to 1, for example 0.25: 0 up to its
+	// soft limit, 1 past its hard limit. It is 0 for other plans.
+	Suppression float64
 }
 
 // Result is the outcome of one decision. Its top-level fields describe the
@@ -71,15 +76,25 @@ type Result struct {
 	Remaining int64
 	// RetryAfter is 0 when allowed; otherwise the wait until this same
 	// request (for a read, a request for one token) would pass if nobody
-	// else took tokens, for example 250ms.
+	// else took tokens, for example 250ms. For a suppressed plan it is the
+	// wait until the request would pass for certain, below the soft limit:
+	// it may pass sooner, by the draw.
 	RetryAfter time.Duration
 	// ResetAfter is the wait until the binding plan's bucket is full again,
-	// for example 1.5s.
+	// or its window counts nothing, for example 1.5s.
 	ResetAfter time.Duration
 	// Plan is the binding plan's name, for example "gold".
 	Plan string
 	// Limit is the binding plan's Capacity in tokens, for example 20.
 	Limit int64
+	// Suppressed reports that a suppressed window plan (Plan.Suppress)
+	// was between its soft and hard limits, so that a random draw decided
+	// whether it admitted the request; never for a read.
+	Suppressed bool
+	// Suppression is the largest PlanResult.Suppression of the plans: the
+	// probability, 0 to 1, that a suppressed plan refused the request, for
+	// example 0.5 when the load offered is twice the soft limit.
+	Suppression float64
 
 	// chain holds one PlanResult per plan when more than one plan was
 	// asked; for a single plan it is nil, so that the common decision
@@ -98,35 +113,45 @@ func (r Result) PlanResults() []PlanResult {
 	return []PlanResult{{Plan: r.Plan, Limit: r.Limit, Remaining: r.Remaining, RetryAfter: r.RetryAfter, ResetAfter: r.ResetAfter}}
 }
 
-// newResult describes a decision from the buckets as stored after it:
-// buckets[i] is plans[i]'s bucket as drained by the decision if allowed,
-// or untouched (as read) if not, since a denial writes nothing. Waits are
-// measured from the stored state, as the next decision will refill it.
-// Both stores build their results here, so they agree field by field.
-func newResult(plans []Plan, buckets []TokenBucket, now, cost int64, allowed bool) Result {
+// planState is what a Result tells of one plan after a decision.
+type planState struct {
+	remaining              int64
+	retryAfter, resetAfter time.Duration
+	suppression            float64
+	drawn                  bool // a suppressed plan drew for the request
+}
+
+// newResult describes a decision on plans from their states, which both
+// stores build with bucketState and windowState, so they agree field by
+// field.
+func newResult(plans []Plan, states []planState, cost int64, allowed bool) Result {
 	var r Result
-	r.describe(plans, buckets, now, cost, allowed)
+	r.describe(plans, states, cost, allowed)
 	return r
 }
 
 // describe is newResult into *r, which it overwrites whole: the memory
 // store's hot path builds its Result in place this way. A read (cost 0)
 // is described as the question whether one token would pass now.
-func (r *Result) describe(plans []Plan, buckets []TokenBucket, now, cost int64, allowed bool) {
+func (r *Result) describe(plans []Plan, states []planState, cost int64, allowed bool) {
 	if len(plans) == 1 { // the common case, and hot
-		*r = Result{Plan: plans[0].Name, Limit: plans[0].Capacity}
-		r.Remaining, r.RetryAfter, r.ResetAfter = bucketState(plans[0], buckets[0], now, cost, allowed)
+		st := &states[0]
+		*r = Result{Plan: plans[0].Name, Limit: plans[0].Capacity,
+			Remaining: st.remaining, RetryAfter: st.retryAfter, ResetAfter: st.resetAfter,
+			Suppressed: st.drawn, Suppression: st.suppression}
 		r.Allowed = allowed && (cost > 0 || r.RetryAfter == 0)
 		return
 	}
 	*r = Result{chain: make([]PlanResult, len(plans))}
 	for i, p := range plans {
-		pr := &r.chain[i]
-		pr.Plan, pr.Limit = p.Name, p.Capacity
-		pr.Remaining, pr.RetryAfter, pr.ResetAfter = bucketState(p, buckets[i], now, cost, allowed)
-		if cost == 0 && pr.RetryAfter > 0 {
+		st := &states[i]
+		r.chain[i] = PlanResult{Plan: p.Name, Limit: p.Capacity, Remaining: st.remaining,
+			RetryAfter: st.retryAfter, ResetAfter: st.resetAfter, Suppression: st.suppression}
+		if cost == 0 && st.retryAfter > 0 {
 			allowed = false
 		}
+		r.Suppressed = r.Suppressed || st.drawn
+		r.Suppression = max(r.Suppression, st.suppression)
 	}
 	bind := 0
 	for i, pr := range r.chain {
@@ -144,25 +169,46 @@ func (r *Result) describe(plans []Plan, buckets []TokenBucket, now, cost int64, 
 // decision that took cost tokens from every plan if allowed, or none:
 // RetryAfter is the wait until cost tokens are there, 0 if they are, and
 // for a read (cost 0) the wait until one token is.
-func bucketState(p Plan, b TokenBucket, now, cost int64, allowed bool) (remaining int64, retryAfter, resetAfter time.Duration) {
+func bucketState(p Plan, b TokenBucket, now, cost int64, allowed bool) planState {
 	if allowed && cost > 0 {
 		// Refilled to now and drained: stored and current at once, so the
 		// hot path needs no second refill.
-		return b.Remaining(), 0, micros(b.readyAt(p, now, p.Capacity) - now)
+		return planState{remaining: b.Remaining(), resetAfter: micros(b.readyAt(p, now, p.Capacity) - now)}
 	}
-	resetAfter = micros(b.FullAt(p, now) - now)
-	retryAfter = micros(b.ReadyAt(p, now, max(cost, 1)) - now)
-	return b.Refill(p, now).Remaining(), retryAfter, resetAfter
+	return planState{
+		remaining:  b.Refill(p, now).Remaining(),
+		retryAfter: micros(b.ReadyAt(p, now, max(cost, 1)) - now),
+		resetAfter: micros(b.FullAt(p, now) - now),
+	}
+}
+
+// windowState returns what a Result reports of one window after a
+// decision: admitted and offered are its counts at now before the
+// decision, readyAt when max(cost, 1) tokens fit in it as it was, and
+// resetAt when it counts nothing admitted after the decision, all in µs.
+func windowState(p Plan, admitted, offered, readyAt, resetAt, now, cost int64, allowed bool) planState {
+	st := planState{remaining: max(0, p.Capacity-admitted), resetAfter: micros(resetAt - now)}
+	if allowed && cost > 0 {
+		st.remaining = max(0, p.Capacity-admitted-cost)
+	} else {
+		st.retryAfter = micros(readyAt - now)
+	}
+	if p.Suppress != 0 {
+		c := max(cost, 1)
+		st.suppression = suppression(p, admitted, offered, c)
+		st.drawn = cost > 0 && admitted+c > p.Capacity && admitted+c <= p.hardLimit()
+	}
+	return st
 }
 
 // failOpenResult is the decision of the FailOpen policy: allowed, with every
 // bucket reported full because nothing is known of them.
 func failOpenResult(plans []Plan) Result {
-	buckets := make([]TokenBucket, len(plans))
+	states := make([]planState, len(plans))
 	for i, p := range plans {
-		buckets[i] = fullBucket(p, 0)
+		states[i].remaining = p.Capacity
 	}
-	r := newResult(plans, buckets, 0, 0, true)
+	r := newResult(plans, states, 0, true)
 	r.Source = SourceFailOpen
 	return r
 }

@@ -10,3 +10,10 @@ import _ "embed"
 //
 //go:embed token_bucket.lua
 var TokenBucket string
+
+// Limit decides on every chained plan of one key, token buckets and
+// sliding windows alike, in one atomic step; TokenBucket, window and chain
+// in package tollgate hold the same arithmetic.
+//
+//go:embed limit.lua
+var Limit string

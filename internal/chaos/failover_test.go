@@ -49,7 +49,7 @@ func scriptCached(t *testing.T, addr string) bool {
 	t.Helper()
 	c := redis.NewClient(&redis.Options{Addr: addr})
 	defer c.Close()
-	ok, err := c.ScriptExists(context.Background(), redisscript.New(scripts.TokenBucket).SHA()).Result()
+	ok, err := c.ScriptExists(context.Background(), redisscript.New(scripts.Limit).SHA()).Result()
 	require.NoError(t, err)
 	return ok[0]
 }

@@ -1,0 +1,165 @@
+package tollgate
+
+import "math/rand/v2"
+
+// window is the state of one window plan: the counts of its last k+1
+// sub-windows, of width g = Plan.width() µs each. Sub-window i spans
+// [i·g, (i+1)·g). At time now, in sub-window b = now/g, the plan counts
+// sub-windows b−k to b: every request of the last Window, plus up to one
+// sub-window before it (ADR 16). A sub-window that straddles the window's
+// start counts in full, so no span of Window ever holds more than the
+// limit.
+//
+// It does no I/O and reads no clock; scripts/token_bucket.lua repeats the
+// same arithmetic on a Redis hash, and a test keeps the two equal. Unlike
+// TokenBucket it is changed in place: its counts are a ring, kept without
+// allocating between decisions.
+type window struct {
+	// newest is the index of the newest sub-window written.
+	newest int64
+	// admitted holds the tokens admitted in sub-windows newest−k to
+	// newest: that of sub-window i at i mod (k+1). It is nil for a
+	// window never written, which counts nothing.
+	admitted []int64
+	// offered is admitted for every request that asked a suppressed
+	// plan, admitted or not; nil for other plans.
+	offered []int64
+}
+
+// span returns the first and last sub-windows of w that count at now:
+// none (first > last) if w is empty, or if its newest sub-window lies more
+// than a window ahead of now, which no clock step explains (garbage, or a
+// clock stepped back so far that the window would have emptied anyway).
+func (w *window) span(p Plan, now int64) (first, last int64) {
+	k, b := p.slots(), now/p.width()
+	if w == nil || w.admitted == nil || w.newest > b+k {
+		return 1, 0
+	}
+	// After a clock step back, sub-windows later than b still count.
+	return max(b-k, w.newest-k), w.newest
+}
+
+// counts returns the tokens admitted and offered in the sub-windows that
+// count at now. A nil window counts nothing.
+func (w *window) counts(p Plan, now int64) (admitted, offered int64) {
+	first, last := w.span(p, now)
+	for i := first; i <= last; i++ {
+		n := int64(len(w.admitted))
+		admitted += w.admitted[i%n]
+		if w.offered != nil {
+			offered += w.offered[i%n]
+		}
+	}
+	return admitted, offered
+}
+
+// readyAt returns the first time, in µs, at which cost more tokens fit
+// under the plan's Capacity, if nothing else is admitted: now if they fit
+// now, otherwise the moment the oldest sub-windows that must leave have
+// left. cost must not exceed p.Capacity.
+func (w *window) readyAt(p Plan, now, cost int64) int64 {
+	total, _ := w.counts(p, now)
+	if total+cost <= p.Capacity {
+		return now
+	}
+	first, last := w.span(p, now)
+	n := int64(len(w.admitted))
+	for i := first; i < last; i++ {
+		total -= w.admitted[i%n]
+		if total+cost <= p.Capacity {
+			return w.leaves(p, i)
+		}
+	}
+	// Once all have left, cost fits: checkCost keeps it within Capacity.
+	return w.leaves(p, last)
+}
+
+// leaves returns the time, in µs, at which sub-window i stops counting:
+// when the current sub-window is i+k+1.
+func (w *window) leaves(p Plan, i int64) int64 {
+	return (i + 1 + p.slots()) * p.width()
+}
+
+// resetAt returns the time, in µs, at which the window counts nothing
+// admitted: now if it counts nothing.
+func (w *window) resetAt(p Plan, now int64) int64 {
+	return w.readyAt(p, now, p.Capacity)
+}
+
+// emptyAt returns the time, in µs, at which every count the window
+// holds, offered ones included, has stopped counting: when a store may
+// forget it.
+func (w *window) emptyAt(p Plan) int64 {
+	if w == nil || w.admitted == nil {
+		return 0
+	}
+	return w.leaves(p, w.newest)
+}
+
+// add records admitted and offered tokens in the sub-window of now,
+// allocating the ring on the first write and clearing sub-windows that
+// no longer count.
+func (w *window) add(p Plan, now, admitted, offered int64) {
+	k, b := p.slots(), now/p.width()
+	n := k + 1
+	switch {
+	case w.admitted == nil:
+		w.admitted = make([]int64, n)
+		if p.Suppress != 0 {
+			w.offered = make([]int64, n)
+		}
+		w.newest = b
+	case w.newest > b+k: // garbage: start again
+		clear(w.admitted)
+		clear(w.offered)
+		w.newest = b
+	case b > w.newest:
+		for i := w.newest + 1; i <= min(b, w.newest+n); i++ {
+			w.admitted[i%n] = 0
+			if w.offered != nil {
+				w.offered[i%n] = 0
+			}
+		}
+		w.newest = b
+	}
+	w.admitted[b%n] += admitted
+	if w.offered != nil {
+		w.offered[b%n] += offered
+	}
+}
+
+// suppression returns the probability, 0 to 1, that a suppressed plan
+// refuses cost more tokens, with admitted and offered counted in its
+// window: 0 up to the soft limit (Capacity), 1 past the hard limit, and in
+// between 1 − Capacity ÷ the offered load including this request, so that
+// in steady overload about Capacity pass per window. For a plan that is
+// not suppressed it is 0 up to Capacity and 1 past it.
+func suppression(p Plan, admitted, offered, cost int64) float64 {
+	switch {
+	case admitted+cost <= p.Capacity:
+		return 0
+	case p.Suppress == 0 || admitted+cost > p.hardLimit():
+		return 1
+	}
+	// offered ≥ admitted, so the quotient is below 1. Go and Lua divide
+	// and subtract the same doubles, so they agree to the last bit.
+	return 1 - float64(p.Capacity)/float64(offered+cost)
+}
+
+// randomScale is 2^53: the random number a suppressed decision draws is a
+// whole number below it, and a request with refusal probability f passes
+// iff that number is at least f × 2^53, a product computed exactly.
+const randomScale = 1 << 53
+
+// admits reports whether a window plan takes cost tokens, given the
+// random number u in [0, 2^53) drawn for the request.
+func admits(factor float64, u uint64) bool {
+	return float64(u) >= factor*randomScale
+}
+
+// random53 draws a suppressed decision's random number: a whole number in
+// [0, 2^53), uniform. The stores draw it in Go and pass it to the script,
+// since Lua's math.random is reseeded on every call before Redis 7.0.
+func random53() uint64 {
+	return rand.Uint64() >> 11
+}
