@@ -49,6 +49,20 @@ func TestNewRejectsBadPlans(t *testing.T) {
 		{"infinite rate", []Plan{{Name: "a", Capacity: 1, Rate: math.Inf(1)}}},
 		{"refill slower than MaxRefillPeriod", []Plan{{Name: "a", Capacity: 1000, Rate: 1e-9}}},
 		{"duplicate names", []Plan{{Name: "a", Capacity: 1, Rate: 1}, {Name: "a", Capacity: 2, Rate: 1}}},
+		{"neither rate nor window", []Plan{{Name: "a", Capacity: 1}}},
+		{"both rate and window", []Plan{{Name: "a", Capacity: 1, Rate: 1, Window: time.Second}}},
+		{"negative window", []Plan{{Name: "a", Capacity: 1, Window: -time.Second}}},
+		{"window under 1ms", []Plan{{Name: "a", Capacity: 1, Window: time.Millisecond - 1}}},
+		{"window over MaxRefillPeriod", []Plan{{Name: "a", Capacity: 1, Window: MaxRefillPeriod + 1}}},
+		{"negative slots", []Plan{{Name: "a", Capacity: 1, Window: time.Second, Slots: -1}}},
+		{"too many slots", []Plan{{Name: "a", Capacity: 1, Window: time.Second, Slots: 65}}},
+		{"slots on a bucket", []Plan{{Name: "a", Capacity: 1, Rate: 1, Slots: 4}}},
+		{"hard limit below the soft one", []Plan{{Name: "a", Capacity: 10, Window: time.Second, Suppress: 0.9}}},
+		{"negative suppress", []Plan{{Name: "a", Capacity: 10, Window: time.Second, Suppress: -1}}},
+		{"NaN suppress", []Plan{{Name: "a", Capacity: 10, Window: time.Second, Suppress: math.NaN()}}},
+		{"infinite suppress", []Plan{{Name: "a", Capacity: 10, Window: time.Second, Suppress: math.Inf(1)}}},
+		{"hard limit too large", []Plan{{Name: "a", Capacity: maxCapacity, Window: time.Second, Suppress: 2}}},
+		{"suppressed bucket", []Plan{{Name: "a", Capacity: 10, Rate: 1, Suppress: 1.5}}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -62,6 +76,12 @@ func TestNewRejectsBadPlans(t *testing.T) {
 	assert.ErrorIs(t, err, ErrInvalidOption)
 	_, err = New(NewMemoryStore(), []Plan{{Name: "edge", Capacity: maxCapacity, Rate: 1e9}})
 	assert.NoError(t, err, "the largest capacity is valid")
+	_, err = New(NewMemoryStore(), []Plan{
+		{Name: "shortest", Capacity: 1, Window: time.Millisecond, Slots: 64},
+		{Name: "longest", Capacity: maxCapacity, Window: MaxRefillPeriod, Slots: 1},
+		{Name: "suppressed", Capacity: 100, Window: time.Minute, Suppress: 1},
+	})
+	assert.NoError(t, err, "window plans at the edges are valid")
 }
 
 func TestAllowDefaultsToFirstPlan(t *testing.T) {

@@ -130,10 +130,14 @@ func (w *window) add(p Plan, now, admitted, offered int64) {
 
 // suppression returns the probability, 0 to 1, that a suppressed plan
 // refuses cost more tokens, with admitted and offered counted in its
-// window: 0 up to the soft limit (Capacity), 1 past the hard limit, and in
-// between 1 − Capacity ÷ the offered load including this request, so that
-// in steady overload about Capacity pass per window. For a plan that is
-// not suppressed it is 0 up to Capacity and 1 past it.
+// window: 0 up to the soft limit S (Capacity), 1 past the hard limit H,
+// and in between 1 − p, where p = S ÷ the offered load including this
+// request, tapered by (H − admitted − cost + 1) ÷ (H − S). The first
+// factor alone brings the admitted rate to S but lets the count wander
+// above it, since nothing pulls it back (TestSuppressionConverges: to
+// +6.5% at 4S); the taper pulls harder the further above S the count is
+// (ADR 16). For a plan that is not suppressed it is 0 up to Capacity and
+// 1 past it.
 func suppression(p Plan, admitted, offered, cost int64) float64 {
 	switch {
 	case admitted+cost <= p.Capacity:
@@ -141,9 +145,12 @@ func suppression(p Plan, admitted, offered, cost int64) float64 {
 	case p.Suppress == 0 || admitted+cost > p.hardLimit():
 		return 1
 	}
-	// offered ≥ admitted, so the quotient is below 1. Go and Lua divide
-	// and subtract the same doubles, so they agree to the last bit.
-	return 1 - float64(p.Capacity)/float64(offered+cost)
+	// offered ≥ admitted, so both quotients are at most 1. Go and Lua
+	// compute the same doubles in the same order; the conversion keeps Go
+	// from fusing the multiply and subtract, which Lua cannot.
+	h := p.hardLimit()
+	taper := float64(h-admitted-cost+1) / float64(h-p.Capacity)
+	return 1 - float64(float64(p.Capacity)/float64(offered+cost)*taper)
 }
 
 // randomScale is 2^53: the random number a suppressed decision draws is a

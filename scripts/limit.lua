@@ -140,7 +140,7 @@ local function window(i, cap, g, k, hard)
     elseif hard == 0 or admitted + cost > hard then
       f = 1
     else
-      f = 1 - cap / (offered + cost)
+      f = 1 - cap / (offered + cost) * ((hard - admitted - cost + 1) / (hard - cap))
     end
     if u < f * 9007199254740992 then allowed = false end
   end
