@@ -169,7 +169,7 @@ func FuzzWindow(f *testing.F) {
 		now := t0
 		type admission struct{ at, cost int64 }
 		var log []admission
-		monotonic := true // no step back yet: the log holds every count
+		monotonic := true                            // no step back yet: the log holds every count
 		within := func(from, to int64) (sum int64) { // admitted in (from, to]
 			for _, a := range log {
 				if a.at > from && a.at <= to {
