@@ -95,6 +95,21 @@ func (s *RedisStore) take(ctx context.Context, key string, cost int64, plans []P
 
 // run runs the script on the state at keys, one key per plan.
 func (s *RedisStore) run(ctx context.Context, keys []string, cost int64, plans []Plan) (Result, error) {
+	reply, err := s.script.Run(ctx, s.client, keys, s.args(cost, plans)...)
+	if err != nil {
+		return Result{}, err
+	}
+	var stack [4]planState // up to four plans without allocating
+	allowed, _, states, err := parseReply(stack[:0], reply, plans, cost)
+	if err != nil {
+		return Result{}, err
+	}
+	return newResult(plans, states, cost, allowed), nil
+}
+
+// args returns the script's ARGV for a decision (see scripts/limit.lua),
+// with a random number drawn if a plan is suppressed.
+func (s *RedisStore) args(cost int64, plans []Plan) []any {
 	args := make([]any, 2+4*len(plans))
 	args[0], args[1] = cost, 0
 	if suppressedIn(plans) {
@@ -112,16 +127,7 @@ func (s *RedisStore) run(ctx context.Context, keys []string, cost int64, plans [
 			a[0], a[1], a[2], a[3] = p.Capacity, formatRate(p.Rate), 0, 0
 		}
 	}
-	reply, err := s.script.Run(ctx, s.client, keys, args...)
-	if err != nil {
-		return Result{}, err
-	}
-	var stack [4]planState // up to four plans without allocating
-	allowed, _, states, err := parseReply(stack[:0], reply, plans, cost)
-	if err != nil {
-		return Result{}, err
-	}
-	return newResult(plans, states, cost, allowed), nil
+	return args
 }
 
 // formatRate writes a rate as the shortest decimal that parses back to it

@@ -859,7 +859,7 @@ func TestLuaAgreesWithGoOnRealRedis(t *testing.T) {
 		require.NoError(t, c.HSet(ctx, key, "t", planted.Tokens, "ts", planted.Stamp, "v", 1).Err())
 		cost := rng.Int64N(min(p.Capacity, 5) + 1)
 		keys := []string{key}
-		args := []any{cost, 0, p.Capacity, formatRate(p.Rate), 0, 0}
+		args := s.args(cost, []Plan{p})
 		reply, err := c.Eval(ctx, scripts.Limit, keys, args...).Result()
 		require.NoError(t, err)
 		allowed, now, got, err := parseReply(nil, reply, []Plan{p}, cost)

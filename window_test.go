@@ -1,15 +1,25 @@
 package tollgate
 
 import (
+	"bytes"
+	"cmp"
 	"context"
+	"encoding/json"
 	"fmt"
 	"math"
+	"os"
+	"os/exec"
 	"slices"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/tollgate-go/tollgate/internal/redistest"
 )
 
 // takeWindow decides cost on window plan p alone, as the stores do, and
@@ -275,4 +285,176 @@ func TestSuppressionConverges(t *testing.T) {
 			assert.LessOrEqual(t, int64(most), p.hardLimit())
 		})
 	}
+}
+
+// windowChildEnv carries a windowJob to the test binary run as a child
+// process by TestWindowExactAcrossProcessesOnRealRedis.
+const windowChildEnv = "TOLLGATE_WINDOW_CHILD"
+
+type windowJob struct {
+	Addr    string        `json:"addr"`
+	Prefix  string        `json:"prefix"`
+	Workers int           `json:"workers"`
+	Run     time.Duration `json:"run"`
+}
+
+// windowEvent is one decision, at the Redis time its script read.
+type windowEvent struct {
+	At      int64 `json:"at"`
+	Cost    int64 `json:"cost"`
+	Allowed bool  `json:"allowed"`
+}
+
+// windowProof is the window plan the processes share, chained after a
+// bucket that binds now and then: 50 in any 200 ms, in 10 ms sub-windows.
+var windowProof = []Plan{
+	{Name: "burst", Capacity: 20, Rate: 400},
+	{Name: "win", Capacity: 50, Window: 200 * time.Millisecond},
+}
+
+// TestWindowChildProcess is not a test of its own: the parent test runs
+// the test binary again with this test selected and a job in its
+// environment. It decides through the store's own script call and reply
+// parser, so that it knows the Redis time of each decision, and prints
+// every decision as JSON.
+func TestWindowChildProcess(t *testing.T) {
+	spec := os.Getenv(windowChildEnv)
+	if spec == "" {
+		t.Skip("runs only as a child of TestWindowExactAcrossProcessesOnRealRedis")
+	}
+	var job windowJob
+	require.NoError(t, json.Unmarshal([]byte(spec), &job))
+	c := redis.NewClient(&redis.Options{Addr: job.Addr})
+	defer c.Close()
+	s := NewRedisStore(c, WithKeyPrefix(job.Prefix))
+	keys := []string{s.Key("shared", windowProof[0].Name), s.Key("shared", windowProof[1].Name)}
+	var mu sync.Mutex
+	var events []windowEvent
+	var wg sync.WaitGroup
+	deadline := time.Now().Add(job.Run)
+	for w := range job.Workers {
+		wg.Go(func() {
+			for i := 0; time.Now().Before(deadline); i++ {
+				cost := int64(1 + (i+w)%3)
+				reply, err := s.script.Run(context.Background(), c, keys, s.args(cost, windowProof)...)
+				require.NoError(t, err)
+				allowed, now, _, err := parseReply(nil, reply, windowProof, cost)
+				require.NoError(t, err)
+				mu.Lock()
+				events = append(events, windowEvent{now, cost, allowed})
+				mu.Unlock()
+			}
+		})
+	}
+	wg.Wait()
+	out, err := json.Marshal(events)
+	require.NoError(t, err)
+	fmt.Printf("%s\n", out)
+}
+
+// TestWindowExactAcrossProcessesOnRealRedis runs 4 processes of 16
+// goroutines each on one key, chained bucket then window, and slides the
+// window over every admission at the Redis time its script read: never
+// more than the window's Capacity in any span of its Window, and every
+// refusal that the bucket does not explain justified by the admissions
+// of the last Window + Window/k.
+func TestWindowExactAcrossProcessesOnRealRedis(t *testing.T) {
+	if os.Getenv(windowChildEnv) != "" {
+		t.Skip("a child runs only TestWindowChildProcess")
+	}
+	addr := redistest.Addr(t)
+	spec, err := json.Marshal(windowJob{Addr: addr, Prefix: redistest.KeyPrefix(), Workers: 16, Run: time.Second})
+	require.NoError(t, err)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute) // a hung child is killed
+	defer cancel()
+	var cmds []*exec.Cmd
+	var outs []*bytes.Buffer
+	for range 4 {
+		cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^TestWindowChildProcess$", "-test.count=1")
+		cmd.Env = append(os.Environ(), windowChildEnv+"="+string(spec))
+		out := &bytes.Buffer{}
+		cmd.Stdout, cmd.Stderr = out, out
+		require.NoError(t, cmd.Start())
+		cmds, outs = append(cmds, cmd), append(outs, out)
+	}
+	var events []windowEvent
+	for i, cmd := range cmds {
+		require.NoError(t, cmd.Wait(), "child %d:\n%s", i, outs[i])
+		line, _, _ := strings.Cut(outs[i].String(), "\n")
+		var evs []windowEvent
+		require.NoError(t, json.Unmarshal([]byte(line), &evs), "child %d:\n%s", i, outs[i])
+		events = append(events, evs...)
+	}
+	slices.SortStableFunc(events, func(a, b windowEvent) int { return cmp.Compare(a.At, b.At) })
+
+	win := windowProof[1]
+	W, g := win.Window.Microseconds(), win.width()
+	var admitted []windowEvent
+	for _, e := range events {
+		if e.Allowed {
+			admitted = append(admitted, e)
+		}
+	}
+	// The most admitted in any span of W: spans that end on an admission.
+	most, sum, j := int64(0), int64(0), 0
+	for _, a := range admitted {
+		sum += a.Cost
+		for admitted[j].At <= a.At-W {
+			sum -= admitted[j].Cost
+			j++
+		}
+		most = max(most, sum)
+	}
+	// Replay the bucket over every decision in Redis-time order: each
+	// admission must find its tokens in the bucket (all or nothing), and
+	// each refusal must lack them in the bucket, or in the window, which
+	// counted at least what was admitted in the last Window + Window/k.
+	// At one µs, admissions replay before refusals.
+	slices.SortStableFunc(events, func(a, b windowEvent) int {
+		if c := cmp.Compare(a.At, b.At); c != 0 {
+			return c
+		}
+		return cmp.Compare(btoi(b.Allowed), btoi(a.Allowed))
+	})
+	bucket := fullBucket(windowProof[0], events[0].At)
+	unjustified, overdrawn, refusals, first := 0, 0, 0, 0
+	for _, e := range events {
+		bucket = bucket.Refill(windowProof[0], e.At)
+		if e.Allowed {
+			if bucket.Tokens < e.Cost*microTokens {
+				overdrawn++
+			}
+			bucket.Tokens -= e.Cost * microTokens
+			continue
+		}
+		refusals++
+		for admitted[first].At <= e.At-W-g && first < len(admitted)-1 {
+			first++
+		}
+		var recent int64
+		for _, a := range admitted[first:] {
+			if a.At > e.At {
+				break
+			}
+			if a.At > e.At-W-g {
+				recent += a.Cost
+			}
+		}
+		if recent+e.Cost <= win.Capacity && bucket.Tokens >= e.Cost*microTokens {
+			unjustified++
+		}
+	}
+	t.Logf("%d decisions, %d admitted, %d refused; most in any %v: %d of %d", len(events), len(admitted), refusals, win.Window, most, win.Capacity)
+	assert.LessOrEqual(t, most, win.Capacity, "a span of Window held more than Capacity")
+	assert.Zero(t, unjustified, "refusals with room in the window and the bucket")
+	assert.Zero(t, overdrawn, "admissions the bucket had no tokens for")
+	assert.Greater(t, len(admitted), int(win.Capacity), "the load must get past the first window")
+	assert.Positive(t, refusals, "the load must push past the limit")
+}
+
+func btoi(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }
