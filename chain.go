@@ -11,7 +11,7 @@ func chain(plans []Plan, buckets []TokenBucket, windows []*window, counts [][2]i
 	ok := true
 	for i, p := range plans {
 		if p.isWindow() {
-			admitted, offered := windows[i].counts(p, now)
+			admitted, offered := windows[i].counts(now)
 			counts[i] = [2]int64{admitted, offered}
 			ok = ok && (cost == 0 || admits(suppression(p, admitted, offered, cost), u))
 			continue

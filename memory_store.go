@@ -85,7 +85,7 @@ func (e *memEntry) bucket(p Plan, now int64) TokenBucket {
 // nothing, if there is none or it was kept for a plan of another shape:
 // Redis reads such a window as foreign, and so does the store.
 func (e *memEntry) window(p Plan) *window {
-	if b := e.find(p); b != nil && b.win != nil && sameShape(b.plan, p) {
+	if b := e.find(p); b != nil && b.win != nil && (b.plan == p || sameShape(b.plan, p)) {
 		return b.win
 	}
 	return nil
@@ -119,9 +119,10 @@ func (e *memEntry) storeWindow(p Plan) *window {
 	case eb == nil:
 		e.buckets = append(e.buckets, memBucket{plan: p, win: &window{}})
 		return e.buckets[len(e.buckets)-1].win
+	case eb.plan == p && eb.win != nil: // the common case: no width to compute
 	case eb.win == nil || !sameShape(eb.plan, p):
 		*eb = memBucket{plan: p, win: &window{}}
-	case eb.plan != p:
+	default:
 		eb.plan = p
 	}
 	return eb.win
@@ -133,7 +134,7 @@ func (e *memEntry) fullAt(now int64) int64 {
 	at := int64(0)
 	for _, b := range e.buckets {
 		if b.win != nil {
-			at = max(at, b.win.emptyAt(b.plan))
+			at = max(at, b.win.emptyAt())
 		} else {
 			at = max(at, b.FullAt(b.plan, now))
 		}
@@ -293,7 +294,7 @@ func (m *MemoryStore) takeInto(r *Result, key string, cost int64, plans []Plan) 
 			if !taken {
 				ready = w.readyAt(p, now, max(cost, 1))
 			}
-			states[i] = windowState(p, counts[i][0], counts[i][1], ready, w.resetAt(p, now), now, cost, allowed)
+			states[i] = windowState(p, counts[i][0], counts[i][1], ready, w.resetAt(now), now, cost, allowed)
 		case !taken:
 			// A denial or a read leaves the buckets as they were.
 			buckets[i] = e.bucket(p, now)

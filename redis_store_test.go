@@ -680,7 +680,7 @@ func assertSameWindow(t *testing.T, rs *RedisStore, ms *MemoryStore, key string,
 	s := ms.shard(key)
 	s.mu.Lock()
 	w := s.keys[key].window(p)
-	lo, hi := w.span(p, now)
+	lo, hi := w.span(now)
 	for i := lo; i <= hi; i++ {
 		n := int64(len(w.admitted))
 		if c := w.admitted[i%n]; c != 0 {

@@ -15,6 +15,9 @@ import "math/rand/v2"
 // TokenBucket it is changed in place: its counts are a ring, kept without
 // allocating between decisions.
 type window struct {
+	// width and slots are the plan's sub-window width g, in µs, and k,
+	// set on the first write: a window keeps the shape it was written in.
+	width, slots int64
 	// newest is the index of the newest sub-window written.
 	newest int64
 	// admitted holds the tokens admitted in sub-windows newest−k to
@@ -24,15 +27,21 @@ type window struct {
 	// offered is admitted for every request that asked a suppressed
 	// plan, admitted or not; nil for other plans.
 	offered []int64
+	// sumAdmitted and sumOffered are the sums of the two rings, so that a
+	// decision in the newest sub-window need not add them up.
+	sumAdmitted, sumOffered int64
 }
 
 // span returns the first and last sub-windows of w that count at now:
 // none (first > last) if w is empty, or if its newest sub-window lies more
 // than a window ahead of now, which no clock step explains (garbage, or a
 // clock stepped back so far that the window would have emptied anyway).
-func (w *window) span(p Plan, now int64) (first, last int64) {
-	k, b := p.slots(), now/p.width()
-	if w == nil || w.admitted == nil || w.newest > b+k {
+func (w *window) span(now int64) (first, last int64) {
+	if w == nil || w.admitted == nil {
+		return 1, 0
+	}
+	k, b := w.slots, now/w.width
+	if w.newest > b+k {
 		return 1, 0
 	}
 	// After a clock step back, sub-windows later than b still count.
@@ -41,13 +50,17 @@ func (w *window) span(p Plan, now int64) (first, last int64) {
 
 // counts returns the tokens admitted and offered in the sub-windows that
 // count at now. A nil window counts nothing.
-func (w *window) counts(p Plan, now int64) (admitted, offered int64) {
-	first, last := w.span(p, now)
-	for i := first; i <= last; i++ {
-		n := int64(len(w.admitted))
-		admitted += w.admitted[i%n]
+func (w *window) counts(now int64) (admitted, offered int64) {
+	first, last := w.span(now)
+	if first > last {
+		return 0, 0
+	}
+	admitted, offered = w.sumAdmitted, w.sumOffered
+	n := int64(len(w.admitted))
+	for i := w.newest + 1 - n; i < first; i++ { // sub-windows that left
+		admitted -= w.admitted[i%n]
 		if w.offered != nil {
-			offered += w.offered[i%n]
+			offered -= w.offered[i%n]
 		}
 	}
 	return admitted, offered
@@ -58,49 +71,58 @@ func (w *window) counts(p Plan, now int64) (admitted, offered int64) {
 // now, otherwise the moment the oldest sub-windows that must leave have
 // left. cost must not exceed p.Capacity.
 func (w *window) readyAt(p Plan, now, cost int64) int64 {
-	total, _ := w.counts(p, now)
+	total, _ := w.counts(now)
 	if total+cost <= p.Capacity {
 		return now
 	}
-	first, last := w.span(p, now)
-	n := int64(len(w.admitted))
+	first, last := w.span(now)
 	for i := first; i < last; i++ {
-		total -= w.admitted[i%n]
+		total -= w.admitted[i%int64(len(w.admitted))]
 		if total+cost <= p.Capacity {
-			return w.leaves(p, i)
+			return w.leaves(i)
 		}
 	}
 	// Once all have left, cost fits: checkCost keeps it within Capacity.
-	return w.leaves(p, last)
+	return w.leaves(last)
 }
 
 // leaves returns the time, in µs, at which sub-window i stops counting:
 // when the current sub-window is i+k+1.
-func (w *window) leaves(p Plan, i int64) int64 {
-	return (i + 1 + p.slots()) * p.width()
+func (w *window) leaves(i int64) int64 {
+	return (i + 1 + w.slots) * w.width
 }
 
 // resetAt returns the time, in µs, at which the window counts nothing
-// admitted: now if it counts nothing.
-func (w *window) resetAt(p Plan, now int64) int64 {
-	return w.readyAt(p, now, p.Capacity)
+// admitted: when the newest sub-window with a count leaves, or now if
+// none counts.
+func (w *window) resetAt(now int64) int64 {
+	first, last := w.span(now)
+	for i := last; i >= first; i-- {
+		if w.admitted[i%int64(len(w.admitted))] != 0 {
+			return w.leaves(i)
+		}
+	}
+	return now
 }
 
 // emptyAt returns the time, in µs, at which every count the window
 // holds, offered ones included, has stopped counting: when a store may
 // forget it.
-func (w *window) emptyAt(p Plan) int64 {
+func (w *window) emptyAt() int64 {
 	if w == nil || w.admitted == nil {
 		return 0
 	}
-	return w.leaves(p, w.newest)
+	return w.leaves(w.newest)
 }
 
 // add records admitted and offered tokens in the sub-window of now,
 // allocating the ring on the first write and clearing sub-windows that
 // no longer count.
 func (w *window) add(p Plan, now, admitted, offered int64) {
-	k, b := p.slots(), now/p.width()
+	if w.admitted == nil {
+		w.width, w.slots = p.width(), p.slots()
+	}
+	k, b := w.slots, now/w.width
 	n := k + 1
 	switch {
 	case w.admitted == nil:
@@ -112,19 +134,24 @@ func (w *window) add(p Plan, now, admitted, offered int64) {
 	case w.newest > b+k: // garbage: start again
 		clear(w.admitted)
 		clear(w.offered)
+		w.sumAdmitted, w.sumOffered = 0, 0
 		w.newest = b
 	case b > w.newest:
 		for i := w.newest + 1; i <= min(b, w.newest+n); i++ {
+			w.sumAdmitted -= w.admitted[i%n]
 			w.admitted[i%n] = 0
 			if w.offered != nil {
+				w.sumOffered -= w.offered[i%n]
 				w.offered[i%n] = 0
 			}
 		}
 		w.newest = b
 	}
 	w.admitted[b%n] += admitted
+	w.sumAdmitted += admitted
 	if w.offered != nil {
 		w.offered[b%n] += offered
+		w.sumOffered += offered
 	}
 }
 

@@ -39,7 +39,9 @@ func takeWindow(w *window, p Plan, now, cost int64, u uint64) bool {
 
 // clone returns a deep copy of w.
 func (w *window) clone() *window {
-	return &window{newest: w.newest, admitted: slices.Clone(w.admitted), offered: slices.Clone(w.offered)}
+	c := *w
+	c.admitted, c.offered = slices.Clone(w.admitted), slices.Clone(w.offered)
+	return &c
 }
 
 func TestWindowSteps(t *testing.T) {
@@ -99,7 +101,7 @@ func TestWindowSteps(t *testing.T) {
 				now := t0 + s.at
 				assert.Equal(t, t0+s.readyAt, w.readyAt(p, now, max(s.cost, 1)), "step %d: readyAt", i)
 				assert.Equal(t, s.ok, takeWindow(w, p, now, s.cost, 0), "step %d: take %d at %d", i, s.cost, s.at)
-				count, _ := w.counts(p, now)
+				count, _ := w.counts(now)
 				assert.Equal(t, s.count, count, "step %d: count", i)
 			}
 		})
@@ -142,7 +144,7 @@ func TestSuppressionSteps(t *testing.T) {
 	}
 	assert.Equal(t, 1.0, suppression(p, 15, 20, 1), "past the hard limit")
 	assert.False(t, takeWindow(w, p, t0, 1, randomScale-1), "past the hard limit no draw passes")
-	admitted, offered := w.counts(p, t0)
+	admitted, offered := w.counts(t0)
 	assert.Equal(t, int64(15), admitted)
 	assert.Equal(t, int64(17), offered)
 	// Certain admission again once the sub-window has left.
@@ -457,4 +459,61 @@ func btoi(b bool) int {
 		return 1
 	}
 	return 0
+}
+
+// TestWindowChainRetryAfterIsExact chains a bucket and a window on both
+// stores and checks the binding plan and RetryAfter of each refusal: the
+// same request is refused 1 µs before RetryAfter and passes at it.
+func TestWindowChainRetryAfterIsExact(t *testing.T) {
+	plans := []Plan{
+		{Name: "sec", Capacity: 2, Rate: 1},
+		{Name: "win", Capacity: 3, Window: 10 * time.Second, Slots: 5},
+	}
+	stores := map[string]func(t *testing.T) (Store, func(int64)){
+		"memory": func(t *testing.T) (Store, func(int64)) {
+			now := new(int64)
+			return newClockedMemoryStore(now), func(us int64) { *now = us }
+		},
+		"redis": func(t *testing.T) (Store, func(int64)) {
+			s, _, setTime := newMiniredisStore(t)
+			return s, setTime
+		},
+	}
+	for name, newStore := range stores {
+		t.Run(name, func(t *testing.T) {
+			store, setTime := newStore(t)
+			l, err := New(store, plans, WithDenialCache(0))
+			require.NoError(t, err)
+			ctx := context.Background()
+			now := (t0/2_000_000 + 1) * 2_000_000 // a sub-window starts
+			setTime(now)
+			take := func(cost int64) Result {
+				r, err := l.AllowN(ctx, "k", cost, "sec", "win")
+				require.NoError(t, err)
+				return r
+			}
+			// retryAt checks that cost is refused by plan just before its
+			// RetryAfter, passes at it, and moves the clock there.
+			retryAt := func(cost int64, plan string) {
+				r := take(cost)
+				require.False(t, r.Allowed)
+				assert.Equal(t, plan, r.Plan, "the binding plan")
+				at := now + r.RetryAfter.Microseconds()
+				setTime(at - 1)
+				assert.False(t, take(cost).Allowed, "%s: passes before RetryAfter %v", plan, r.RetryAfter)
+				setTime(at)
+				assert.True(t, take(cost).Allowed, "%s: refused at RetryAfter %v", plan, r.RetryAfter)
+				now = at
+			}
+			require.True(t, take(2).Allowed)
+			retryAt(1, "sec") // the bucket is empty; the window has room for 1
+			r := take(1)
+			require.False(t, r.Allowed)
+			assert.Equal(t, "win", r.Plan, "the window is full, the bucket refills in 1 s")
+			prs := r.PlanResults()
+			assert.Equal(t, time.Second, prs[0].RetryAfter)
+			assert.Equal(t, int64(0), prs[1].Remaining)
+			retryAt(1, "win")
+		})
+	}
 }
