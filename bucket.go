@@ -84,7 +84,11 @@ func (b TokenBucket) Take(p Plan, now, cost int64) (TokenBucket, bool) {
 // buckets[i] is the bucket of plans[i] and is updated in place.
 func takeAll(plans []Plan, buckets []TokenBucket, now, cost int64) bool {
 	need := cost * microTokens
-	ok := chain(plans, buckets, nil, nil, now, cost, 0)
+	ok := true
+	for i := range plans {
+		buckets[i] = buckets[i].Refill(plans[i], now)
+		ok = ok && buckets[i].Tokens >= need
+	}
 	if ok {
 		for i := range buckets {
 			buckets[i].Tokens -= need

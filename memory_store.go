@@ -61,7 +61,7 @@ type memBucket struct {
 
 // find returns the stored state of plan p's name, or nil. e may be nil: a
 // key without state.
-func (e *memEntry) find(p Plan) *memBucket {
+func (e *memEntry) find(p *Plan) *memBucket {
 	if e != nil {
 		for i := range e.buckets {
 			if e.buckets[i].plan.Name == p.Name {
@@ -74,18 +74,18 @@ func (e *memEntry) find(p Plan) *memBucket {
 
 // bucket returns the stored bucket of plan p, or a full one at now if
 // there is none.
-func (e *memEntry) bucket(p Plan, now int64) TokenBucket {
+func (e *memEntry) bucket(p *Plan, now int64) TokenBucket {
 	if b := e.find(p); b != nil && b.win == nil {
 		return b.TokenBucket
 	}
-	return fullBucket(p, now)
+	return fullBucket(*p, now)
 }
 
 // window returns the stored window of plan p, or nil, which counts
 // nothing, if there is none or it was kept for a plan of another shape:
 // Redis reads such a window as foreign, and so does the store.
-func (e *memEntry) window(p Plan) *window {
-	if b := e.find(p); b != nil && b.win != nil && (b.plan == p || sameShape(b.plan, p)) {
+func (e *memEntry) window(p *Plan) *window {
+	if b := e.find(p); b != nil && b.win != nil && sameShape(&b.plan, p) {
 		return b.win
 	}
 	return nil
@@ -93,37 +93,42 @@ func (e *memEntry) window(p Plan) *window {
 
 // sameShape reports whether window plans a and b count in the same
 // sub-windows, so that one may read the other's window.
-func sameShape(a, b Plan) bool {
-	return a.width() == b.width() && a.slots() == b.slots() && (a.Suppress != 0) == (b.Suppress != 0)
+func sameShape(a, b *Plan) bool {
+	if (a.Suppress != 0) != (b.Suppress != 0) || a.slots() != b.slots() {
+		return false
+	}
+	return a.Window == b.Window || a.width() == b.width() // the same window, or rounded alike
 }
 
 // store sets the bucket of plan p.
-func (e *memEntry) store(p Plan, b TokenBucket) {
-	eb := e.find(p)
-	switch {
-	case eb == nil:
-		e.buckets = append(e.buckets, memBucket{plan: p, TokenBucket: b})
-	case eb.plan != p:
-		// Another Limiter with other plans of that name shares the store.
-		*eb = memBucket{plan: p, TokenBucket: b}
-	default: // no pointer written, no write barrier
-		eb.TokenBucket = b
+func (e *memEntry) store(p *Plan, b TokenBucket) {
+	for i := range e.buckets {
+		switch eb := &e.buckets[i]; {
+		case eb.plan.Name != p.Name:
+		case eb.win != nil || eb.plan.Capacity != p.Capacity || eb.plan.Rate != p.Rate:
+			// Another Limiter with other plans of that name shares the store.
+			*eb = memBucket{plan: *p, TokenBucket: b}
+			return
+		default: // no pointer written, no write barrier
+			eb.TokenBucket = b
+			return
+		}
 	}
+	e.buckets = append(e.buckets, memBucket{plan: *p, TokenBucket: b})
 }
 
 // storeWindow returns plan p's window to write in, new if there is none
 // or it was kept for a plan of another shape.
-func (e *memEntry) storeWindow(p Plan) *window {
+func (e *memEntry) storeWindow(p *Plan) *window {
 	eb := e.find(p)
 	switch {
 	case eb == nil:
-		e.buckets = append(e.buckets, memBucket{plan: p, win: &window{}})
+		e.buckets = append(e.buckets, memBucket{plan: *p, win: &window{}})
 		return e.buckets[len(e.buckets)-1].win
-	case eb.plan == p && eb.win != nil: // the common case: no width to compute
-	case eb.win == nil || !sameShape(eb.plan, p):
-		*eb = memBucket{plan: p, win: &window{}}
-	default:
-		eb.plan = p
+	case eb.win == nil || !sameShape(&eb.plan, p):
+		*eb = memBucket{plan: *p, win: &window{}}
+	case eb.plan.Capacity != p.Capacity || eb.plan.Suppress != p.Suppress:
+		eb.plan = *p
 	}
 	return eb.win
 }
@@ -236,77 +241,141 @@ func (m *MemoryStore) Take(ctx context.Context, key string, cost int64, plans []
 // takeInto is Take for a request already checked, with its Result built
 // in *r.
 func (m *MemoryStore) takeInto(r *Result, key string, cost int64, plans []Plan) {
+	if windowIn(plans) {
+		m.takeWindows(r, key, cost, plans)
+		return
+	}
+	// A chain of buckets alone skips the windows' bookkeeping (callgrind,
+	// BenchmarkLimiterAllow/memory/one-key: see README). A fixed array
+	// keeps up to four plans off the heap.
+	var buf [4]TokenBucket
+	buckets := buf[:0]
+	s := m.shard(key)
+	s.mu.Lock()
+	now := m.now() // under the lock: see lock
+	e := s.keys[key]
+	if e != nil {
+		e.seen = now
+	}
+	for i := range plans {
+		buckets = append(buckets, e.bucket(&plans[i], now))
+	}
+	allowed := takeAll(plans, buckets, now, cost)
+	if allowed && cost > 0 {
+		if e == nil {
+			e = s.entry(key, len(plans), m.perCap, now)
+		}
+		for i := range plans {
+			e.store(&plans[i], buckets[i])
+		}
+	} else {
+		// A denial or a read leaves the buckets as they were.
+		for i := range plans {
+			buckets[i] = e.bucket(&plans[i], now)
+		}
+	}
+	s.mu.Unlock()
+	r.describe(plans, buckets, nil, now, cost, allowed)
+}
+
+// lock locks the shard of key and returns it, the key's entry (nil if
+// none) and the time. The clock is read under the lock, so no decision on
+// this key can have stamped a bucket later than now: a stale now, after a
+// long preemption, could pass for a garbage stamp a whole refill ahead.
+func (m *MemoryStore) lock(key string) (*memShard, *memEntry, int64) {
+	s := m.shard(key)
+	s.mu.Lock()
+	now := m.now()
+	e := s.keys[key]
+	if e != nil {
+		e.seen = now
+	}
+	return s, e, now
+}
+
+// entry inserts a new entry for key, with room for n plans, and returns
+// it. Requires s.mu.
+func (s *memShard) entry(key string, n, perCap int, now int64) *memEntry {
+	e := &memEntry{buckets: make([]memBucket, 0, n), seen: now}
+	s.insert(strings.Clone(key), e, perCap, now)
+	return e
+}
+
+// takeWindows is takeInto for a chain with window plans.
+func (m *MemoryStore) takeWindows(r *Result, key string, cost int64, plans []Plan) {
 	// Fixed arrays keep a decision on up to four chained plans off the heap.
 	var bbuf [4]TokenBucket
 	var wbuf [4]*window
-	var cbuf [4][2]int64
 	var sbuf [4]planState
-	buckets, windows, counts, states := bbuf[:0], wbuf[:0], cbuf[:0], sbuf[:0]
+	buckets, windows, states := bbuf[:], wbuf[:], sbuf[:] // states of windows
+	if len(plans) > len(bbuf) {
+		buckets, windows, states = make([]TokenBucket, len(plans)), make([]*window, len(plans)), make([]planState, len(plans))
+	}
 	var u uint64
 	suppressed := suppressedIn(plans)
 	if suppressed {
 		u = m.random()
 	}
 
-	s := m.shard(key)
-	s.mu.Lock()
-	// The clock is read under the lock, so no decision on this key can
-	// have stamped a bucket later than now: a stale now, after a long
-	// preemption, could pass for a garbage stamp a whole refill ahead.
-	now := m.now()
-	e := s.keys[key]
-	if e != nil {
-		e.seen = now
-	}
-	for _, p := range plans {
-		buckets = append(buckets, e.bucket(p, now))
-		windows = append(windows, e.window(p))
-		counts = append(counts, [2]int64{})
-		states = append(states, planState{})
-	}
-	allowed := chain(plans, buckets, windows, counts, now, cost, u)
-	taken := allowed && cost > 0
-	if taken || suppressed && cost > 0 {
-		if e == nil {
-			e = &memEntry{buckets: make([]memBucket, 0, len(plans)), seen: now}
-			s.insert(strings.Clone(key), e, m.perCap, now)
+	s, e, now := m.lock(key)
+	for i := range plans {
+		if p := &plans[i]; p.isWindow() {
+			windows[i] = e.window(p)
+		} else {
+			buckets[i] = e.bucket(p, now)
 		}
-		for i, p := range plans {
-			switch {
-			case p.isWindow() && (taken || p.Suppress != 0):
-				admitted := int64(0)
+	}
+	allowed := chain(plans, buckets, windows, now, cost, u)
+	taken := allowed && cost > 0
+	if (taken || suppressed && cost > 0) && e == nil {
+		e = s.entry(key, len(plans), m.perCap, now)
+	}
+	if taken || suppressed && cost > 0 {
+		for i := range plans {
+			switch p := &plans[i]; {
+			case !p.isWindow():
 				if taken {
-					admitted = cost
+					buckets[i].Tokens -= cost * microTokens
+					e.store(p, buckets[i])
 				}
+			case taken:
 				windows[i] = e.storeWindow(p)
-				windows[i].add(p, now, admitted, cost)
-			case !p.isWindow() && taken:
-				buckets[i].Tokens -= cost * microTokens
-				e.store(p, buckets[i])
+				windows[i].add(p, now, cost, cost)
+			case p.Suppress != 0:
+				windows[i] = e.storeWindow(p)
+				windows[i].add(p, now, 0, cost)
 			}
 		}
 	}
-	for i, p := range plans {
-		switch {
+	for i := range plans {
+		switch p := &plans[i]; {
 		case p.isWindow():
 			// Windows change in place: they are described under the lock.
-			w, ready := windows[i], now
-			if !taken {
-				ready = w.readyAt(p, now, max(cost, 1))
-			}
-			states[i] = windowState(p, counts[i][0], counts[i][1], ready, w.resetAt(now), now, cost, allowed)
+			states[i] = describeWindow(p, windows[i], now, cost, allowed)
 		case !taken:
 			// A denial or a read leaves the buckets as they were.
 			buckets[i] = e.bucket(p, now)
 		}
 	}
 	s.mu.Unlock()
-	for i, p := range plans {
-		if !p.isWindow() {
-			states[i] = bucketState(p, buckets[i], now, cost, allowed)
-		}
+	r.describe(plans, buckets, states, now, cost, allowed)
+}
+
+// describeWindow returns what a Result reports of window w of plan p after
+// a decision that wrote in it what the decision wrote: its counts before
+// the decision are its counts now, less what it took.
+func describeWindow(p *Plan, w *window, now, cost int64, allowed bool) planState {
+	admitted, offered := w.counts(now)
+	ready := now
+	if allowed && cost > 0 {
+		admitted -= cost
+	} else {
+		ready = w.readyAt(p, now, max(cost, 1))
 	}
-	r.describe(plans, states, cost, allowed)
+	if p.Suppress != 0 && cost > 0 {
+		offered -= cost
+	}
+	return windowState(p, admitted, offered, ready, w.resetAt(now), now, cost, allowed)
 }
 
 // insert adds a key, dropping full keys it comes across and, at the bound,

@@ -99,12 +99,18 @@ func (s *RedisStore) run(ctx context.Context, keys []string, cost int64, plans [
 	if err != nil {
 		return Result{}, err
 	}
-	var stack [4]planState // up to four plans without allocating
-	allowed, _, states, err := parseReply(stack[:0], reply, plans, cost)
+	// Up to four plans without allocating.
+	var bstack [4]TokenBucket
+	var wstack [4]planState
+	buckets, windows := bstack[:], wstack[:]
+	if len(plans) > len(bstack) {
+		buckets, windows = make([]TokenBucket, len(plans)), make([]planState, len(plans))
+	}
+	allowed, now, err := parseReply(buckets, windows, reply, plans, cost)
 	if err != nil {
 		return Result{}, err
 	}
-	return newResult(plans, states, cost, allowed), nil
+	return newResult(plans, buckets, windows, now, cost, allowed), nil
 }
 
 // args returns the script's ARGV for a decision (see scripts/limit.lua),
@@ -156,35 +162,37 @@ var maxWait = 2 * MaxRefillPeriod.Microseconds()
 
 // parseReply checks the shape of the script's reply instead of trusting it
 // (see scripts/limit.lua): all integers, with counts, tokens and stamps
-// that Lua's doubles hold exactly, and waits no plan could tell. It
-// appends the state of each plan to dst. Bucket states are as stored; a
-// stamp after now (Redis TIME stepped back) or tokens above a capacity
-// that shrank are for Refill to judge, as the next decision will.
-func parseReply(dst []planState, reply any, plans []Plan, cost int64) (allowed bool, now int64, states []planState, err error) {
+// that Lua's doubles hold exactly, and waits no plan could tell. It puts
+// the bucket of bucket plan i in buckets[i], as stored, and the state of
+// window plan i in windows[i]. A stamp after now (Redis TIME stepped back)
+// or tokens above a capacity that shrank are for Refill to judge, as the
+// next decision will.
+func parseReply(buckets []TokenBucket, windows []planState, reply any, plans []Plan, cost int64) (allowed bool, now int64, err error) {
 	var stack [2 + 4*4]int64
 	vals, err := redisscript.Ints(stack[:0], reply, replyLen(plans))
 	if err != nil {
-		return false, 0, nil, err
+		return false, 0, err
 	}
 	if vals[0] > 1 {
-		return false, 0, nil, fmt.Errorf("%w: allowed flag is %d", ErrBadReply, vals[0])
+		return false, 0, fmt.Errorf("%w: allowed flag is %d", ErrBadReply, vals[0])
 	}
 	allowed, now = vals[0] == 1, vals[1]
 	vals = vals[2:]
-	for _, p := range plans {
+	for i := range plans {
+		p := &plans[i]
 		if !p.isWindow() {
-			dst = append(dst, bucketState(p, TokenBucket{Tokens: vals[0], Stamp: vals[1]}, now, cost, allowed))
+			buckets[i] = TokenBucket{Tokens: vals[0], Stamp: vals[1]}
 			vals = vals[2:]
 			continue
 		}
 		admitted, offered, ready, reset := vals[0], vals[1], vals[2], vals[3]
 		if ready < now || reset < now || ready-now > maxWait || reset-now > maxWait {
-			return false, 0, nil, fmt.Errorf("%w: a window's wait is out of range", ErrBadReply)
+			return false, 0, fmt.Errorf("%w: a window's wait is out of range", ErrBadReply)
 		}
-		dst = append(dst, windowState(p, admitted, offered, ready, reset, now, cost, allowed))
+		windows[i] = windowState(p, admitted, offered, ready, reset, now, cost, allowed)
 		vals = vals[4:]
 	}
-	return allowed, now, dst, nil
+	return allowed, now, nil
 }
 
 // Reset implements Store: it deletes the buckets, which then read as full.

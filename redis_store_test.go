@@ -228,7 +228,7 @@ func TestParseReply(t *testing.T) {
 	}
 	for _, tt := range windowTests {
 		t.Run(tt.name, func(t *testing.T) {
-			_, _, _, err := parseReply(nil, tt.reply, []Plan{win}, 1)
+			_, _, err := parseReply(make([]TokenBucket, 1), make([]planState, 1), tt.reply, []Plan{win}, 1)
 			if tt.ok {
 				assert.NoError(t, err)
 			} else {
@@ -238,7 +238,7 @@ func TestParseReply(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			_, _, _, err := parseReply(nil, tt.reply, plans, 1)
+			_, _, err := parseReply(make([]TokenBucket, 1), make([]planState, 1), tt.reply, plans, 1)
 			if tt.ok {
 				assert.NoError(t, err)
 			} else {
@@ -397,7 +397,8 @@ func FuzzParseReply(f *testing.F) {
 		}
 		cost := int64(r.byte() % 3)
 		reply := r.value(plans, 0)
-		allowed, now, states, err := parseReply(nil, reply, plans, cost)
+		buckets, windows := make([]TokenBucket, len(plans)), make([]planState, len(plans))
+		allowed, now, err := parseReply(buckets, windows, reply, plans, cost)
 		if !wellFormed(reply, plans) {
 			if !errors.Is(err, ErrBadReply) {
 				t.Fatalf("reply %#v for %d plans: err %v, want ErrBadReply", reply, len(plans), err)
@@ -408,22 +409,23 @@ func FuzzParseReply(f *testing.F) {
 			t.Fatalf("well-formed reply %#v rejected: %v", reply, err)
 		}
 		arr := reply.([]any)
-		if allowed != (arr[0] == int64(1)) || now != arr[1] || len(states) != len(plans) {
-			t.Fatalf("reply %#v parsed as %v, %d, %v", reply, allowed, now, states)
+		if allowed != (arr[0] == int64(1)) || now != arr[1] {
+			t.Fatalf("reply %#v parsed as %v, %d", reply, allowed, now)
 		}
 		vals := arr[2:]
 		for i, p := range plans {
-			var want planState
 			if p.isWindow() {
-				want = windowState(p, vals[0].(int64), vals[1].(int64), vals[2].(int64), vals[3].(int64), now, cost, allowed)
+				want := windowState(&p, vals[0].(int64), vals[1].(int64), vals[2].(int64), vals[3].(int64), now, cost, allowed)
+				if windows[i] != want {
+					t.Fatalf("reply %#v: window %d parsed as %+v, want %+v", reply, i, windows[i], want)
+				}
 				vals = vals[4:]
-			} else {
-				want = bucketState(p, TokenBucket{Tokens: vals[0].(int64), Stamp: vals[1].(int64)}, now, cost, allowed)
-				vals = vals[2:]
+				continue
 			}
-			if states[i] != want {
-				t.Fatalf("reply %#v: plan %d parsed as %+v, want %+v", reply, i, states[i], want)
+			if want := (TokenBucket{Tokens: vals[0].(int64), Stamp: vals[1].(int64)}); buckets[i] != want {
+				t.Fatalf("reply %#v: bucket %d parsed as %+v, want %+v", reply, i, buckets[i], want)
 			}
+			vals = vals[2:]
 		}
 	})
 }
@@ -631,11 +633,8 @@ func runAgreement(t *testing.T, steps []agreementOp) {
 			if allowed && s.cost > 0 {
 				stored = buckets
 			}
-			states := make([]planState, len(s.plans))
-			for j, p := range s.plans {
-				states[j] = bucketState(p, stored[j], now, s.cost, allowed)
-			}
-			assert.Equal(t, newResult(s.plans, states, s.cost, allowed), got, "step %d: Lua and TokenBucket disagree", i)
+			want := newResult(s.plans, stored, make([]planState, len(s.plans)), now, s.cost, allowed)
+			assert.Equal(t, want, got, "step %d: Lua and TokenBucket disagree", i)
 		} else if got.Allowed && s.cost > 0 {
 			assert.True(t, allowed, "step %d: allowed, though a bucket lacks the tokens", i)
 		}
@@ -679,7 +678,7 @@ func assertSameWindow(t *testing.T, rs *RedisStore, ms *MemoryStore, key string,
 	inMemory := map[string]string{}
 	s := ms.shard(key)
 	s.mu.Lock()
-	w := s.keys[key].window(p)
+	w := s.keys[key].window(&p)
 	lo, hi := w.span(now)
 	for i := lo; i <= hi; i++ {
 		n := int64(len(w.admitted))
@@ -862,7 +861,8 @@ func TestLuaAgreesWithGoOnRealRedis(t *testing.T) {
 		args := s.args(cost, []Plan{p})
 		reply, err := c.Eval(ctx, scripts.Limit, keys, args...).Result()
 		require.NoError(t, err)
-		allowed, now, got, err := parseReply(nil, reply, []Plan{p}, cost)
+		got := make([]TokenBucket, 1)
+		allowed, now, err := parseReply(got, make([]planState, 1), reply, []Plan{p}, cost)
 		require.NoError(t, err)
 		want := []TokenBucket{planted}
 		wantAllowed := takeAll([]Plan{p}, want, now, cost)
@@ -871,7 +871,7 @@ func TestLuaAgreesWithGoOnRealRedis(t *testing.T) {
 		if allowed && cost > 0 {
 			written = want[0]
 		}
-		assert.Equal(t, []planState{bucketState(p, written, now, cost, allowed)}, got, "case %d: planted %+v, cost %d, plan %+v", i, planted, cost, p)
+		assert.Equal(t, []TokenBucket{written}, got, "case %d: planted %+v, cost %d, plan %+v", i, planted, cost, p)
 		stored, err := c.HMGet(ctx, key, "t", "ts").Result()
 		require.NoError(t, err)
 		if stored[0] == nil && allowed && cost > 0 {

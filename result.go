@@ -121,30 +121,38 @@ type planState struct {
 	drawn                  bool // a suppressed plan drew for the request
 }
 
-// newResult describes a decision on plans from their states, which both
-// stores build with bucketState and windowState, so they agree field by
-// field.
-func newResult(plans []Plan, states []planState, cost int64, allowed bool) Result {
+// newResult describes a decision on plans from their state after it:
+// buckets[i] is the stored bucket of bucket plan i, and windows[i] what
+// windowState tells of window plan i (windows may be nil when no plan is
+// a window). Both stores build their results
+// here, so they agree field by field.
+func newResult(plans []Plan, buckets []TokenBucket, windows []planState, now, cost int64, allowed bool) Result {
 	var r Result
-	r.describe(plans, states, cost, allowed)
+	r.describe(plans, buckets, windows, now, cost, allowed)
 	return r
 }
 
 // describe is newResult into *r, which it overwrites whole: the memory
 // store's hot path builds its Result in place this way. A read (cost 0)
 // is described as the question whether one token would pass now.
-func (r *Result) describe(plans []Plan, states []planState, cost int64, allowed bool) {
+func (r *Result) describe(plans []Plan, buckets []TokenBucket, windows []planState, now, cost int64, allowed bool) {
 	if len(plans) == 1 { // the common case, and hot
-		st := &states[0]
-		*r = Result{Plan: plans[0].Name, Limit: plans[0].Capacity,
-			Remaining: st.remaining, RetryAfter: st.retryAfter, ResetAfter: st.resetAfter,
-			Suppressed: st.drawn, Suppression: st.suppression}
+		p := &plans[0]
+		*r = Result{Plan: p.Name, Limit: p.Capacity}
+		if p.isWindow() {
+			st := &windows[0]
+			r.Remaining, r.RetryAfter, r.ResetAfter = st.remaining, st.retryAfter, st.resetAfter
+			r.Suppressed, r.Suppression = st.drawn, st.suppression
+		} else {
+			r.Remaining, r.RetryAfter, r.ResetAfter = bucketState(p, buckets[0], now, cost, allowed)
+		}
 		r.Allowed = allowed && (cost > 0 || r.RetryAfter == 0)
 		return
 	}
 	*r = Result{chain: make([]PlanResult, len(plans))}
-	for i, p := range plans {
-		st := &states[i]
+	for i := range plans {
+		p := &plans[i]
+		st := stateOf(p, i, buckets, windows, now, cost, allowed)
 		r.chain[i] = PlanResult{Plan: p.Name, Limit: p.Capacity, Remaining: st.remaining,
 			RetryAfter: st.retryAfter, ResetAfter: st.resetAfter, Suppression: st.suppression}
 		if cost == 0 && st.retryAfter > 0 {
@@ -165,28 +173,37 @@ func (r *Result) describe(plans []Plan, states []planState, cost int64, allowed 
 	r.Plan, r.Limit, r.Remaining, r.RetryAfter, r.ResetAfter = b.Plan, b.Limit, b.Remaining, b.RetryAfter, b.ResetAfter
 }
 
+// stateOf returns what a Result reports of plan p, the i-th: the
+// window's state as given, or the bucket's.
+func stateOf(p *Plan, i int, buckets []TokenBucket, windows []planState, now, cost int64, allowed bool) planState {
+	if p.isWindow() {
+		return windows[i]
+	}
+	var st planState
+	st.remaining, st.retryAfter, st.resetAfter = bucketState(p, buckets[i], now, cost, allowed)
+	return st
+}
+
 // bucketState returns what a Result reports of one stored bucket after a
 // decision that took cost tokens from every plan if allowed, or none:
 // RetryAfter is the wait until cost tokens are there, 0 if they are, and
 // for a read (cost 0) the wait until one token is.
-func bucketState(p Plan, b TokenBucket, now, cost int64, allowed bool) planState {
+func bucketState(p *Plan, b TokenBucket, now, cost int64, allowed bool) (remaining int64, retryAfter, resetAfter time.Duration) {
 	if allowed && cost > 0 {
 		// Refilled to now and drained: stored and current at once, so the
 		// hot path needs no second refill.
-		return planState{remaining: b.Remaining(), resetAfter: micros(b.readyAt(p, now, p.Capacity) - now)}
+		return b.Remaining(), 0, micros(b.readyAt(*p, now, p.Capacity) - now)
 	}
-	return planState{
-		remaining:  b.Refill(p, now).Remaining(),
-		retryAfter: micros(b.ReadyAt(p, now, max(cost, 1)) - now),
-		resetAfter: micros(b.FullAt(p, now) - now),
-	}
+	resetAfter = micros(b.FullAt(*p, now) - now)
+	retryAfter = micros(b.ReadyAt(*p, now, max(cost, 1)) - now)
+	return b.Refill(*p, now).Remaining(), retryAfter, resetAfter
 }
 
 // windowState returns what a Result reports of one window after a
 // decision: admitted and offered are its counts at now before the
 // decision, readyAt when max(cost, 1) tokens fit in it as it was, and
 // resetAt when it counts nothing admitted after the decision, all in µs.
-func windowState(p Plan, admitted, offered, readyAt, resetAt, now, cost int64, allowed bool) planState {
+func windowState(p *Plan, admitted, offered, readyAt, resetAt, now, cost int64, allowed bool) planState {
 	st := planState{remaining: max(0, p.Capacity-admitted), resetAfter: micros(resetAt - now)}
 	if allowed && cost > 0 {
 		st.remaining = max(0, p.Capacity-admitted-cost)
@@ -204,11 +221,13 @@ func windowState(p Plan, admitted, offered, readyAt, resetAt, now, cost int64, a
 // failOpenResult is the decision of the FailOpen policy: allowed, with every
 // bucket reported full because nothing is known of them.
 func failOpenResult(plans []Plan) Result {
-	states := make([]planState, len(plans))
+	buckets := make([]TokenBucket, len(plans))
+	windows := make([]planState, len(plans))
 	for i, p := range plans {
-		states[i].remaining = p.Capacity
+		buckets[i] = fullBucket(p, 0)
+		windows[i].remaining = p.Capacity
 	}
-	r := newResult(plans, states, 0, true)
+	r := newResult(plans, buckets, windows, 0, 0, true)
 	r.Source = SourceFailOpen
 	return r
 }

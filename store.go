@@ -46,9 +46,9 @@ func checkCost(cost, minCost int64, plans []Plan) error {
 	if cost < minCost {
 		return fmt.Errorf("%w: %d is below %d", ErrInvalidCost, cost, minCost)
 	}
-	for _, p := range plans {
-		if cost > p.Capacity {
-			return fmt.Errorf("%w: %d exceeds the capacity %d of plan %q", ErrInvalidCost, cost, p.Capacity, p.Name)
+	for i := range plans {
+		if cost > plans[i].Capacity {
+			return fmt.Errorf("%w: %d exceeds the capacity %d of plan %q", ErrInvalidCost, cost, plans[i].Capacity, plans[i].Name)
 		}
 	}
 	return nil

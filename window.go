@@ -70,7 +70,7 @@ func (w *window) counts(now int64) (admitted, offered int64) {
 // under the plan's Capacity, if nothing else is admitted: now if they fit
 // now, otherwise the moment the oldest sub-windows that must leave have
 // left. cost must not exceed p.Capacity.
-func (w *window) readyAt(p Plan, now, cost int64) int64 {
+func (w *window) readyAt(p *Plan, now, cost int64) int64 {
 	total, _ := w.counts(now)
 	if total+cost <= p.Capacity {
 		return now
@@ -118,7 +118,7 @@ func (w *window) emptyAt() int64 {
 // add records admitted and offered tokens in the sub-window of now,
 // allocating the ring on the first write and clearing sub-windows that
 // no longer count.
-func (w *window) add(p Plan, now, admitted, offered int64) {
+func (w *window) add(p *Plan, now, admitted, offered int64) {
 	if w.admitted == nil {
 		w.width, w.slots = p.width(), p.slots()
 	}
@@ -165,7 +165,7 @@ func (w *window) add(p Plan, now, admitted, offered int64) {
 // +6.5% at 4S); the taper pulls harder the further above S the count is
 // (ADR 16). For a plan that is not suppressed it is 0 up to Capacity and
 // 1 past it.
-func suppression(p Plan, admitted, offered, cost int64) float64 {
+func suppression(p *Plan, admitted, offered, cost int64) float64 {
 	switch {
 	case admitted+cost <= p.Capacity:
 		return 0

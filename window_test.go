@@ -25,14 +25,13 @@ import (
 // takeWindow decides cost on window plan p alone, as the stores do, and
 // writes what they would write.
 func takeWindow(w *window, p Plan, now, cost int64, u uint64) bool {
-	var counts [1][2]int64
-	ok := chain([]Plan{p}, make([]TokenBucket, 1), []*window{w}, counts[:], now, cost, u)
+	ok := chain([]Plan{p}, make([]TokenBucket, 1), []*window{w}, now, cost, u)
 	if cost > 0 && (ok || p.Suppress != 0) {
 		admitted := int64(0)
 		if ok {
 			admitted = cost
 		}
-		w.add(p, now, admitted, cost)
+		w.add(&p, now, admitted, cost)
 	}
 	return ok
 }
@@ -99,7 +98,7 @@ func TestWindowSteps(t *testing.T) {
 			w := &window{}
 			for i, s := range tt.steps {
 				now := t0 + s.at
-				assert.Equal(t, t0+s.readyAt, w.readyAt(p, now, max(s.cost, 1)), "step %d: readyAt", i)
+				assert.Equal(t, t0+s.readyAt, w.readyAt(&p, now, max(s.cost, 1)), "step %d: readyAt", i)
 				assert.Equal(t, s.ok, takeWindow(w, p, now, s.cost, 0), "step %d: take %d at %d", i, s.cost, s.at)
 				count, _ := w.counts(now)
 				assert.Equal(t, s.count, count, "step %d: count", i)
@@ -134,21 +133,21 @@ func TestSuppressionSteps(t *testing.T) {
 	}
 	// offered 10, admitted 10: the next request would make 11 of 11.
 	factor := func(offered float64) float64 { return 1 - 10/offered } // at run time, as the stores compute it
-	assert.Equal(t, factor(11), suppression(p, 10, 10, 1))
+	assert.Equal(t, factor(11), suppression(&p, 10, 10, 1))
 	half := uint64(randomScale / 2)
 	assert.False(t, takeWindow(w, p, t0, 1, 0), "u = 0 is refused in the band")
-	assert.Equal(t, factor(12), suppression(p, 10, 11, 1), "the refusal counts as offered load")
+	assert.Equal(t, factor(12), suppression(&p, 10, 11, 1), "the refusal counts as offered load")
 	assert.True(t, takeWindow(w, p, t0, 1, half), "u = 1/2 passes at a factor of 1/6")
 	for range 4 {
 		assert.True(t, takeWindow(w, p, t0, 1, randomScale-1))
 	}
-	assert.Equal(t, 1.0, suppression(p, 15, 20, 1), "past the hard limit")
+	assert.Equal(t, 1.0, suppression(&p, 15, 20, 1), "past the hard limit")
 	assert.False(t, takeWindow(w, p, t0, 1, randomScale-1), "past the hard limit no draw passes")
 	admitted, offered := w.counts(t0)
 	assert.Equal(t, int64(15), admitted)
 	assert.Equal(t, int64(17), offered)
 	// Certain admission again once the sub-window has left.
-	assert.Equal(t, (t0/p.width()+2)*p.width(), w.readyAt(p, t0, 1))
+	assert.Equal(t, (t0/p.width()+2)*p.width(), w.readyAt(&p, t0, 1))
 }
 
 // FuzzWindow drives a window plan through fuzzed steps and checks it
@@ -202,7 +201,7 @@ func FuzzWindow(f *testing.F) {
 			cost := min(int64(op[2]), p.Capacity)
 			u := uint64(op[3]) << 45
 
-			ready := w.readyAt(p, now, max(cost, 1))
+			ready := w.readyAt(&p, now, max(cost, 1))
 			if ready < now {
 				t.Fatalf("step %d: readyAt %d before now %d", step, ready, now)
 			}
@@ -340,7 +339,7 @@ func TestWindowChildProcess(t *testing.T) {
 				cost := int64(1 + (i+w)%3)
 				reply, err := s.script.Run(context.Background(), c, keys, s.args(cost, windowProof)...)
 				require.NoError(t, err)
-				allowed, now, _, err := parseReply(nil, reply, windowProof, cost)
+				allowed, now, err := parseReply(make([]TokenBucket, 2), make([]planState, 2), reply, windowProof, cost)
 				require.NoError(t, err)
 				mu.Lock()
 				events = append(events, windowEvent{now, cost, allowed})
