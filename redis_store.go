@@ -113,24 +113,33 @@ func (s *RedisStore) run(ctx context.Context, keys []string, cost int64, plans [
 	return newResult(plans, buckets, windows, now, cost, allowed), nil
 }
 
-// args returns the script's ARGV for a decision (see scripts/limit.lua),
-// with a random number drawn if a plan is suppressed.
+// args returns the script's ARGV for a decision (see scripts/limit.lua):
+// for buckets alone, the cost and each plan's capacity and rate; with
+// windows, the cost, a random number drawn if a plan is suppressed, and
+// four numbers per plan.
 func (s *RedisStore) args(cost int64, plans []Plan) []any {
+	if !windowIn(plans) {
+		args := make([]any, 1+2*len(plans))
+		args[0] = cost
+		for i := range plans {
+			args[1+2*i], args[2+2*i] = plans[i].Capacity, formatRate(plans[i].Rate)
+		}
+		return args
+	}
 	args := make([]any, 2+4*len(plans))
 	args[0], args[1] = cost, 0
 	if suppressedIn(plans) {
 		args[1] = s.random()
 	}
-	for i, p := range plans {
-		a := args[2+4*i : 6+4*i]
-		if p.isWindow() {
-			hard := int64(0)
-			if p.Suppress != 0 {
-				hard = p.hardLimit()
-			}
-			a[0], a[1], a[2], a[3] = p.Capacity, p.width(), p.slots(), hard
-		} else {
+	for i := range plans {
+		p, a := &plans[i], args[2+4*i:6+4*i]
+		switch {
+		case !p.isWindow():
 			a[0], a[1], a[2], a[3] = p.Capacity, formatRate(p.Rate), 0, 0
+		case p.Suppress != 0:
+			a[0], a[1], a[2], a[3] = p.Capacity, p.width(), p.slots(), p.hardLimit()
+		default:
+			a[0], a[1], a[2], a[3] = p.Capacity, p.width(), p.slots(), 0
 		}
 	}
 	return args

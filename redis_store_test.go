@@ -1380,3 +1380,114 @@ func TestRedisErrorClassesNeverComeFromKeys(t *testing.T) {
 		assert.NotEqual(t, "ALICESMITH", class, "Stats.StoreErrors class")
 	}
 }
+
+// BenchmarkServerTime reports the Redis server time of one decision, from
+// INFO commandstats on a redis-server of its own, in µs (server-µs/op),
+// and the CPU time the server used per decision (cpu-µs/op, which
+// includes reading the request and writing the reply):
+// a bucket plan, window plans of 1, 20 and 64 sub-windows, a suppressed
+// window, and a bucket chained with a window; each on 100 keys, so that
+// every sub-window holds counts, and on 10,000, so that most decisions
+// open a sub-window of their own. bucket-only-script runs the script
+// before windows (ADR 16).
+func BenchmarkServerTime(b *testing.B) {
+	redistest.SkipIfUnavailable(b)
+	srv := redistest.StartServer(b)
+	c := redis.NewClient(&redis.Options{Addr: srv.Addr(), PoolSize: 16})
+	b.Cleanup(func() { _ = c.Close() })
+	bucket := Plan{Name: "b", Capacity: 1 << 30, Rate: 1}
+	window := func(slots int) Plan {
+		return Plan{Name: fmt.Sprint("w", slots), Capacity: 1 << 30, Window: time.Second, Slots: slots}
+	}
+	suppressed := Plan{Name: "s", Capacity: 1 << 30, Window: time.Second, Suppress: 1.5}
+	old := redisscript.New(scripts.TokenBucket)
+	for _, keys := range []int{100, 10_000} {
+		for _, tc := range []struct {
+			name  string
+			plans []Plan
+		}{
+			{"bucket", []Plan{bucket}},
+			{"bucket-only-script", nil},
+			{"window-1", []Plan{window(1)}},
+			{"window-20", []Plan{window(20)}},
+			{"window-64", []Plan{window(64)}},
+			{"suppressed-20", []Plan{suppressed}},
+			{"bucket+window-20", []Plan{bucket, window(20)}},
+		} {
+			b.Run(fmt.Sprintf("%s/keys-%d", tc.name, keys), func(b *testing.B) {
+				s := NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix()))
+				names := benchKeys(keys)
+				decide := func(key string) error {
+					if tc.plans == nil { // the script before windows: ARGV cost, capacity, rate
+						_, err := old.Run(context.Background(), c, []string{s.Key(key, bucket.Name)}, 1, bucket.Capacity, formatRate(bucket.Rate))
+						return err
+					}
+					_, err := s.Take(context.Background(), key, 1, tc.plans)
+					return err
+				}
+				for _, k := range names { // every key exists, and the scripts are loaded
+					require.NoError(b, decide(k))
+				}
+				calls, usec := evalshaStats(b, c)
+				cpu := serverCPU(b, c)
+				var next atomic.Int64
+				b.SetParallelism(8)
+				b.ResetTimer()
+				b.RunParallel(func(pb *testing.PB) {
+					i := int(next.Add(1)) * 7919
+					for pb.Next() {
+						i++
+						if err := decide(names[i%len(names)]); err != nil {
+							b.Error(err)
+							return
+						}
+					}
+				})
+				b.StopTimer()
+				calls2, usec2 := evalshaStats(b, c)
+				b.ReportMetric(float64(usec2-usec)/float64(calls2-calls), "server-µs/op")
+				b.ReportMetric((serverCPU(b, c)-cpu)*1e6/float64(calls2-calls), "cpu-µs/op")
+			})
+		}
+	}
+}
+
+// serverCPU returns the CPU time, user and system, that Redis has used,
+// in seconds, from INFO cpu: unlike the time INFO commandstats counts, it
+// stops while the server waits for a core.
+func serverCPU(b *testing.B, c *redis.Client) float64 {
+	info, err := c.Info(context.Background(), "cpu").Result()
+	require.NoError(b, err)
+	total := 0.0
+	for _, line := range strings.Split(info, "\n") {
+		k, v, _ := strings.Cut(strings.TrimSpace(line), ":")
+		if k == "used_cpu_user" || k == "used_cpu_sys" {
+			x, err := strconv.ParseFloat(v, 64)
+			require.NoError(b, err)
+			total += x
+		}
+	}
+	return total
+}
+
+// evalshaStats returns the calls of EVALSHA and the µs Redis spent in
+// them, from INFO commandstats.
+func evalshaStats(b *testing.B, c *redis.Client) (calls, usec int64) {
+	info, err := c.Info(context.Background(), "commandstats").Result()
+	require.NoError(b, err)
+	for _, line := range strings.Split(info, "\n") {
+		if rest, ok := strings.CutPrefix(strings.TrimSpace(line), "cmdstat_evalsha:"); ok {
+			for _, kv := range strings.Split(rest, ",") {
+				k, v, _ := strings.Cut(kv, "=")
+				n, _ := strconv.ParseInt(v, 10, 64)
+				switch k {
+				case "calls":
+					calls = n
+				case "usec":
+					usec = n
+				}
+			}
+		}
+	}
+	return calls, usec
+}

@@ -6,15 +6,22 @@
 -- chain.go; a test feeds both the same steps and demands the same answers.
 -- Numbers are whole micro-tokens, tokens and microseconds, below 2^53, so
 -- Lua's doubles hold them exactly, and both Redis and miniredis pass whole
--- numbers to commands digit for digit.
+-- numbers to commands digit for digit. It is written for speed: flat
+-- arrays rather than a table per plan, and nothing for windows allocated
+-- in a chain of buckets alone (ADR 16).
 --
 -- KEYS[i]        the state of plan i; every key shares one hash slot
 -- ARGV[1]        cost in tokens; 0 reads without taking or writing
+-- Then, for a chain of buckets alone (#ARGV = 1 + 2 #KEYS), which the
+-- arguments of windows would slow by 13-23% (ADR 16):
+-- ARGV[2i..2i+1] plan i: capacity in tokens, rate in tokens per second
+--                (= micro-tokens per µs)
+-- and for any other chain:
 -- ARGV[2]        a random whole number in [0, 2^53), drawn by the caller
 --                for suppressed plans (Lua's math.random is reseeded on
 --                every call before Redis 7)
--- ARGV[4i-1..4i] plan i: capacity in tokens, then
---   a bucket:    rate in tokens per second (= micro-tokens per µs), 0, 0
+-- ARGV[4i-1..4i+2] plan i: capacity in tokens, then
+--   a bucket:    rate in tokens per second, 0, 0
 --   a window:    sub-window width g in µs, the number k of sub-windows,
 --                and the hard limit in tokens if suppressed, else 0
 --
@@ -40,198 +47,220 @@
 --
 -- Data of another schema, type or geometry is replaced, never misread.
 
+local floor, tonumber = math.floor, tonumber
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
 local cost = tonumber(ARGV[1])
 local need = cost * 1000000
-local u = tonumber(ARGV[2])
-local allowed = true
-local state = {} -- per plan: a bucket refilled to now, or a window as read
+local wide = #ARGV ~= 1 + 2 * #KEYS -- the layout with windows
+local u = wide and tonumber(ARGV[2]) or 0
+local max53 = 9007199254740992
+local reply = {1, now} -- bucket plans: the state as read, until allowed
+local after = {} -- bucket plans: the state refilled to now
 local foreign -- plans whose key holds data not ours, replaced on write
+-- Window plans, by plan: the current sub-window (b), the counts (adm,
+-- off), the newest sub-window (newest), the newest with an admitted count
+-- (last), stale fields to delete (stale), and the fields read (xs).
+local b, adm, off, newest, last, stale, xs
 
-local function is_count(x)
-  return x ~= nil and x == math.floor(x) and x >= 0 and x <= 9007199254740992
-end
-
--- bucket reads and refills plan i's bucket, exactly as bucket.go does.
-local function bucket(i, full, rate)
-  local h = redis.pcall('HMGET', KEYS[i], 't', 'ts', 'v')
-  local t, ts
-  if h.err == nil and h[3] == '1' then
-    t, ts = tonumber(h[1]), tonumber(h[2])
-  end
-  if not (is_count(t) and is_count(ts)) then
-    if h.err ~= nil or h[1] or h[2] or h[3] then
-      foreign = foreign or {}
-      foreign[i] = true
+for i = 1, #KEYS do
+  local a = wide and 4 * i - 1 or 2 * i -- plan i's first argument
+  local cap = tonumber(ARGV[a])
+  local k = wide and tonumber(ARGV[a + 2]) or 0
+  if k == 0 then
+    -- A bucket: refill, exactly as bucket.go does it.
+    local full, rate = cap * 1000000, tonumber(ARGV[a + 1])
+    local h = redis.pcall('HMGET', KEYS[i], 't', 'ts', 'v')
+    local t, ts
+    if h.err == nil and h[3] == '1' then
+      t, ts = tonumber(h[1]), tonumber(h[2])
     end
-    t, ts = full, now -- missing or expired: a full bucket
-  end
-  local s = {stored_t = t, stored_ts = ts}
-  if now <= ts then
-    if ts - now > full / rate then
-      t, ts = full, now -- a stamp more than a full refill ahead: garbage
-    elseif t > full then
-      t = full
+    if t == nil or ts == nil or t ~= floor(t) or ts ~= floor(ts)
+        or t < 0 or t > max53 or ts < 0 or ts > max53 then
+      if h.err ~= nil or h[1] or h[2] or h[3] then
+        foreign = foreign or {}
+        foreign[i] = true
+      end
+      t, ts = full, now -- missing or expired: a full bucket
     end
-  elseif t >= full then
-    t, ts = full, now
-  else
-    local gain = (now - ts) * rate
-    local whole = math.floor(gain)
-    if t + whole >= full then
+    reply[2 * i + 1], reply[2 * i + 2] = t, ts
+    if now <= ts then
+      if ts - now > full / rate then
+        t, ts = full, now -- a stamp more than a full refill ahead: garbage
+      elseif t > full then
+        t = full
+      end
+    elseif t >= full then
       t, ts = full, now
     else
-      t, ts = t + whole, now - math.floor((gain - whole) / rate)
-    end
-  end
-  s.t, s.ts = t, ts
-  if t < need then allowed = false end
-  return s
-end
-
--- window reads plan i's window and decides on it, as window.go does.
-local function window(i, cap, g, k, hard)
-  local id = (hard > 0 and 's' or 'w') .. ARGV[4 * i] .. '/' .. ARGV[4 * i + 1]
-  local s = {cap = cap, g = g, k = k, hard = hard, id = id,
-    b = math.floor(now / g), adm = {}, off = {}, fields = {}}
-  local h = redis.pcall('HGETALL', KEYS[i])
-  local ok = h.err == nil
-  local version
-  if ok then
-    for j = 1, #h, 2 do
-      local f, c = h[j], tonumber(h[j + 1])
-      if f == 'v' then
-        version = h[j + 1]
+      local gain = (now - ts) * rate
+      local whole = floor(gain)
+      if t + whole >= full then
+        t, ts = full, now
       else
-        local counts = s.adm
-        if string.sub(f, 1, 1) == 'o' then
-          counts, f = s.off, string.sub(f, 2)
-        end
-        local x = tonumber(f)
-        if not (is_count(x) and is_count(c)) then ok = false break end
-        counts[x] = c
-        s.fields[#s.fields + 1] = h[j]
-        if s.newest == nil or x > s.newest then s.newest = x end
+        t, ts = t + whole, now - floor((gain - whole) / rate)
       end
     end
-  end
-  -- A newest sub-window more than a window ahead is no clock step: the
-  -- window reads as empty, as window.go's span says.
-  if not ok or (#h > 0 and version ~= id) or (s.newest and s.newest > s.b + k) then
-    if not ok or #h > 0 then
-      foreign = foreign or {}
-      foreign[i] = true
-    end
-    s.adm, s.off, s.fields, s.newest = {}, {}, {}, nil
-  end
-  local admitted, offered = 0, 0
-  for x, c in pairs(s.adm) do
-    if x >= s.b - k then admitted = admitted + c end
-  end
-  for x, c in pairs(s.off) do
-    if x >= s.b - k then offered = offered + c end
-  end
-  s.admitted, s.offered = admitted, offered
-  if cost > 0 then
-    local f -- the probability of refusal, as suppression() computes it
-    if admitted + cost <= cap then
-      f = 0
-    elseif hard == 0 or admitted + cost > hard then
-      f = 1
-    else
-      f = 1 - cap / (offered + cost) * ((hard - admitted - cost + 1) / (hard - cap))
-    end
-    if u < f * 9007199254740992 then allowed = false end
-  end
-  return s
-end
-
--- leaves returns when sub-window x stops counting.
-local function leaves(s, x)
-  return (x + 1 + s.k) * s.g
-end
-
--- ready returns when n more tokens fit under the window's capacity, as
--- window.readyAt computes it: the oldest sub-windows leave first.
-local function ready(s, n)
-  local total = s.admitted
-  if total + n <= s.cap then return now end
-  local live = {}
-  for x, c in pairs(s.adm) do
-    if x >= s.b - s.k and c > 0 then live[#live + 1] = x end
-  end
-  table.sort(live)
-  for _, x in ipairs(live) do
-    total = total - s.adm[x]
-    if total + n <= s.cap then return leaves(s, x) end
-  end
-  return now -- not reached: all gone, n fits
-end
-
-for i = 1, #KEYS do
-  local cap, k = tonumber(ARGV[4 * i - 1]), tonumber(ARGV[4 * i + 1])
-  if k == 0 then
-    state[i] = bucket(i, cap * 1000000, tonumber(ARGV[4 * i]))
+    after[2 * i - 1], after[2 * i] = t, ts
+    if t < need then reply[1] = 0 end
   else
-    state[i] = window(i, cap, tonumber(ARGV[4 * i]), k, tonumber(ARGV[4 * i + 2]))
+    -- A window: read it and count it, as window.go does.
+    if b == nil then
+      b, adm, off, newest, last, stale, xs = {}, {}, {}, {}, {}, {}, {}
+    end
+    local g, hard = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 3])
+    local id = (hard > 0 and 's' or 'w') .. ARGV[a + 1] .. '/' .. ARGV[a + 2]
+    local bi = floor(now / g)
+    local from = bi - k
+    local h = redis.pcall('HGETALL', KEYS[i])
+    local ok, version = h.err == nil, nil
+    local na, no, nw, nl, sx = 0, 0, nil, nil, nil
+    if ok then
+      for j = 1, #h, 2 do
+        local f, c = h[j], tonumber(h[j + 1])
+        local x, offered = tonumber(f), false
+        if x == nil then
+          if f == 'v' then
+            version = h[j + 1]
+          elseif string.byte(f) == 111 then -- 'o'
+            x, offered = tonumber(string.sub(f, 2)), true
+          end
+        end
+        if f ~= 'v' then
+          if x == nil or c == nil or x ~= floor(x) or c ~= floor(c)
+              or x < 0 or c < 0 or x > max53 or c > max53 then
+            ok = false
+            break
+          end
+          if nw == nil or x > nw then nw = x end
+          if x < from then
+            sx = sx or {}
+            sx[#sx + 1] = f
+          elseif offered then
+            no = no + c
+          else
+            na = na + c
+            if c > 0 and (nl == nil or x > nl) then nl = x end
+          end
+        end
+      end
+    end
+    -- A newest sub-window more than a window ahead is no clock step: the
+    -- window reads as empty, as window.go's span says.
+    if not ok or (#h > 0 and version ~= id) or (nw and nw > bi + k) then
+      if not ok or #h > 0 then
+        foreign = foreign or {}
+        foreign[i] = true
+      end
+      na, no, nw, nl, sx, h = 0, 0, nil, nil, nil, {}
+    end
+    -- The fields read are kept: a refusal or a read walks them again.
+    b[i], adm[i], off[i], newest[i], last[i], stale[i], xs[i] = bi, na, no, nw, nl, sx, h
+    if cost > 0 then
+      local f -- the probability of refusal, as suppression() computes it
+      if na + cost <= cap then
+        f = 0
+      elseif hard == 0 or na + cost > hard then
+        f = 1
+      else
+        f = 1 - cap / (no + cost) * ((hard - na - cost + 1) / (hard - cap))
+      end
+      if u < f * max53 then reply[1] = 0 end
+    end
   end
 end
 
-local reply = {allowed and 1 or 0, now}
-local function push(...)
-  for _, x in ipairs({...}) do reply[#reply + 1] = x end
-end
-for i = 1, #KEYS do
-  local s = state[i]
-  if s.g == nil then -- a bucket
-    if allowed and need > 0 then
-      local t, ts = s.t - need, s.ts
-      push(t, ts)
+local allowed = reply[1] == 1
+if not wide then
+  -- Buckets alone: the reply holds them as read; drain them if allowed.
+  if allowed and need > 0 then
+    for i = 1, #KEYS do
+      local t, ts = after[2 * i - 1] - need, after[2 * i]
+      reply[2 * i + 1], reply[2 * i + 2] = t, ts
       if foreign and foreign[i] then redis.call('DEL', KEYS[i]) end
       redis.call('HSET', KEYS[i], 't', t, 'ts', ts, 'v', 1)
       -- Until full again, rounded up, plus a millisecond for the expiry
-      -- clock. The bucket fills from its stamp, which is ahead of now after
-      -- TIME stepped back: counted from now, the key would expire, and read
-      -- as full, that much early.
+      -- clock. The bucket fills from its stamp, which is ahead of now
+      -- after TIME stepped back: counted from now, the key would expire,
+      -- and read as full, that much early.
       redis.call('PEXPIRE', KEYS[i],
-        math.floor(((tonumber(ARGV[4 * i - 1]) * 1000000 - t) / tonumber(ARGV[4 * i])
+        floor(((tonumber(ARGV[2 * i]) * 1000000 - t) / tonumber(ARGV[2 * i + 1])
+          + math.max(0, ts - now)) / 1000) + 2)
+    end
+  end
+  return reply
+end
+
+local out = {reply[1], now}
+local n = 2
+for i = 1, #KEYS do
+  local a = 4 * i - 1
+  local k = tonumber(ARGV[a + 2])
+  if k == 0 then -- a bucket, as above
+    if allowed and need > 0 then
+      local t, ts = after[2 * i - 1] - need, after[2 * i]
+      out[n + 1], out[n + 2] = t, ts
+      if foreign and foreign[i] then redis.call('DEL', KEYS[i]) end
+      redis.call('HSET', KEYS[i], 't', t, 'ts', ts, 'v', 1)
+      redis.call('PEXPIRE', KEYS[i],
+        floor(((tonumber(ARGV[a]) * 1000000 - t) / tonumber(ARGV[a + 1])
           + math.max(0, ts - now)) / 1000) + 2)
     else
-      push(s.stored_t, s.stored_ts)
+      out[n + 1], out[n + 2] = reply[2 * i + 1], reply[2 * i + 2]
     end
+    n = n + 2
   else -- a window
+    local cap, g, hard = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 3])
+    local bi = b[i]
     local take = allowed and cost > 0
-    local ask = cost > 0 and s.hard > 0
-    local at = now
-    if not take then at = ready(s, math.max(cost, 1)) end
-    push(s.admitted, s.offered, at)
-    if take or ask then
+    local ready = now
+    if not take then
+      -- The oldest sub-windows leave first, as window.readyAt computes.
+      local c = math.max(cost, 1)
+      local total = adm[i]
+      if total + c > cap then
+        -- The live admitted counts, oldest first.
+        local h, from, live = xs[i], bi - k, {}
+        for j = 1, #h, 2 do
+          local x = tonumber(h[j])
+          if x and x >= from then live[#live + 1] = {x, tonumber(h[j + 1])} end
+        end
+        table.sort(live, function(p, q) return p[1] < q[1] end)
+        for _, e in ipairs(live) do
+          total = total - e[2]
+          if total + c <= cap then
+            ready = (e[1] + 1 + k) * g
+            break
+          end
+        end
+      end
+    end
+    out[n + 1], out[n + 2], out[n + 3] = adm[i], off[i], ready
+    local l = last[i]
+    if take or cost > 0 and hard > 0 then
       -- Field names are formatted here: Lua's own number-to-string
       -- conversion turns 10^14 into '1e+14'.
-      local field = string.format('%d', s.b)
+      local field = string.format('%d', bi)
       if foreign and foreign[i] then redis.call('DEL', KEYS[i]) end
-      if s.newest == nil then redis.call('HSET', KEYS[i], 'v', s.id) end
+      if newest[i] == nil then
+        redis.call('HSET', KEYS[i], 'v', (hard > 0 and 's' or 'w') .. ARGV[a + 1] .. '/' .. ARGV[a + 2])
+      end
       if take then
         redis.call('HINCRBY', KEYS[i], field, cost)
-        s.adm[s.b] = (s.adm[s.b] or 0) + cost
-        s.admitted = s.admitted + cost
+        if l == nil or bi > l then l = bi end
       end
-      if ask then redis.call('HINCRBY', KEYS[i], 'o' .. field, cost) end
-      -- Sub-windows before b - k count no more.
-      local stale = {}
-      for _, f in ipairs(s.fields) do
-        local x = tonumber(string.sub(f, 1, 1) == 'o' and string.sub(f, 2) or f)
-        if x < s.b - s.k then stale[#stale + 1] = f end
-      end
-      if #stale > 0 then redis.call('HDEL', KEYS[i], unpack(stale)) end
+      if hard > 0 then redis.call('HINCRBY', KEYS[i], 'o' .. field, cost) end
+      if stale[i] then redis.call('HDEL', KEYS[i], unpack(stale[i])) end
       -- The key expires once its newest sub-window stops counting, plus a
       -- millisecond for the expiry clock; until then it keeps its expiry.
-      if s.newest == nil or s.b > s.newest then
-        redis.call('PEXPIRE', KEYS[i], math.floor((leaves(s, s.b) - now) / 1000) + 2)
+      if newest[i] == nil or bi > newest[i] then
+        redis.call('PEXPIRE', KEYS[i], floor(((bi + 1 + k) * g - now) / 1000) + 2)
       end
     end
-    push(ready(s, s.cap))
+    -- Nothing admitted counts once the newest sub-window with a count has
+    -- left, as window.resetAt computes.
+    out[n + 4] = l and (l + 1 + k) * g or now
+    n = n + 4
   end
 end
-return reply
+return out
