@@ -343,17 +343,22 @@ func TestServerPanicsOnWiringMistakes(t *testing.T) {
 	lim := newLimiter(t, tollgate.NewMemoryStore())
 	key := Key("k")
 	for name, f := range map[string]func(){
-		"nil limiter":           func() { UnaryServerInterceptor(nil, key) },
-		"nil key":               func() { StreamServerInterceptor(lim, nil) },
-		"plan twice":            func() { UnaryServerInterceptor(lim, key, WithPlans("gold", "gold")) },
-		"unknown plan":          func() { UnaryServerInterceptor(lim, key, WithPlans("platinum")) },
-		"empty method plans":    func() { UnaryServerInterceptor(lim, key, WithMethodPlans(map[string][]string{emptyCall: {}})) },
-		"unknown method plan":   func() { UnaryServerInterceptor(lim, key, WithMethodPlans(map[string][]string{emptyCall: {"x"}})) },
-		"bad method name":       func() { UnaryServerInterceptor(lim, key, WithMethodPlans(map[string][]string{"EmptyCall": {"gold"}})) },
-		"unknown metadata mode": func() { UnaryServerInterceptor(lim, key, WithMetadata(7)) },
-		"unknown message mode":  func() { StreamServerInterceptor(lim, key, WithStreamMessages(9, nil)) },
-		"message plan unknown":  func() { StreamServerInterceptor(lim, key, WithStreamMessages(Reject, nil, "x")) },
-		"pace without Wait":     func() { StreamServerInterceptor(&stubLimiter{}, key, WithStreamMessages(Pace, nil)) },
+		"nil limiter":              func() { UnaryServerInterceptor(nil, key) },
+		"nil key":                  func() { StreamServerInterceptor(lim, nil) },
+		"plan twice":               func() { UnaryServerInterceptor(lim, key, WithPlans("gold", "gold")) },
+		"unknown plan":             func() { UnaryServerInterceptor(lim, key, WithPlans("platinum")) },
+		"empty method plans":       func() { UnaryServerInterceptor(lim, key, WithMethodPlans(map[string][]string{emptyCall: {}})) },
+		"unknown method plan":      func() { UnaryServerInterceptor(lim, key, WithMethodPlans(map[string][]string{emptyCall: {"x"}})) },
+		"bad method name":          func() { UnaryServerInterceptor(lim, key, WithMethodPlans(map[string][]string{"EmptyCall": {"gold"}})) },
+		"unknown metadata mode":    func() { UnaryServerInterceptor(lim, key, WithMetadata(7)) },
+		"unknown message mode":     func() { StreamServerInterceptor(lim, key, WithStreamMessages(9, nil)) },
+		"message plan unknown":     func() { StreamServerInterceptor(lim, key, WithStreamMessages(Reject, nil, "x")) },
+		"pace without Wait":        func() { StreamServerInterceptor(&stubLimiter{}, key, WithStreamMessages(Pace, nil)) },
+		"adapter with nil key":     func() { NewMiddlewareLimiter(lim, nil) },
+		"client with nil waiter":   func() { UnaryClientInterceptor(nil, key) },
+		"client with nil key":      func() { StreamClientInterceptor(lim, nil) },
+		"client with plan twice":   func() { UnaryClientInterceptor(lim, key, WithClientPlans("gold", "gold")) },
+		"client with unknown plan": func() { UnaryClientInterceptor(lim, key, WithClientPlans("x")) },
 	} {
 		msg := mustPanic(f)
 		assert.True(t, strings.HasPrefix(msg, "grpclimit: "), "%s: panic %q", name, msg)
