@@ -77,8 +77,8 @@ func ByMetadata(name string) KeyFunc {
 	prefix := "md:" + name + ":"
 	errMissing := fmt.Errorf("%w: metadata %s missing or empty", ErrNoKey, name)
 	return func(ctx context.Context, _ string) (string, error) {
-		md, _ := metadata.FromIncomingContext(ctx)
-		v := md[name] // the name is lower case already: Get would lower it again
+		// Not FromIncomingContext, which copies the whole map.
+		v := metadata.ValueFromIncomingContext(ctx, name)
 		if len(v) == 0 || v[0] == "" {
 			return "", errMissing
 		}
@@ -158,6 +158,17 @@ func ByPeerIP(trustedProxies ...netip.Prefix) KeyFunc {
 	return ByPeerIPWith(IPOptions{TrustedProxies: trustedProxies})
 }
 
+// lower returns a proxy header's name as gRPC sends metadata names.
+func lower(name string) string {
+	switch name { // the names a clientip.Resolver asks for
+	case "X-Forwarded-For":
+		return "x-forwarded-for"
+	case "Forwarded":
+		return "forwarded"
+	}
+	return strings.ToLower(name)
+}
+
 var errNoAddr = fmt.Errorf("%w: client address is not an IP address", ErrNoKey)
 
 // ByPeerIPWith keys calls by client IP address, as o describes: "ip:" and
@@ -182,8 +193,7 @@ func ByPeerIPWith(o IPOptions) KeyFunc {
 			return "", errNoAddr
 		}
 		key, ok := res.Key(p.Addr.String(), func(name string) []string {
-			md, _ := metadata.FromIncomingContext(ctx)
-			return md.Get(name)
+			return metadata.ValueFromIncomingContext(ctx, lower(name))
 		})
 		if !ok {
 			return "", errNoAddr
