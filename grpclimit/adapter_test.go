@@ -32,7 +32,7 @@ func middlewareServer(t *testing.T, m *MiddlewareLimiter) (*testService, testgrp
 
 func TestMiddlewareLimiter(t *testing.T) {
 	lim := newLimiter(t, tollgate.NewMemoryStore())
-	svc, client := middlewareServer(t, NewMiddlewareLimiter(lim, PerMethod(ByMetadata("x-api-key")), WithPlans("gold")))
+	svc, client := middlewareServer(t, NewMiddlewareLimiter(lim, PerMethod(ByMetadata("x-api-key")), WithPlans("gold"), WithAllowedMetadata(true)))
 	var header metadata.MD
 	for range 2 {
 		_, err := client.EmptyCall(withKey("k"), &testgrpc.Empty{}, grpc.Header(&header))

@@ -50,7 +50,7 @@ func details(t *testing.T, err error) (*errdetails.RetryInfo, *errdetails.QuotaF
 
 func TestDenialRoundTrips(t *testing.T) {
 	lim := newLimiter(t, tollgate.NewMemoryStore())
-	svc, client := limitedServer(t, lim, ByMetadata("x-api-key"), WithPlans("gold", "daily"))
+	svc, client := limitedServer(t, lim, ByMetadata("x-api-key"), WithPlans("gold", "daily"), WithAllowedMetadata(true))
 	ctx := withKey("alice")
 
 	var header metadata.MD
@@ -152,7 +152,7 @@ func TestNoKeyLeaks(t *testing.T) {
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			_, client := limitedServer(t, c.lim, PerMethod(ByMetadata("x-api-key")), WithPlans("slow"), WithMetadata(MetadataBoth))
+			_, client := limitedServer(t, c.lim, PerMethod(ByMetadata("x-api-key")), WithPlans("slow"), WithMetadata(MetadataBoth), WithAllowedMetadata(true))
 			var err error
 			var header, trailer metadata.MD
 			for range 2 {
@@ -335,6 +335,8 @@ func TestOptions(t *testing.T) {
 		assert.Equal(t, metadata.MD{"retry-after": {"1"}}, s.deniedMetadata(&res))
 		assert.Nil(t, s.allowedMetadata(&res))
 		s = newServer("t", lim, Key("k"), nil)
+		assert.Nil(t, s.allowedMetadata(&res), "allowed calls get no metadata by default")
+		s = newServer("t", lim, Key("k"), []Option{WithAllowedMetadata(true)})
 		assert.Len(t, s.allowedMetadata(&res), 2)
 	})
 }
@@ -373,7 +375,7 @@ func TestNothingPanicsPerCall(t *testing.T) {
 	odd := []tollgate.Result{{}, {Plan: "\x00\"\\", Limit: -1, Remaining: -5, RetryAfter: -time.Second}, {Allowed: true, Limit: 1 << 62}}
 	for _, res := range odd {
 		for _, mode := range []MetadataMode{MetadataIETF, MetadataBoth, MetadataNone} {
-			i := UnaryServerInterceptor(&stubLimiter{res: res}, ByPeerIP(), WithMetadata(mode))
+			i := UnaryServerInterceptor(&stubLimiter{res: res}, ByPeerIP(), WithMetadata(mode), WithAllowedMetadata(true))
 			assert.NotPanics(t, func() {
 				_, _ = callUnary(context.Background(), i, "")
 				_, _ = callUnary(incoming(tcp("192.0.2.1:1")), i, emptyCall)

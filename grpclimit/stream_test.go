@@ -34,7 +34,7 @@ func upload(ctx context.Context, client testgrpc.TestServiceClient, n int, opts 
 
 func TestStreamCountsOnceAtOpen(t *testing.T) {
 	lim := newLimiter(t, tollgate.NewMemoryStore())
-	svc, client := limitedServer(t, lim, ByMetadata("x-api-key"), WithPlans("gold"))
+	svc, client := limitedServer(t, lim, ByMetadata("x-api-key"), WithPlans("gold"), WithAllowedMetadata(true))
 	var header metadata.MD
 	got, err := upload(withKey("k"), client, 10, grpc.Header(&header))
 	require.NoError(t, err)
