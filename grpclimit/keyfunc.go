@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"net/netip"
 	"strings"
 
@@ -192,9 +193,15 @@ func ByPeerIPWith(o IPOptions) KeyFunc {
 		if !ok || p.Addr == nil {
 			return "", errNoAddr
 		}
-		key, ok := res.Key(p.Addr.String(), func(name string) []string {
+		header := func(name string) []string {
 			return metadata.ValueFromIncomingContext(ctx, lower(name))
-		})
+		}
+		var key string
+		if a, isTCP := p.Addr.(*net.TCPAddr); isTCP {
+			key, ok = res.KeyOf(a.AddrPort().Addr(), header) // no string to build and parse
+		} else {
+			key, ok = res.Key(p.Addr.String(), header)
+		}
 		if !ok {
 			return "", errNoAddr
 		}
