@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"net/netip"
 	"time"
 
 	"github.com/alicebob/miniredis/v2"
@@ -14,6 +15,7 @@ import (
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 	"google.golang.org/grpc/test/bufconn"
 
@@ -113,4 +115,30 @@ func Example() {
 	//   ratelimit: "per-client";r=0;t=1
 	//   retry-after: 1
 	// paced client: 3 of 3 calls OK
+}
+
+func ExampleByPeerIPWith() {
+	key := grpclimit.ByPeerIPWith(grpclimit.IPOptions{
+		TrustedProxies: []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8")},
+	})
+	for _, c := range []struct{ peer, xff string }{
+		{"203.0.113.7:50123", ""},
+		{"203.0.113.7:50123", "198.51.100.1"},              // untrusted peer: metadata ignored
+		{"10.0.0.2:443", "198.51.100.1, 203.0.113.9"},      // rightmost untrusted address
+		{"10.0.0.2:443", "2001:db8:1:2:3:4:5:6, 10.0.0.3"}, // IPv6 by /64
+	} {
+		// grpc-go puts the peer and the incoming metadata in a call's
+		// context; a test builds them.
+		ctx := peer.NewContext(context.Background(), &peer.Peer{Addr: net.TCPAddrFromAddrPort(netip.MustParseAddrPort(c.peer))})
+		if c.xff != "" {
+			ctx = metadata.NewIncomingContext(ctx, metadata.Pairs("x-forwarded-for", c.xff))
+		}
+		k, err := key(ctx, "/shop.Cart/Add")
+		fmt.Printf("%q %v\n", k, err)
+	}
+	// Output:
+	// "ip:203.0.113.7" <nil>
+	// "ip:203.0.113.7" <nil>
+	// "ip:203.0.113.9" <nil>
+	// "ip:2001:db8:1:2::/64" <nil>
 }
