@@ -61,7 +61,7 @@ func BenchmarkUnary(b *testing.B) {
 	handler := func(context.Context, any) (any, error) { return nil, nil }
 	const key = "md:x-api-key:k"
 
-	b.Run("allow", func(b *testing.B) {
+	b.Run("via=allow", func(b *testing.B) {
 		b.ReportAllocs()
 		for b.Loop() {
 			res, err := lim.Allow(ctx, key, "p")
@@ -74,10 +74,10 @@ func BenchmarkUnary(b *testing.B) {
 		name string
 		i    grpc.UnaryServerInterceptor
 	}{
-		{"interceptor", UnaryServerInterceptor(lim, Key(key), WithPlans("p"))},
-		{"interceptor-by-metadata", UnaryServerInterceptor(lim, ByMetadata("x-api-key"), WithPlans("p"))},
-		{"interceptor-by-peer-ip", UnaryServerInterceptor(lim, ByPeerIP(), WithPlans("p"))},
-		{"interceptor-allowed-metadata", UnaryServerInterceptor(lim, Key(key), WithPlans("p"), WithAllowedMetadata(true))},
+		{"via=interceptor", UnaryServerInterceptor(lim, Key(key), WithPlans("p"))},
+		{"via=interceptor-by-metadata", UnaryServerInterceptor(lim, ByMetadata("x-api-key"), WithPlans("p"))},
+		{"via=interceptor-by-peer-ip", UnaryServerInterceptor(lim, ByPeerIP(), WithPlans("p"))},
+		{"via=interceptor-allowed-metadata", UnaryServerInterceptor(lim, Key(key), WithPlans("p"), WithAllowedMetadata(true))},
 	} {
 		b.Run(bc.name, func(b *testing.B) {
 			b.ReportAllocs()
@@ -101,8 +101,8 @@ func BenchmarkUnaryCall(b *testing.B) {
 		name string
 		opts []grpc.ServerOption
 	}{
-		{"bare", nil},
-		{"limited", []grpc.ServerOption{grpc.ChainUnaryInterceptor(UnaryServerInterceptor(lim, ByMetadata("x-api-key"), WithPlans("p")))}},
+		{"via=bare", nil},
+		{"via=limited", []grpc.ServerOption{grpc.ChainUnaryInterceptor(UnaryServerInterceptor(lim, ByMetadata("x-api-key"), WithPlans("p")))}},
 	} {
 		b.Run(bc.name, func(b *testing.B) {
 			_, conn := serve(b, bc.opts)

@@ -54,7 +54,7 @@ type Waiter interface {
 	Wait(ctx context.Context, key string, cost int64, plans ...string) (tollgate.Result, error)
 }
 
-// Option configures the server interceptors and Limiter.
+// Option configures the server interceptors and NewMiddlewareLimiter.
 type Option func(*server)
 
 // WithPlans names the plans each call takes its tokens from: from all of
@@ -141,8 +141,8 @@ func WithMetadata(mode MetadataMode) Option {
 // runs, so that a handler's own header metadata joins them. gRPC clients
 // seldom read the header of a call that succeeded, and metadata is a map
 // that grpc-go copies again when it is set: on the development machine it
-// added about 1.7µs and 9 allocations to a call (BenchmarkUnary), against
-// about 25ns and none for the decision without it. The default is false.
+// added 2 to 4 µs and 9 allocations to a call (BenchmarkUnary), where the
+// interceptor's own work takes about 20 ns and none. The default is false.
 func WithAllowedMetadata(on bool) Option {
 	return func(s *server) { s.allowedMD = on }
 }
