@@ -194,7 +194,8 @@ func WithStreamMessages(mode MessageMode, cost func(m any) int64, plans ...strin
 
 // WithDeniedStatus sets the status that ends a denied call, res being the
 // decision; the rate limit metadata is set when it runs. The default, or
-// a nil denied, or denied returning nil, is DeniedStatus(res).
+// a nil denied, or denied returning nil, is DeniedStatus(res, l), l being
+// the RateLimiter if it is a Planner.
 func WithDeniedStatus(denied func(ctx context.Context, res tollgate.Result) *status.Status) Option {
 	return func(s *server) { s.denied = denied }
 }
@@ -313,13 +314,13 @@ func (s *server) plansFor(fullMethod string) []string {
 //
 //	grpc.NewServer(grpc.ChainUnaryInterceptor(grpclimit.UnaryServerInterceptor(lim, grpclimit.ByPeerIP())))
 //
-// An allowed call goes on to the handler (with the rate limit fields in
-// its response header if WithAllowedMetadata asks). Otherwise the call ends with the
-// status ErrorStatus describes: a denial with codes.ResourceExhausted and
-// the details of DeniedStatus, a call without a usable key with
-// InvalidArgument, a store outage under tollgate.FailClosed with
-// Unavailable, the caller's ended context with its own code. The options
-// change these answers.
+// An allowed call goes on to the handler, with the rate limit fields in
+// its response header if WithAllowedMetadata asks. A denied call ends with
+// DeniedStatus: codes.ResourceExhausted and its details, and the fields in
+// the trailer (see MetadataMode). A call that could not be decided ends
+// as ErrorStatus describes: InvalidArgument without a usable key,
+// Unavailable for a store outage under tollgate.FailClosed, the caller's
+// ended context with its own code. The options change these answers.
 //
 // It panics if l or key is nil, if a plan is named twice, if an option is
 // invalid, or if l describes its plans, as *tollgate.Limiter does, and a
