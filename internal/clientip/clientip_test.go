@@ -380,5 +380,13 @@ func FuzzAddr(f *testing.F) {
 		if a != ra || ok != rok {
 			t.Fatalf("Addr(%q, %q) = %v, %v; the reference gives %v, %v", peer, h[name], a, ok, ra, rok)
 		}
+		// KeyOf, given the peer as an address, agrees with Key.
+		if pa, ok := parseAddr(peer); ok {
+			k, kok := r.Key(peer, h.values)
+			ko, kook := r.KeyOf(pa, h.values)
+			if k != ko || kok != kook {
+				t.Fatalf("KeyOf(%v, %q) = %q, %v; Key(%q) gives %q, %v", pa, h[name], ko, kook, peer, k, kok)
+			}
+		}
 	})
 }
