@@ -1,12 +1,10 @@
 package httplimit
 
 import (
-	"math"
 	"net/http"
-	"strconv"
-	"time"
 
 	"github.com/tollgate-go/tollgate"
+	"github.com/tollgate-go/tollgate/internal/ratefields"
 )
 
 // HeaderMode selects the rate limit header fields that Middleware writes
@@ -93,44 +91,30 @@ var fieldNames = [numFields]string{
 }
 
 // planner describes plans by name. *tollgate.Limiter implements it.
-type planner interface {
-	Plan(name string) (tollgate.Plan, bool)
-}
+type planner = ratefields.Planner
 
 // setFields sets the fields of mode for res on h, and Retry-After if res
-// is a denial. p may be nil.
+// is a denial. p may be nil. The values come from package ratefields,
+// which the gRPC interceptors share.
 func setFields(h http.Header, res *tollgate.Result, mode HeaderMode, p planner) {
 	var buf [256]byte
 	f := fields{buf: buf[:0]}
 	if mode == HeadersBoth || mode == HeadersIETF {
-		prs := res.PlanResults()
-		for i, pr := range prs {
-			f.buf = appendItem(f.buf, i, pr.Plan)
-			f.buf = appendParam(f.buf, ";q=", pr.Limit)
-			if plan, ok := describe(p, pr.Plan); ok {
-				f.buf = appendParam(f.buf, ";w=", atLeastOne(accrual(plan.Capacity, plan.Rate)))
-			}
-		}
+		f.buf = ratefields.AppendPolicy(f.buf, res, p)
 		f.end(fieldPolicy)
-		for i, pr := range prs {
-			f.buf = appendItem(f.buf, i, pr.Plan)
-			f.buf = appendParam(f.buf, ";r=", pr.Remaining)
-			if plan, ok := describe(p, pr.Plan); ok {
-				f.buf = appendParam(f.buf, ";t=", atLeastOne(nextToken(pr, plan.Rate)))
-			}
-		}
+		f.buf = ratefields.AppendRateLimit(f.buf, res, p)
 		f.end(fieldRateLimit)
 	}
 	if mode == HeadersBoth || mode == HeadersLegacy {
-		f.buf = strconv.AppendInt(f.buf, res.Limit, 10)
+		f.buf = ratefields.AppendLimit(f.buf, res)
 		f.end(fieldLimit)
-		f.buf = strconv.AppendInt(f.buf, res.Remaining, 10)
+		f.buf = ratefields.AppendRemaining(f.buf, res)
 		f.end(fieldRemaining)
-		f.buf = strconv.AppendInt(f.buf, ceilSeconds(res.ResetAfter), 10)
+		f.buf = ratefields.AppendReset(f.buf, res)
 		f.end(fieldReset)
 	}
 	if !res.Allowed {
-		f.buf = strconv.AppendInt(f.buf, atLeastOne(res.RetryAfter), 10)
+		f.buf = ratefields.AppendRetryAfter(f.buf, res)
 		f.end(fieldRetryAfter)
 	}
 	f.setOn(h)
@@ -168,67 +152,4 @@ func (f *fields) setOn(h http.Header) {
 		h[fieldNames[f.ids[i]]] = values[i : i+1 : i+1]
 		start = f.ends[i]
 	}
-}
-
-// describe returns the plan named name, if p knows it.
-func describe(p planner, name string) (tollgate.Plan, bool) {
-	if p == nil {
-		return tollgate.Plan{}, false
-	}
-	return p.Plan(name)
-}
-
-// appendItem appends the i-th List member's separator and its bare item,
-// the plan name as a String (RFC 9651, section 4.1.6). Names of a
-// Limiter's plans need no escaping; other RateLimiters may return any
-// name, so '"' and '\' are escaped and bytes a String cannot hold dropped.
-func appendItem(b []byte, i int, name string) []byte {
-	if i > 0 {
-		b = append(b, ", "...)
-	}
-	b = append(b, '"')
-	for j := 0; j < len(name); j++ {
-		switch c := name[j]; {
-		case c == '"' || c == '\\':
-			b = append(b, '\\', c)
-		case c >= 0x20 && c <= 0x7e:
-			b = append(b, c)
-		}
-	}
-	return append(b, '"')
-}
-
-func appendParam(b []byte, param string, v int64) []byte {
-	return strconv.AppendInt(append(b, param...), v, 10)
-}
-
-// accrual returns the time n tokens take to accrue at rate, to the
-// microsecond, the precision of tollgate.Result, so that 10000 tokens at
-// Per(10000, 24*time.Hour) take 86400s, not a hair more.
-func accrual(n int64, rate float64) time.Duration {
-	return time.Duration(math.Round(float64(n)/rate*1e6)) * time.Microsecond
-}
-
-// nextToken returns the time until pr's bucket holds one more whole token,
-// if the client spends none: the draft's effective window. A full bucket
-// gains nothing until the client spends, and then its next token takes
-// one token's accrual time.
-func nextToken(pr tollgate.PlanResult, rate float64) time.Duration {
-	if pr.Remaining >= pr.Limit {
-		return accrual(1, rate)
-	}
-	// The bucket fills in ResetAfter: the part of a token that the next
-	// token still lacks, then Limit-Remaining-1 whole tokens.
-	return pr.ResetAfter - accrual(pr.Limit-pr.Remaining-1, rate)
-}
-
-// ceilSeconds returns d, at least 0, in seconds rounded up.
-func ceilSeconds(d time.Duration) int64 {
-	return int64((max(d, 0) + time.Second - 1) / time.Second)
-}
-
-// atLeastOne returns ceilSeconds(d), but at least 1: a zero window or
-// Retry-After would tell the client to come back at once.
-func atLeastOne(d time.Duration) int64 {
-	return max(ceilSeconds(d), 1)
 }

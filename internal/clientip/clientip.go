@@ -120,8 +120,31 @@ func (r *Resolver) Key(peer string, header Header) (string, bool) {
 // address and is none: then netip allocates its error, once.
 func (r *Resolver) Addr(peer string, header Header) (netip.Addr, bool) {
 	addr, ok := parseAddr(peer)
-	if !ok || !r.isTrusted(addr) {
-		return addr, ok
+	if !ok {
+		return addr, false
+	}
+	return r.from(addr, header)
+}
+
+// KeyOf is Key for a peer that is an address already, as gRPC's peer
+// address (a *net.TCPAddr) holds it, which spares formatting the address
+// and parsing it again. It reports false if peer is not valid.
+func (r *Resolver) KeyOf(peer netip.Addr, header Header) (string, bool) {
+	if !peer.IsValid() {
+		return "", false
+	}
+	a, ok := r.from(peer.Unmap().WithZone(""), header)
+	if !ok {
+		return "", false
+	}
+	return r.format(a), true
+}
+
+// from is Addr for a peer address already parsed, unmapped and without
+// a zone.
+func (r *Resolver) from(addr netip.Addr, header Header) (netip.Addr, bool) {
+	if !r.isTrusted(addr) {
+		return addr, true
 	}
 	lines := header(r.header)
 	for i := len(lines) - 1; i >= 0; i-- {

@@ -94,7 +94,32 @@ func TestKey(t *testing.T) {
 			key, ok := r.Key(tt.remote, tt.header.values)
 			assert.Equal(t, tt.want != "", ok)
 			assert.Equal(t, tt.want, key)
+
+			// KeyOf, given the peer as an address, agrees.
+			if ap, err := netip.ParseAddrPort(tt.remote); err == nil {
+				key, ok = r.KeyOf(ap.Addr(), tt.header.values)
+				assert.Equal(t, tt.want != "", ok, "KeyOf")
+				assert.Equal(t, tt.want, key, "KeyOf")
+			}
 		})
+	}
+}
+
+func TestKeyOf(t *testing.T) {
+	r, err := New(Options{TrustedProxies: testProxies})
+	require.NoError(t, err)
+	for _, tt := range []struct {
+		peer netip.Addr
+		want string
+	}{
+		{netip.MustParseAddr("::ffff:203.0.113.7"), "ip:203.0.113.7"},
+		{netip.MustParseAddr("fe80::1%eth0"), "ip:fe80::/64"},
+		{netip.MustParseAddr("::ffff:10.0.0.1"), "ip:198.51.100.1"}, // a mapped proxy is trusted
+		{netip.Addr{}, ""},
+	} {
+		key, ok := r.KeyOf(tt.peer, header{"X-Forwarded-For": {"198.51.100.1"}}.values)
+		assert.Equal(t, tt.want != "", ok, "%v", tt.peer)
+		assert.Equal(t, tt.want, key, "%v", tt.peer)
 	}
 }
 
@@ -354,6 +379,14 @@ func FuzzAddr(f *testing.F) {
 		ra, rok := referenceAddr(r, peer, h.values)
 		if a != ra || ok != rok {
 			t.Fatalf("Addr(%q, %q) = %v, %v; the reference gives %v, %v", peer, h[name], a, ok, ra, rok)
+		}
+		// KeyOf, given the peer as an address, agrees with Key.
+		if pa, ok := parseAddr(peer); ok {
+			k, kok := r.Key(peer, h.values)
+			ko, kook := r.KeyOf(pa, h.values)
+			if k != ko || kok != kook {
+				t.Fatalf("KeyOf(%v, %q) = %q, %v; Key(%q) gives %q, %v", pa, h[name], ko, kook, peer, k, kok)
+			}
 		}
 	})
 }

@@ -1,0 +1,385 @@
+package grpclimit
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	testgrpc "google.golang.org/grpc/interop/grpc_testing"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+
+	"github.com/tollgate-go/tollgate"
+	"github.com/tollgate-go/tollgate/internal/storetest"
+)
+
+// withKey returns a client context that sends x-api-key: key.
+func withKey(key string) context.Context {
+	return metadata.AppendToOutgoingContext(context.Background(), "x-api-key", key)
+}
+
+// details returns the details of a status error by type.
+func details(t *testing.T, err error) (*errdetails.RetryInfo, *errdetails.QuotaFailure, *errdetails.ErrorInfo) {
+	t.Helper()
+	st, ok := status.FromError(err)
+	require.True(t, ok, "not a status: %v", err)
+	var ri *errdetails.RetryInfo
+	var qf *errdetails.QuotaFailure
+	var ei *errdetails.ErrorInfo
+	for _, d := range st.Details() {
+		switch d := d.(type) {
+		case *errdetails.RetryInfo:
+			ri = d
+		case *errdetails.QuotaFailure:
+			qf = d
+		case *errdetails.ErrorInfo:
+			ei = d
+		default:
+			t.Fatalf("unexpected detail %T", d)
+		}
+	}
+	return ri, qf, ei
+}
+
+func TestDenialRoundTrips(t *testing.T) {
+	lim := newLimiter(t, tollgate.NewMemoryStore())
+	svc, client := limitedServer(t, lim, ByMetadata("x-api-key"), WithPlans("gold", "daily"), WithAllowedMetadata(true))
+	ctx := withKey("alice")
+
+	var header metadata.MD
+	_, err := client.EmptyCall(ctx, &testgrpc.Empty{}, grpc.Header(&header))
+	require.NoError(t, err)
+	assert.Equal(t, []string{`"gold";q=2;w=2, "daily";q=1000;w=86400`}, header.Get("ratelimit-policy"))
+	assert.Equal(t, []string{`"gold";r=1;t=1, "daily";r=999;t=87`}, header.Get("ratelimit"))
+	assert.Empty(t, header.Get("retry-after"))
+	_, err = client.EmptyCall(ctx, &testgrpc.Empty{})
+	require.NoError(t, err)
+
+	var denyHeader, trailer metadata.MD
+	_, err = client.EmptyCall(ctx, &testgrpc.Empty{}, grpc.Header(&denyHeader), grpc.Trailer(&trailer))
+	require.Error(t, err)
+	assert.Equal(t, 2, svc.handled(), "the denied call reached the handler")
+	peek, perr := lim.Peek(context.Background(), "md:x-api-key:alice", "gold", "daily")
+	require.NoError(t, perr)
+
+	st := status.Convert(err)
+	assert.Equal(t, codes.ResourceExhausted, st.Code())
+	assert.Equal(t, "rate limited (plan gold)", st.Message())
+	ri, qf, ei := details(t, err)
+	require.NotNil(t, ri)
+	delay := ri.GetRetryDelay().AsDuration()
+	assert.GreaterOrEqual(t, delay, peek.RetryAfter, "RetryDelay below the RetryAfter the Limiter reports")
+	assert.LessOrEqual(t, delay, time.Second)
+	assert.Positive(t, delay)
+	assert.Zero(t, delay%time.Millisecond, "RetryDelay is whole milliseconds")
+	require.NotNil(t, qf)
+	require.Len(t, qf.GetViolations(), 1)
+	assert.Equal(t, "plan:gold", qf.GetViolations()[0].GetSubject())
+	assert.Equal(t, "2 tokens, refilled at 1 per second", qf.GetViolations()[0].GetDescription())
+	require.NotNil(t, ei)
+	assert.Equal(t, "RATE_LIMITED", ei.GetReason())
+	assert.Equal(t, "tollgate", ei.GetDomain())
+	assert.Equal(t, map[string]string{"plan": "gold"}, ei.GetMetadata())
+
+	// A denial is a trailers-only response, which grpc-go needs to retry
+	// it: everything is in the trailer.
+	assert.Empty(t, denyHeader)
+	assert.Equal(t, []string{"1"}, trailer.Get("retry-after"))
+	assert.Equal(t, []string{fmt.Sprint(delay.Milliseconds())}, trailer.Get("grpc-retry-pushback-ms"))
+	assert.Equal(t, []string{`"gold";q=2;w=2, "daily";q=1000;w=86400`}, trailer.Get("ratelimit-policy"))
+	assert.Equal(t, []string{`"gold";r=0;t=1, "daily";r=998;t=87`}, trailer.Get("ratelimit"))
+}
+
+func TestRetryDelayRoundsUpAndIsNeverZero(t *testing.T) {
+	for _, tt := range []struct {
+		retryAfter time.Duration
+		want       time.Duration
+		seconds    string
+	}{
+		{0, time.Millisecond, "1"},
+		{-time.Second, time.Millisecond, "1"},
+		{time.Nanosecond, time.Millisecond, "1"},
+		{time.Microsecond, time.Millisecond, "1"},
+		{time.Millisecond, time.Millisecond, "1"},
+		{time.Millisecond + time.Microsecond, 2 * time.Millisecond, "1"},
+		{999_999 * time.Microsecond, time.Second, "1"},
+		{1500 * time.Millisecond, 1500 * time.Millisecond, "2"},
+		{time.Hour + time.Nanosecond, time.Hour + time.Millisecond, "3601"},
+	} {
+		t.Run(tt.retryAfter.String(), func(t *testing.T) {
+			res := tollgate.Result{Plan: "gold", Limit: 2, RetryAfter: tt.retryAfter}
+			err := DeniedStatus(res, nil).Err()
+			ri, _, _ := details(t, err)
+			got := ri.GetRetryDelay().AsDuration()
+			assert.Equal(t, tt.want, got)
+			assert.GreaterOrEqual(t, got, tt.retryAfter)
+
+			// Through the interceptor: the same delay, and retry-after.
+			stub := &stubLimiter{res: res}
+			i := UnaryServerInterceptor(stub, Key("k"))
+			ran, err := callUnary(context.Background(), i, emptyCall)
+			assert.False(t, ran)
+			ri, _, _ = details(t, err)
+			assert.Equal(t, tt.want, ri.GetRetryDelay().AsDuration())
+			md := (&server{pushback: true}).deniedMetadata(&res)
+			assert.Equal(t, []string{tt.seconds}, md.Get("retry-after"))
+			assert.Equal(t, []string{fmt.Sprint(tt.want.Milliseconds())}, md.Get("grpc-retry-pushback-ms"))
+		})
+	}
+}
+
+// TestNoKeyLeaks sends a key that holds a secret and looks for it in
+// everything the client gets back: message, details and metadata, on a
+// denial, on an outage, and on a key too long to use.
+func TestNoKeyLeaks(t *testing.T) {
+	const secret = "s3cr3t-Zq81"
+	cases := []struct {
+		name string
+		lim  *tollgate.Limiter
+		key  string
+		code codes.Code
+	}{
+		{"denied", newLimiter(t, tollgate.NewMemoryStore()), secret, codes.ResourceExhausted},
+		{"outage under FailClosed", newLimiter(t, storetest.Down(storetest.TimeoutError{}), tollgate.WithFailurePolicy(tollgate.FailClosed)), secret, codes.Unavailable},
+		{"key too long", newLimiter(t, tollgate.NewMemoryStore()), strings.Repeat(secret, 200), codes.InvalidArgument},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			_, client := limitedServer(t, c.lim, PerMethod(ByMetadata("x-api-key")), WithPlans("slow"), WithMetadata(MetadataBoth), WithAllowedMetadata(true))
+			var err error
+			var header, trailer metadata.MD
+			for range 2 {
+				_, err = client.EmptyCall(withKey(c.key), &testgrpc.Empty{}, grpc.Header(&header), grpc.Trailer(&trailer))
+				assertNoSecret(t, secret, header, trailer)
+			}
+			st := status.Convert(err)
+			require.Equal(t, c.code, st.Code())
+			assert.NotContains(t, st.Message(), secret)
+			for _, d := range st.Details() {
+				assert.NotContains(t, fmt.Sprint(d), secret)
+			}
+			assert.NotContains(t, fmt.Sprint(st.Proto()), secret)
+		})
+	}
+}
+
+func assertNoSecret(t *testing.T, secret string, mds ...metadata.MD) {
+	t.Helper()
+	for _, md := range mds {
+		for k, vs := range md {
+			assert.NotContains(t, k, secret)
+			for _, v := range vs {
+				assert.NotContains(t, v, secret)
+			}
+		}
+	}
+}
+
+func TestStoreOutage(t *testing.T) {
+	down := func() tollgate.Store { return storetest.Down(storetest.TimeoutError{}) }
+	t.Run("FailClosed is Unavailable", func(t *testing.T) {
+		svc, client := limitedServer(t, newLimiter(t, down(), tollgate.WithFailurePolicy(tollgate.FailClosed)), ByMetadata("x-api-key"))
+		var trailer metadata.MD
+		_, err := client.EmptyCall(withKey("k"), &testgrpc.Empty{}, grpc.Trailer(&trailer))
+		st := status.Convert(err)
+		assert.Equal(t, codes.Unavailable, st.Code())
+		assert.Equal(t, "rate limiter unavailable", st.Message())
+		assert.Empty(t, st.Details())
+		assert.Empty(t, trailer.Get("retry-after"))
+		assert.Zero(t, svc.handled())
+	})
+	t.Run("the default policy decides on the fallback", func(t *testing.T) {
+		svc, client := limitedServer(t, newLimiter(t, down()), ByMetadata("x-api-key"), WithPlans("gold"))
+		for range 2 {
+			_, err := client.EmptyCall(withKey("k"), &testgrpc.Empty{})
+			require.NoError(t, err)
+		}
+		_, err := client.EmptyCall(withKey("k"), &testgrpc.Empty{})
+		assert.Equal(t, codes.ResourceExhausted, status.Code(err), "the fallback's bucket is empty")
+		ri, _, _ := details(t, err)
+		assert.Positive(t, ri.GetRetryDelay().AsDuration())
+		assert.Equal(t, 2, svc.handled())
+	})
+	t.Run("FailOpen allows", func(t *testing.T) {
+		svc, client := limitedServer(t, newLimiter(t, down(), tollgate.WithFailurePolicy(tollgate.FailOpen)), ByMetadata("x-api-key"), WithPlans("slow"))
+		for range 3 {
+			_, err := client.EmptyCall(withKey("k"), &testgrpc.Empty{})
+			require.NoError(t, err)
+		}
+		assert.Equal(t, 3, svc.handled())
+	})
+}
+
+func TestErrorStatus(t *testing.T) {
+	canceled, cancel := context.WithCancel(context.Background())
+	cancel()
+	expired, cancel2 := context.WithDeadline(context.Background(), time.Now().Add(-time.Second))
+	defer cancel2()
+	bg := context.Background()
+	const secret = "s3cr3t"
+	for _, tt := range []struct {
+		name string
+		ctx  context.Context
+		err  error
+		code codes.Code
+	}{
+		{"caller cancelled", canceled, fmt.Errorf("x: %w", context.Canceled), codes.Canceled},
+		{"caller's deadline", expired, context.DeadlineExceeded, codes.DeadlineExceeded},
+		{"context error, context live", bg, context.Canceled, codes.Canceled},
+		{"no key", bg, fmt.Errorf("%w: %s", ErrNoKey, secret), codes.InvalidArgument},
+		{"invalid key", bg, fmt.Errorf("%w: 2000 bytes", tollgate.ErrInvalidKey), codes.InvalidArgument},
+		{"store unavailable", bg, fmt.Errorf("%w: %s", tollgate.ErrStoreUnavailable, secret), codes.Unavailable},
+		{"invalid cost", bg, fmt.Errorf("%w: 0", tollgate.ErrInvalidCost), codes.Internal},
+		{"unknown plan", bg, tollgate.ErrUnknownPlan, codes.Internal},
+		{"anything else", bg, fmt.Errorf("boom %s", secret), codes.Internal},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			st := ErrorStatus(tt.ctx, tt.err)
+			assert.Equal(t, tt.code, st.Code())
+			assert.NotContains(t, st.Message(), secret)
+
+			i := UnaryServerInterceptor(&stubLimiter{err: tt.err}, Key("k"))
+			ran, err := callUnary(tt.ctx, i, emptyCall)
+			assert.False(t, ran)
+			assert.Equal(t, tt.code, status.Code(err))
+		})
+	}
+}
+
+func TestKeyErrorsAreInvalidArgument(t *testing.T) {
+	svc, client := limitedServer(t, newLimiter(t, tollgate.NewMemoryStore()), ByMetadata("x-api-key"))
+	_, err := client.EmptyCall(context.Background(), &testgrpc.Empty{})
+	assert.Equal(t, codes.InvalidArgument, status.Code(err))
+	_, err = client.EmptyCall(withKey(strings.Repeat("k", tollgate.MaxKeyLen)), &testgrpc.Empty{})
+	assert.Equal(t, codes.InvalidArgument, status.Code(err), "key over MaxKeyLen with its prefix")
+	// The peer of an in-memory connection is no IP address.
+	_, client = limitedServer(t, newLimiter(t, tollgate.NewMemoryStore()), ByPeerIP())
+	_, err = client.EmptyCall(context.Background(), &testgrpc.Empty{})
+	assert.Equal(t, codes.InvalidArgument, status.Code(err))
+	assert.Zero(t, svc.handled())
+}
+
+func TestOptions(t *testing.T) {
+	ctx := incoming(nil, "x-api-key", "k")
+	t.Run("method plans", func(t *testing.T) {
+		stub := &stubLimiter{res: tollgate.Result{Allowed: true}}
+		i := UnaryServerInterceptor(stub, ByMetadata("x-api-key"), WithPlans("gold"), WithMethodPlans(map[string][]string{
+			unaryCall:                    {"slow", "daily"},
+			"/grpc.testing.TestService/": {"msgs"},
+			"/other.Service/":            {"daily"},
+		}))
+		for _, m := range []string{unaryCall, emptyCall, "/other.Service/Get", "/third.Service/Get"} {
+			ran, err := callUnary(ctx, i, m)
+			require.NoError(t, err)
+			assert.True(t, ran)
+		}
+		assert.Equal(t, [][]string{{"slow", "daily"}, {"msgs"}, {"daily"}, {"gold"}}, stub.plans)
+	})
+	t.Run("cost and skip", func(t *testing.T) {
+		stub := &stubLimiter{res: tollgate.Result{Allowed: true}}
+		i := UnaryServerInterceptor(stub, ByMetadata("x-api-key"),
+			WithCost(func(_ context.Context, m string, req any) int64 { return int64(len(m)) }),
+			WithSkip(func(_ context.Context, m string) bool { return m == emptyCall }))
+		ran, err := callUnary(context.Background(), i, emptyCall) // skipped: no key needed
+		require.NoError(t, err)
+		assert.True(t, ran)
+		_, err = callUnary(ctx, i, unaryCall)
+		require.NoError(t, err)
+		assert.Equal(t, []int64{int64(len(unaryCall))}, stub.costs)
+		assert.Equal(t, []string{"md:x-api-key:k"}, stub.keys)
+	})
+	t.Run("a bad cost is Internal, not a panic", func(t *testing.T) {
+		lim := newLimiter(t, tollgate.NewMemoryStore())
+		for _, cost := range []int64{0, -1, 3} {
+			i := UnaryServerInterceptor(lim, Key("k"), WithPlans("gold"),
+				WithCost(func(context.Context, string, any) int64 { return cost }))
+			_, err := callUnary(context.Background(), i, emptyCall)
+			assert.Equal(t, codes.Internal, status.Code(err), "cost %d", cost)
+		}
+	})
+	t.Run("denied and error statuses", func(t *testing.T) {
+		stub := &stubLimiter{res: tollgate.Result{Plan: "gold"}}
+		i := UnaryServerInterceptor(stub, Key("k"),
+			WithDeniedStatus(func(context.Context, tollgate.Result) *status.Status { return status.New(codes.Unavailable, "later") }))
+		_, err := callUnary(context.Background(), i, emptyCall)
+		assert.Equal(t, codes.Unavailable, status.Code(err))
+		i = UnaryServerInterceptor(stub, ByMetadata("x-api-key"),
+			WithErrorStatus(func(context.Context, error) *status.Status { return status.New(codes.Unauthenticated, "who?") }))
+		_, err = callUnary(context.Background(), i, emptyCall)
+		assert.Equal(t, codes.Unauthenticated, status.Code(err))
+		// nil from the functions means the default.
+		i = UnaryServerInterceptor(stub, ByMetadata("x-api-key"),
+			WithErrorStatus(func(context.Context, error) *status.Status { return nil }),
+			WithDeniedStatus(func(context.Context, tollgate.Result) *status.Status { return nil }))
+		_, err = callUnary(context.Background(), i, emptyCall)
+		assert.Equal(t, codes.InvalidArgument, status.Code(err))
+		_, err = callUnary(ctx, i, emptyCall)
+		assert.Equal(t, codes.ResourceExhausted, status.Code(err))
+	})
+	t.Run("metadata modes and pushback", func(t *testing.T) {
+		res := tollgate.Result{Plan: "gold", Limit: 2, RetryAfter: 300 * time.Millisecond, ResetAfter: time.Second}
+		lim := newLimiter(t, tollgate.NewMemoryStore())
+		s := newServer("t", lim, Key("k"), []Option{WithMetadata(MetadataBoth)})
+		assert.Equal(t, []string{"2", "0", "1", "1", "300"}, []string{
+			s.deniedMetadata(&res).Get("x-ratelimit-limit")[0], s.deniedMetadata(&res).Get("x-ratelimit-remaining")[0],
+			s.deniedMetadata(&res).Get("x-ratelimit-reset")[0], s.deniedMetadata(&res).Get("retry-after")[0],
+			s.deniedMetadata(&res).Get("grpc-retry-pushback-ms")[0]})
+		s = newServer("t", lim, Key("k"), []Option{WithMetadata(MetadataNone), WithPushback(false)})
+		assert.Equal(t, metadata.MD{"retry-after": {"1"}}, s.deniedMetadata(&res))
+		assert.Nil(t, s.allowedMetadata(&res))
+		s = newServer("t", lim, Key("k"), nil)
+		assert.Nil(t, s.allowedMetadata(&res), "allowed calls get no metadata by default")
+		s = newServer("t", lim, Key("k"), []Option{WithAllowedMetadata(true)})
+		assert.Len(t, s.allowedMetadata(&res), 2)
+	})
+}
+
+func TestServerPanicsOnWiringMistakes(t *testing.T) {
+	lim := newLimiter(t, tollgate.NewMemoryStore())
+	key := Key("k")
+	for name, f := range map[string]func(){
+		"nil limiter":              func() { UnaryServerInterceptor(nil, key) },
+		"nil key":                  func() { StreamServerInterceptor(lim, nil) },
+		"plan twice":               func() { UnaryServerInterceptor(lim, key, WithPlans("gold", "gold")) },
+		"unknown plan":             func() { UnaryServerInterceptor(lim, key, WithPlans("platinum")) },
+		"empty method plans":       func() { UnaryServerInterceptor(lim, key, WithMethodPlans(map[string][]string{emptyCall: {}})) },
+		"unknown method plan":      func() { UnaryServerInterceptor(lim, key, WithMethodPlans(map[string][]string{emptyCall: {"x"}})) },
+		"bad method name":          func() { UnaryServerInterceptor(lim, key, WithMethodPlans(map[string][]string{"EmptyCall": {"gold"}})) },
+		"unknown metadata mode":    func() { UnaryServerInterceptor(lim, key, WithMetadata(7)) },
+		"unknown message mode":     func() { StreamServerInterceptor(lim, key, WithStreamMessages(9, nil)) },
+		"message plan unknown":     func() { StreamServerInterceptor(lim, key, WithStreamMessages(Reject, nil, "x")) },
+		"pace without Wait":        func() { StreamServerInterceptor(&stubLimiter{}, key, WithStreamMessages(Pace, nil)) },
+		"adapter with nil key":     func() { NewMiddlewareLimiter(lim, nil) },
+		"client with nil waiter":   func() { UnaryClientInterceptor(nil, key) },
+		"client with nil key":      func() { StreamClientInterceptor(lim, nil) },
+		"client with plan twice":   func() { UnaryClientInterceptor(lim, key, WithClientPlans("gold", "gold")) },
+		"client with unknown plan": func() { UnaryClientInterceptor(lim, key, WithClientPlans("x")) },
+	} {
+		msg := mustPanic(f)
+		assert.True(t, strings.HasPrefix(msg, "grpclimit: "), "%s: panic %q", name, msg)
+	}
+	// A RateLimiter that does not describe its plans takes any names.
+	assert.NotPanics(t, func() { UnaryServerInterceptor(&stubLimiter{}, key, WithPlans("anything")) })
+}
+
+// TestNothingPanicsPerCall feeds the interceptors calls with odd contexts
+// and odd results.
+func TestNothingPanicsPerCall(t *testing.T) {
+	odd := []tollgate.Result{{}, {Plan: "\x00\"\\", Limit: -1, Remaining: -5, RetryAfter: -time.Second}, {Allowed: true, Limit: 1 << 62}}
+	for _, res := range odd {
+		for _, mode := range []MetadataMode{MetadataIETF, MetadataBoth, MetadataNone} {
+			i := UnaryServerInterceptor(&stubLimiter{res: res}, ByPeerIP(), WithMetadata(mode), WithAllowedMetadata(true))
+			assert.NotPanics(t, func() {
+				_, _ = callUnary(context.Background(), i, "")
+				_, _ = callUnary(incoming(tcp("192.0.2.1:1")), i, emptyCall)
+			})
+		}
+	}
+}

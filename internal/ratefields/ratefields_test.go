@@ -1,0 +1,63 @@
+package ratefields
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/tollgate-go/tollgate"
+)
+
+// The field values themselves are tested through the adapters that write
+// them (httplimit's TestFields, grpclimit's metadata tests); these tests
+// hold what only this package can see.
+
+func TestFieldsOfAChain(t *testing.T) {
+	lim, err := tollgate.New(tollgate.NewMemoryStore(), []tollgate.Plan{
+		{Name: "gold", Capacity: 20, Rate: 2},
+		{Name: "daily", Capacity: 10_000, Rate: tollgate.Per(10_000, 24*time.Hour)},
+	})
+	require.NoError(t, err)
+	res, err := lim.Allow(context.Background(), "k", "gold", "daily")
+	require.NoError(t, err)
+
+	assert.Equal(t, `"gold";q=20;w=10, "daily";q=10000;w=86400`, string(AppendPolicy(nil, &res, lim)))
+	assert.Equal(t, `"gold";r=19;t=1, "daily";r=9999;t=9`, string(AppendRateLimit(nil, &res, lim)))
+	// Without a Planner, the fields that need a plan's Rate are left out.
+	assert.Equal(t, `"gold";q=20, "daily";q=10000`, string(AppendPolicy(nil, &res, nil)))
+	assert.Equal(t, `"gold";r=19, "daily";r=9999`, string(AppendRateLimit(nil, &res, nil)))
+	assert.Equal(t, "20", string(AppendLimit(nil, &res)))
+	assert.Equal(t, "19", string(AppendRemaining(nil, &res)))
+	assert.Equal(t, "1", string(AppendReset(nil, &res)))
+}
+
+func TestPlanNamesAreStrings(t *testing.T) {
+	res := tollgate.Result{Plan: "a\"b\\c\x01é", Limit: 1}
+	assert.Equal(t, `"a\"b\\c";q=1`, string(AppendPolicy(nil, &res, nil)))
+}
+
+func TestRetryAfterRoundsUpToAtLeastOne(t *testing.T) {
+	for _, tt := range []struct {
+		d    time.Duration
+		want string
+	}{{0, "1"}, {time.Microsecond, "1"}, {300 * time.Millisecond, "1"}, {time.Second, "1"}, {1200 * time.Millisecond, "2"}, {-time.Second, "1"}} {
+		res := tollgate.Result{RetryAfter: tt.d}
+		assert.Equal(t, tt.want, string(AppendRetryAfter(nil, &res)), "RetryAfter %v", tt.d)
+	}
+}
+
+func TestAppendsAllocateNothing(t *testing.T) {
+	res := tollgate.Result{Plan: "gold", Limit: 20, Remaining: 3, ResetAfter: 8 * time.Second}
+	lim, err := tollgate.New(tollgate.NewMemoryStore(), []tollgate.Plan{{Name: "gold", Capacity: 20, Rate: 2}})
+	require.NoError(t, err)
+	buf := make([]byte, 0, 256)
+	allocs := testing.AllocsPerRun(100, func() {
+		b := AppendPolicy(buf[:0], &res, lim)
+		b = AppendRateLimit(b, &res, lim)
+		_ = AppendRetryAfter(b, &res)
+	})
+	assert.Zero(t, allocs)
+}
