@@ -383,3 +383,18 @@ func TestNothingPanicsPerCall(t *testing.T) {
 		}
 	}
 }
+
+// TestDeniedStatusDescribesAWindow names a sliding window's limit by its
+// window, not by a refill rate it does not have.
+func TestDeniedStatusDescribesAWindow(t *testing.T) {
+	lim, err := tollgate.New(tollgate.NewMemoryStore(), []tollgate.Plan{{Name: "api", Capacity: 1, Window: time.Minute}})
+	require.NoError(t, err)
+	_, err = lim.Allow(context.Background(), "k")
+	require.NoError(t, err)
+	res, err := lim.Allow(context.Background(), "k")
+	require.NoError(t, err)
+	require.False(t, res.Allowed)
+	_, qf, _ := details(t, DeniedStatus(res, lim).Err())
+	require.Len(t, qf.GetViolations(), 1)
+	assert.Equal(t, "1 tokens in any 1m0s", qf.GetViolations()[0].GetDescription())
+}

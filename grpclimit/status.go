@@ -36,7 +36,8 @@ const (
 //     finds the tokens, and none is told to come back at once;
 //   - errdetails.QuotaFailure: one violation per plan that lacks the
 //     tokens, Subject "plan:NAME" and Description such as
-//     "20 tokens, refilled at 2 per second";
+//     "20 tokens, refilled at 2 per second" for a token bucket or
+//     "100 tokens in any 1m0s" for a sliding window;
 //   - errdetails.ErrorInfo: Reason "RATE_LIMITED", Domain "tollgate",
 //     Metadata {"plan": NAME} for the plan that makes the caller wait
 //     longest.
@@ -68,7 +69,11 @@ func DeniedStatus(res tollgate.Result, p Planner) *status.Status {
 func describePlan(pr tollgate.PlanResult, p Planner) string {
 	d := strconv.FormatInt(pr.Limit, 10) + " tokens"
 	if p != nil {
-		if plan, ok := p.Plan(pr.Plan); ok {
+		switch plan, ok := p.Plan(pr.Plan); {
+		case !ok:
+		case plan.Window > 0:
+			d += " in any " + plan.Window.String()
+		default:
 			d += ", refilled at " + strconv.FormatFloat(plan.Rate, 'g', 6, 64) + " per second"
 		}
 	}

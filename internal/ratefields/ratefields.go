@@ -51,7 +51,7 @@ func AppendPolicy(b []byte, res *tollgate.Result, p Planner) []byte {
 		b = appendItem(b, i, pr.Plan)
 		b = appendParam(b, ";q=", pr.Limit)
 		if plan, ok := describe(p, pr.Plan); ok {
-			b = appendParam(b, ";w=", AtLeastOne(accrual(plan.Capacity, plan.Rate)))
+			b = appendParam(b, ";w=", AtLeastOne(window(plan)))
 		}
 	}
 	return b
@@ -64,7 +64,7 @@ func AppendRateLimit(b []byte, res *tollgate.Result, p Planner) []byte {
 		b = appendItem(b, i, pr.Plan)
 		b = appendParam(b, ";r=", pr.Remaining)
 		if plan, ok := describe(p, pr.Plan); ok {
-			b = appendParam(b, ";t=", AtLeastOne(nextToken(pr, plan.Rate)))
+			b = appendParam(b, ";t=", AtLeastOne(nextToken(pr, plan)))
 		}
 	}
 	return b
@@ -138,13 +138,31 @@ func accrual(n int64, rate float64) time.Duration {
 // if the client spends none: the draft's effective window. A full bucket
 // gains nothing until the client spends, and then its next token takes
 // one token's accrual time.
-func nextToken(pr tollgate.PlanResult, rate float64) time.Duration {
-	if pr.Remaining >= pr.Limit {
-		return accrual(1, rate)
+//
+// A sliding window gives nothing back one token at a time: its counts
+// leave a sub-window at a time, and all have left at ResetAfter, which it
+// tells; a window that counts nothing tells its Window.
+func nextToken(pr tollgate.PlanResult, plan tollgate.Plan) time.Duration {
+	switch {
+	case plan.Window > 0 && pr.ResetAfter > 0:
+		return pr.ResetAfter
+	case plan.Window > 0:
+		return plan.Window
+	case pr.Remaining >= pr.Limit:
+		return accrual(1, plan.Rate)
 	}
 	// The bucket fills in ResetAfter: the part of a token that the next
 	// token still lacks, then Limit-Remaining-1 whole tokens.
-	return pr.ResetAfter - accrual(pr.Limit-pr.Remaining-1, rate)
+	return pr.ResetAfter - accrual(pr.Limit-pr.Remaining-1, plan.Rate)
+}
+
+// window returns the draft's window of a plan: a window plan's Window,
+// or the time a token bucket takes to refill from empty.
+func window(plan tollgate.Plan) time.Duration {
+	if plan.Window > 0 {
+		return plan.Window
+	}
+	return accrual(plan.Capacity, plan.Rate)
 }
 
 // CeilSeconds returns d, at least 0, in seconds rounded up.

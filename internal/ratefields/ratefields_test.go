@@ -2,6 +2,7 @@ package ratefields
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -32,6 +33,23 @@ func TestFieldsOfAChain(t *testing.T) {
 	assert.Equal(t, "20", string(AppendLimit(nil, &res)))
 	assert.Equal(t, "19", string(AppendRemaining(nil, &res)))
 	assert.Equal(t, "1", string(AppendReset(nil, &res)))
+}
+
+func TestFieldsOfAWindow(t *testing.T) {
+	lim, err := tollgate.New(tollgate.NewMemoryStore(), []tollgate.Plan{
+		{Name: "api", Capacity: 100, Window: time.Minute},
+		{Name: "sec", Capacity: 5, Rate: 5},
+	})
+	require.NoError(t, err)
+	fresh := tollgate.Result{Plan: "api", Limit: 100, Remaining: 100}
+	assert.Equal(t, `"api";q=100;w=60`, string(AppendPolicy(nil, &fresh, lim)))
+	assert.Equal(t, `"api";r=100;t=60`, string(AppendRateLimit(nil, &fresh, lim)), "an empty window: its Window")
+	res, err := lim.Allow(context.Background(), "k", "api", "sec")
+	require.NoError(t, err)
+	prs := res.PlanResults()
+	require.Greater(t, prs[0].ResetAfter, 57*time.Second, "the count leaves when its sub-window does")
+	assert.Equal(t, `"api";q=100;w=60, "sec";q=5;w=1`, string(AppendPolicy(nil, &res, lim)))
+	assert.Equal(t, fmt.Sprintf(`"api";r=99;t=%d, "sec";r=4;t=1`, CeilSeconds(prs[0].ResetAfter)), string(AppendRateLimit(nil, &res, lim)))
 }
 
 func TestPlanNamesAreStrings(t *testing.T) {
