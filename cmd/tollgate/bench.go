@@ -29,13 +29,13 @@ type benchConfig struct {
 }
 
 func runBench(ctx context.Context, args []string, stdout, stderr io.Writer, getenv func(string) string) error {
-	fs := newFlagSet("bench", "tollgate bench [-redis URL] [-duration 10s] [-concurrency 8] [-keys 10000] [-plans NAME:CAPACITY:RATE,...] [-progress 1s]", stderr)
+	fs := newFlagSet("bench", "tollgate bench [-redis URL] [-duration 10s] [-concurrency 8] [-keys 10000] [-plans NAME:CAPACITY:RATE|WINDOW,...] [-progress 1s]", stderr)
 	redisURL := fs.String("redis", "", "Redis `URL` (default $REDIS_URL, else "+defaultRedisURL+")")
 	var cfg benchConfig
 	fs.DurationVar(&cfg.duration, "duration", 10*time.Second, "how long to run")
 	fs.IntVar(&cfg.concurrency, "concurrency", 8, "goroutines deciding in a closed loop")
 	fs.IntVar(&cfg.keys, "keys", 10_000, "distinct keys, picked at random for each decision")
-	plans := fs.String("plans", "bench:10:1", "chained plans as NAME:CAPACITY:RATE (tokens, tokens/s), comma-separated")
+	plans := fs.String("plans", "bench:10:1", "chained plans as NAME:CAPACITY:RATE (tokens, tokens/s) or NAME:CAPACITY:WINDOW (tokens, a duration such as 1m), comma-separated")
 	fs.DurationVar(&cfg.progress, "progress", time.Second, "interval of progress lines")
 	if err := parseFlags(fs, args); err != nil {
 		return err
@@ -62,28 +62,39 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer, gete
 }
 
 // parsePlans parses "NAME:CAPACITY:RATE,..." and checks the plans as New
-// does.
+// does. A RATE with a unit, such as 1m, is a WINDOW: the plan is then a
+// sliding window of CAPACITY tokens in any WINDOW.
 func parsePlans(s string) ([]tollgate.Plan, error) {
 	var plans []tollgate.Plan
 	for _, f := range strings.Split(s, ",") {
 		parts := strings.Split(f, ":")
 		if len(parts) != 3 {
-			return nil, usagef("-plans: %q is not NAME:CAPACITY:RATE", f)
+			return nil, usagef("-plans: %q is not NAME:CAPACITY:RATE or NAME:CAPACITY:WINDOW", f)
 		}
 		capacity, err := strconv.ParseInt(parts[1], 10, 64)
 		if err != nil {
 			return nil, usagef("-plans: capacity %q is not a whole number", parts[1])
 		}
-		rate, err := strconv.ParseFloat(parts[2], 64)
-		if err != nil {
-			return nil, usagef("-plans: rate %q is not a number", parts[2])
+		p := tollgate.Plan{Name: parts[0], Capacity: capacity}
+		if p.Rate, err = strconv.ParseFloat(parts[2], 64); err != nil {
+			if p.Window, err = time.ParseDuration(parts[2]); err != nil {
+				return nil, usagef("-plans: %q is neither a rate (tokens/s) nor a window (such as 1m)", parts[2])
+			}
 		}
-		plans = append(plans, tollgate.Plan{Name: parts[0], Capacity: capacity, Rate: rate})
+		plans = append(plans, p)
 	}
 	if _, err := tollgate.New(tollgate.NewMemoryStore(), plans); err != nil {
 		return nil, usagef("-plans: %v", libUsageError(err))
 	}
 	return plans, nil
+}
+
+// planSpec writes a plan as parsePlans reads it.
+func planSpec(p tollgate.Plan) string {
+	if p.Window > 0 {
+		return fmt.Sprintf("%s:%d:%v", p.Name, p.Capacity, p.Window)
+	}
+	return fmt.Sprintf("%s:%d:%g", p.Name, p.Capacity, p.Rate)
 }
 
 // benchCounts are the totals shared by the workers and the progress lines.
@@ -115,7 +126,7 @@ func bench(ctx context.Context, w, stderr io.Writer, client *redis.Client, cfg b
 	specs := make([]string, len(cfg.plans))
 	for i, p := range cfg.plans {
 		names[i] = p.Name
-		specs[i] = fmt.Sprintf("%s:%d:%g", p.Name, p.Capacity, p.Rate)
+		specs[i] = planSpec(p)
 	}
 	keys := make([]string, cfg.keys)
 	for i := range keys {
@@ -227,10 +238,14 @@ func percent(n, total int64) string {
 }
 
 // maxRefill returns the longest time a bucket of plans takes to refill,
-// which bounds its TTL.
+// or a window to empty, which bounds its TTL.
 func maxRefill(plans []tollgate.Plan) time.Duration {
 	var d time.Duration
 	for _, p := range plans {
+		if p.Window > 0 { // and up to one sub-window more
+			d = max(d, 2*p.Window)
+			continue
+		}
 		d = max(d, time.Duration(float64(p.Capacity)/p.Rate*float64(time.Second)))
 	}
 	return d.Round(time.Second)

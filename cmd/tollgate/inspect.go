@@ -7,6 +7,7 @@ import (
 	"maps"
 	"slices"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -56,9 +57,63 @@ func inspect(ctx context.Context, w io.Writer, c redis.UniversalClient, prefix, 
 		if err != nil {
 			return fmt.Errorf("HGETALL of the bucket of plan %q: %w", plan, err)
 		}
+		if v := h["v"]; strings.HasPrefix(v, "w") || strings.HasPrefix(v, "s") {
+			printWindow(w, h, ttl, now.UnixMicro())
+			continue
+		}
 		printBucket(w, h, ttl, now.UnixMicro())
 	}
 	return nil
+}
+
+// printWindow prints a sliding window's hash: v = w or s (suppressed),
+// the sub-window width in µs and their number k; then, per sub-window
+// i = floor(µs / width), the tokens admitted (field i) and, for a
+// suppressed plan, offered (field oi), newest first.
+func printWindow(w io.Writer, h map[string]string, ttl time.Duration, nowMicro int64) {
+	v := h["v"]
+	width, k, ok := strings.Cut(v[1:], "/")
+	g, errG := strconv.ParseInt(width, 10, 64)
+	slots, errK := strconv.ParseInt(k, 10, 64)
+	if !ok || errG != nil || errK != nil || g <= 0 || slots <= 0 {
+		fmt.Fprintf(w, "  schema    v = %s: foreign data; reads as empty, and the next decision that takes tokens replaces it\n", strconv.Quote(v))
+		fmt.Fprintf(w, "  expires   %s\n", formatTTL(ttl))
+		return
+	}
+	kind := "sliding window"
+	if v[0] == 's' {
+		kind = "suppressed sliding window"
+	}
+	first := nowMicro/g - slots
+	fmt.Fprintf(w, "  %s of %d sub-windows of %s (v = %s); sub-windows from %d on count now\n",
+		kind, slots, time.Duration(g)*time.Microsecond, v, first)
+	var subs []int64
+	counted := int64(0)
+	for f, c := range h {
+		i, err := strconv.ParseInt(f, 10, 64)
+		if err != nil {
+			continue
+		}
+		subs = append(subs, i)
+		if n, err := strconv.ParseInt(c, 10, 64); err == nil && i >= first {
+			counted += n
+		}
+	}
+	slices.Sort(subs)
+	slices.Reverse(subs)
+	fmt.Fprintf(w, "  admitted  %d counted now\n", counted)
+	for _, i := range subs {
+		note := ""
+		if i < first {
+			note = ", no longer counted"
+		}
+		offered := ""
+		if o, ok := h["o"+strconv.FormatInt(i, 10)]; ok {
+			offered = ", offered " + o
+		}
+		fmt.Fprintf(w, "  %d: %s admitted%s (from %s%s)\n", i, h[strconv.FormatInt(i, 10)], offered, formatTime(i*g), note)
+	}
+	fmt.Fprintf(w, "  expires   %s\n", formatTTL(ttl))
 }
 
 // printBucket prints a bucket hash {t, ts, v}, and says so when it is not

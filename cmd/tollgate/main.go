@@ -3,7 +3,7 @@
 //
 //	tollgate inspect [-redis URL] [-prefix P] KEY PLAN...
 //	tollgate reset   [-redis URL] [-prefix P] KEY PLAN...
-//	tollgate bench   [-redis URL] [-duration 10s] [-concurrency 8] [-keys 10000] [-plans NAME:CAPACITY:RATE,...]
+//	tollgate bench   [-redis URL] [-duration 10s] [-concurrency 8] [-keys 10000] [-plans NAME:CAPACITY:RATE|WINDOW,...]
 //
 // Redis is given by -redis, else $REDIS_URL, else redis://127.0.0.1:6379/0.
 // The exit status is 0 on success, 1 on a runtime error and 2 on a usage
@@ -41,7 +41,7 @@ const usageText = `Usage:
   tollgate inspect [-redis URL] [-prefix P] KEY PLAN...
   tollgate reset   [-redis URL] [-prefix P] KEY PLAN...
   tollgate bench   [-redis URL] [-duration 10s] [-concurrency 8] [-keys 10000]
-                   [-plans NAME:CAPACITY:RATE,...] [-progress 1s]
+                   [-plans NAME:CAPACITY:RATE|WINDOW,...] [-progress 1s]
   tollgate help
 
 inspect  prints the buckets of KEY for each PLAN as Redis holds them, reading

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"os"
 	"regexp"
 	"strconv"
@@ -74,8 +75,10 @@ func TestUsageAndExitCodes(t *testing.T) {
 		{name: "bad URL hides password", args: []string{"inspect", "-redis", "redis://u:secret@[::1", "alice", "gold"}, code: exitUsage, stderr: "bad Redis URL: missing ']' in host", notInPrint: "secret"},
 		{name: "bad scheme", args: []string{"inspect", "-redis", "http://localhost", "alice", "gold"}, code: exitUsage, stderr: "bad Redis URL"},
 		{name: "Redis down", args: []string{"inspect", "-redis", "redis://u:secret@" + dead, "alice", "gold"}, code: exitError, stderr: "connection refused", notInPrint: "secret"},
-		{name: "bench: bad plans", args: []string{"bench", "-plans", "x:1"}, code: exitUsage, stderr: `-plans: "x:1" is not NAME:CAPACITY:RATE`},
+		{name: "bench: bad plans", args: []string{"bench", "-plans", "x:1"}, code: exitUsage, stderr: `-plans: "x:1" is not NAME:CAPACITY:RATE or NAME:CAPACITY:WINDOW`},
 		{name: "bench: zero capacity", args: []string{"bench", "-plans", "x:0:1"}, code: exitUsage, stderr: "-plans: invalid plan: capacity must be 1"},
+		{name: "bench: neither rate nor window", args: []string{"bench", "-plans", "x:1:soon"}, code: exitUsage, stderr: `-plans: "soon" is neither a rate (tokens/s) nor a window (such as 1m)`},
+		{name: "bench: window too short", args: []string{"bench", "-plans", "x:1:1us"}, code: exitUsage, stderr: "-plans: invalid plan: window must be 1ms to MaxRefillPeriod"},
 		{name: "bench: zero duration", args: []string{"bench", "-duration", "0s"}, code: exitUsage, stderr: "-duration and -progress must be positive"},
 		{name: "bench: argument", args: []string{"bench", "extra"}, code: exitUsage, stderr: `bench takes no arguments, got "extra"`},
 		{name: "bench: Redis down", args: []string{"bench", "-redis", "redis://" + dead}, code: exitError, stderr: "tollgate: ping " + dead},
@@ -149,6 +152,43 @@ func TestInspect(t *testing.T) {
 `, stdout)
 	assert.Empty(t, stderr)
 	assert.Equal(t, before, mr.Dump(), "inspect writes nothing")
+}
+
+// TestInspectWindow prints a window's sub-windows as the script wrote
+// them.
+func TestInspectWindow(t *testing.T) {
+	ctx := context.Background()
+	mr := miniredis.RunT(t)
+	mr.SetTime(t0)
+	client := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	t.Cleanup(func() { _ = client.Close() })
+	lim, err := tollgate.New(tollgate.NewRedisStore(client), []tollgate.Plan{
+		{Name: "api", Capacity: 10, Window: time.Second, Slots: 4},
+	})
+	require.NoError(t, err)
+	_, err = lim.AllowN(ctx, "alice", 3, "api")
+	require.NoError(t, err)
+	mr.SetTime(t0.Add(300 * time.Millisecond))
+	_, err = lim.AllowN(ctx, "alice", 2, "api")
+	require.NoError(t, err)
+	mr.HSet("tollgate:{alice}:odd", "v", "w12")
+
+	code, stdout, stderr := cli(t, ctx, mr.Addr(), "inspect", "alice", "api", "odd")
+	require.Equal(t, exitOK, code, stderr)
+	first := t0.UnixMicro() / 250_000
+	assert.Equal(t, fmt.Sprintf(`Redis TIME 2026-11-22T10:00:00.423456Z (the buckets' clock)
+
+"tollgate:{alice}:api"
+  sliding window of 4 sub-windows of 250ms (v = w250000/4); sub-windows from %d on count now
+  admitted  5 counted now
+  %d: 2 admitted (from 2026-11-22T10:00:00.250000Z)
+  %d: 3 admitted (from 2026-11-22T10:00:00.000000Z)
+  expires   in 1.078s (PTTL 1078 ms)
+
+"tollgate:{alice}:odd"
+  schema    v = "w12": foreign data; reads as empty, and the next decision that takes tokens replaces it
+  expires   never (PTTL -1)
+`, first+1-4, first+1, first), stdout)
 }
 
 // TestInspectFindsEveryKey: the CLI computes keys as the library does,
@@ -319,4 +359,16 @@ func TestLatencies(t *testing.T) {
 		prev = b
 	}
 	assert.Less(t, bucketOf(1<<62), len(l.counts))
+}
+
+func TestParsePlansReadsWindows(t *testing.T) {
+	plans, err := parsePlans("api:100:1m,burst:5:2.5")
+	require.NoError(t, err)
+	assert.Equal(t, []tollgate.Plan{
+		{Name: "api", Capacity: 100, Window: time.Minute},
+		{Name: "burst", Capacity: 5, Rate: 2.5},
+	}, plans)
+	assert.Equal(t, "api:100:1m0s", planSpec(plans[0]))
+	assert.Equal(t, "burst:5:2.5", planSpec(plans[1]))
+	assert.Equal(t, 2*time.Minute, maxRefill(plans))
 }
