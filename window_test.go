@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -514,5 +515,48 @@ func TestWindowChainRetryAfterIsExact(t *testing.T) {
 			assert.Equal(t, int64(0), prs[1].Remaining)
 			retryAt(1, "win")
 		})
+	}
+}
+
+// TestWindowMemoryOnRealRedis measures MEMORY USAGE of a window whose
+// every sub-window holds a count, beside a bucket's (README), and checks
+// that a plain window of up to 64 sub-windows stays a listpack, Redis's
+// compact encoding of small hashes (hash-max-listpack-entries 128).
+func TestWindowMemoryOnRealRedis(t *testing.T) {
+	c := redistest.NewClient(t, &redis.Options{Addr: redistest.Addr(t)})
+	ctx := context.Background()
+	s := NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix()))
+	_, err := s.Take(ctx, "k", 1, []Plan{{Name: "bucket", Capacity: 100, Rate: 1}})
+	require.NoError(t, err)
+	bucket, err := c.MemoryUsage(ctx, s.Key("k", "bucket")).Result()
+	require.NoError(t, err)
+	t.Logf("bucket: %d B", bucket)
+	for _, p := range []Plan{
+		{Name: "w1", Capacity: 1000, Window: time.Minute, Slots: 1},
+		{Name: "w20", Capacity: 1000, Window: time.Minute},
+		{Name: "w64", Capacity: 1000, Window: time.Minute, Slots: 64},
+		{Name: "s20", Capacity: 1000, Window: time.Minute, Suppress: 1.5},
+	} {
+		key := s.Key("k", p.Name)
+		newest := time.Now().UnixMicro() / p.width()
+		fields := []any{"v", fmt.Sprintf("%c%d/%d", "ws"[btoi(p.Suppress != 0)], p.width(), p.slots())}
+		for i := newest - p.slots(); i <= newest; i++ {
+			fields = append(fields, strconv.FormatInt(i, 10), 7)
+			if p.Suppress != 0 {
+				fields = append(fields, "o"+strconv.FormatInt(i, 10), 12)
+			}
+		}
+		require.NoError(t, c.HSet(ctx, key, fields...).Err())
+		r, err := s.Take(ctx, "k", 1, []Plan{p}) // the script reads it as its own
+		require.NoError(t, err)
+		require.Equal(t, 1000-7*(p.slots()+1)-1, r.Remaining, "plan %s", p.Name)
+		used, err := c.MemoryUsage(ctx, key).Result()
+		require.NoError(t, err)
+		enc, err := c.ObjectEncoding(ctx, key).Result()
+		require.NoError(t, err)
+		t.Logf("%s: %d B (%s)", p.Name, used, enc)
+		if p.Suppress == 0 {
+			assert.Equal(t, "listpack", enc, "plan %s", p.Name)
+		}
 	}
 }
