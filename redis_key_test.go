@@ -124,17 +124,18 @@ func TestClusterAdversarialKeys(t *testing.T) {
 	redistest.SkipIfUnavailable(t)
 	cl := redistest.StartCluster(t, 3, 0)
 	client := cl.Client(t, nil)
-	l, err := New(NewRedisStore(client), testPlans, WithFailurePolicy(FailClosed), WithLogger(nil))
+	l, err := New(NewRedisStore(client), withWindow, WithFailurePolicy(FailClosed), WithLogger(nil))
 	require.NoError(t, err)
 	ctx := context.Background()
 	for i, key := range adversarialKeys {
 		for want := int64(3); want >= 0; want-- {
-			r, err := l.Allow(ctx, key, "gold", "daily")
+			r, err := l.Allow(ctx, key, "gold", "daily", "minute")
 			require.NoError(t, err, "key %d", i)
 			require.True(t, r.Allowed, "key %d", i)
 			assert.Equal(t, want, r.PlanResults()[0].Remaining, "key %d: keys must not share buckets", i)
+			assert.Equal(t, want+2, r.PlanResults()[2].Remaining, "key %d: keys must not share windows", i)
 		}
-		require.NoError(t, l.Reset(ctx, key), "key %d", i)
+		require.NoError(t, l.Reset(ctx, key, "gold", "daily", "minute"), "key %d", i)
 	}
 
 	// Keys spread over every master, and NOSCRIPT heals on each.
@@ -144,7 +145,7 @@ func TestClusterAdversarialKeys(t *testing.T) {
 	masters := map[string]bool{}
 	for i := 0; i < 30; i++ {
 		key := fmt.Sprint("spread-", i)
-		_, err := l.Allow(ctx, key, "gold", "daily")
+		_, err := l.Allow(ctx, key, "gold", "daily", "minute")
 		require.NoError(t, err)
 		masters[cl.MasterFor(key).Addr()] = true
 	}

@@ -1038,12 +1038,12 @@ func TestNoscriptUnderLoad(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			store := NewRedisStore(tc.client(srv.Client(t)))
 			// No denial cache: every decision must meet the flushed cache.
-			l, err := New(store, testPlans, WithFailurePolicy(FailClosed), WithLogger(nil), WithDenialCache(0))
+			l, err := New(store, withWindow, WithFailurePolicy(FailClosed), WithLogger(nil), WithDenialCache(0))
 			require.NoError(t, err)
 			admin := srv.Client(t)
 			var ta tally
 			stop := loadUntilStopped(16, func(g, i int) {
-				ta.record(l.Allow(context.Background(), fmt.Sprint("user-", i%50), "gold", "daily"))
+				ta.record(l.Allow(context.Background(), fmt.Sprint("user-", i%50), "gold", "daily", "minute"))
 			})
 			flushes := 0
 			for deadline := time.Now().Add(time.Second); time.Now().Before(deadline); flushes++ {
@@ -1088,7 +1088,7 @@ func TestOutageFallbackRecovery(t *testing.T) {
 func testOutageFallbackRecovery(t *testing.T, srv *redistest.Server, client redis.UniversalClient) {
 	logs := &logCounter{}
 	// No denial cache: every decision must meet the outage.
-	l, err := New(NewRedisStore(client), testPlans, WithDenialCache(0),
+	l, err := New(NewRedisStore(client), withWindow, WithDenialCache(0),
 		WithLogger(slog.New(logs)), WithBreaker(breaker.Settings{Failures: 3, Cooldown: 200 * time.Millisecond}))
 	require.NoError(t, err)
 
@@ -1101,7 +1101,7 @@ func testOutageFallbackRecovery(t *testing.T, srv *redistest.Server, client redi
 	)
 	stop := loadUntilStopped(4, func(g, i int) {
 		began := time.Now()
-		r, err := l.Allow(context.Background(), fmt.Sprint("user-", g, "-", i%10), "gold")
+		r, err := l.Allow(context.Background(), fmt.Sprint("user-", g, "-", i%10), "gold", "minute")
 		took := time.Since(began)
 		mu.Lock()
 		if err != nil {
@@ -1154,19 +1154,25 @@ func testOutageFallbackRecovery(t *testing.T, srv *redistest.Server, client redi
 
 // TestTopologies runs the same chained decisions through every go-redis
 // client kind.
+// withWindow chains a sliding window after testPlans' buckets: a bucket
+// binds, and the window must take its token atomically beside them, on
+// one hash slot.
+var withWindow = append(slices.Clone(testPlans), Plan{Name: "minute", Capacity: 6, Window: time.Minute})
+
 func TestTopologies(t *testing.T) {
 	redistest.SkipIfUnavailable(t)
 	check := func(t *testing.T, c redis.UniversalClient) {
-		l, err := New(NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix())), testPlans, WithFailurePolicy(FailClosed), WithLogger(nil))
+		l, err := New(NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix())), withWindow, WithFailurePolicy(FailClosed), WithLogger(nil))
 		require.NoError(t, err)
 		for _, key := range []string{"a", "b}", "c{x}"} {
 			for want := int64(3); want >= 0; want-- {
-				r, err := l.Allow(context.Background(), key, "gold", "daily")
+				r, err := l.Allow(context.Background(), key, "gold", "daily", "minute")
 				require.NoError(t, err)
 				require.True(t, r.Allowed)
 				assert.Equal(t, want, r.Remaining)
+				assert.Equal(t, want+2, r.PlanResults()[2].Remaining, "the window, chained")
 			}
-			r, err := l.Allow(context.Background(), key, "gold", "daily")
+			r, err := l.Allow(context.Background(), key, "gold", "daily", "minute")
 			require.NoError(t, err)
 			assert.False(t, r.Allowed)
 			// One token at 2/s: at most 500 ms, less the time since the drain.
