@@ -10,3 +10,9 @@ import _ "embed"
 //
 //go:embed token_bucket.lua
 var TokenBucket string
+
+// CircuitBreaker runs one step of a distributed circuit breaker on its one
+// key; circuit in package breaker holds the same state machine.
+//
+//go:embed circuit_breaker.lua
+var CircuitBreaker string
