@@ -61,8 +61,8 @@ type Shared struct {
 // memo is what an instance remembers of one key's shared state.
 type memo struct {
 	rkey        string
-	openUntil   atomic.Int64 // on the instance's clock: refuse without Redis until then
-	closedUntil atomic.Int64 // with CacheClosedFor: grant without Redis until then
+	openUntil   atomic.Int64 // on the instance's clock: refuse without Redis until then; 0 none
+	closedUntil atomic.Int64 // with CacheClosedFor: grant without Redis until then; 0 none
 	gen         atomic.Int64 // the generation Redis last reported
 	state       atomic.Int64 // the state Redis last reported
 
@@ -207,11 +207,11 @@ func (b *Shared) Acquire(ctx context.Context, key string) (Ticket, error) {
 	now := b.now()
 	m := b.memo(key)
 	if m != nil {
-		if until := m.openUntil.Load(); now < until {
+		if until := m.openUntil.Load(); until != 0 && now < until {
 			b.stats.rejected[Open].Add(1)
 			return Ticket{RetryAfter: time.Duration(until - now)}, ErrOpen
 		}
-		if now < m.closedUntil.Load() {
+		if until := m.closedUntil.Load(); until != 0 && now < until {
 			b.stats.granted[Closed].Add(1)
 			return Ticket{t: &ticket{b: b, key: key, m: m, gen: m.gen.Load(), start: now, mode: modeCached}}, nil
 		}
@@ -492,7 +492,7 @@ func (b *Shared) degradeAcquire(key string, now int64, cause error) (Ticket, err
 	lc := b.localCircuit(key, now)
 	token := rand.Uint64() | 1
 	lc.mu.Lock()
-	r := lc.c.step(now/1000, input{op: opAcquire, token: token}, b.p)
+	r := lc.c.step(localUs(now), input{op: opAcquire, token: token}, b.p)
 	lc.mu.Unlock()
 	if r.from != 0 {
 		b.transitioned(State(r.from-1), State(r.state), r, opAcquire)
@@ -526,9 +526,9 @@ func (b *Shared) localCircuit(key string, now int64) *localCircuit {
 		lc.c.gen = m.gen.Load()
 		switch m.state.Load() {
 		case stateOpen:
-			lc.c.state, lc.c.openUntil = stateOpen, max(m.openUntil.Load(), now)/1000
+			lc.c.state, lc.c.openUntil = stateOpen, localUs(max(m.openUntil.Load(), now))
 		case stateHalfOpen:
-			lc.c.state, lc.c.openUntil = stateOpen, now/1000
+			lc.c.state, lc.c.openUntil = stateOpen, localUs(now)
 		}
 	}
 	b.local[key] = lc
@@ -554,7 +554,7 @@ func (b *Shared) doneLocal(tk *ticket, bt batch, now int64) error {
 		return nil // Redis is back; its state wins
 	}
 	lc.mu.Lock()
-	r := lc.c.step(now/1000, input{op: opRecord, token: tk.token, gen: tk.gen, b: bt}, b.p)
+	r := lc.c.step(localUs(now), input{op: opRecord, token: tk.token, gen: tk.gen, b: bt}, b.p)
 	lc.mu.Unlock()
 	if r.from != 0 {
 		b.transitioned(State(r.from-1), State(r.state), r, opRecord)
@@ -565,3 +565,8 @@ func (b *Shared) doneLocal(tk *ticket, bt batch, now int64) error {
 	}
 	return nil
 }
+
+// localUs converts the instance's clock (ns) to the µs a Fallback breaker
+// runs on, which must not be negative: the window's steps are indexed by
+// it.
+func localUs(ns int64) int64 { return ns/1000 + 1<<50 }

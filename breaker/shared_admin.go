@@ -96,7 +96,7 @@ func (b *Shared) record(ctx context.Context, key string, o Outcome) error {
 	now := b.now()
 	m := b.memo(key)
 	tk := &ticket{b: b, key: key, m: m, gen: -1, start: now}
-	if m != nil && now < m.closedUntil.Load() {
+	if until := m.closedUntilOf(); until != 0 && now < until {
 		tk.mode, tk.gen = modeCached, m.gen.Load()
 	} else if b.health.State() != Closed {
 		tk.mode = modeLocal
@@ -276,4 +276,12 @@ func (b *Shared) Stats() SharedStats {
 		s.Entered[i] = c.entered[i].Load()
 	}
 	return s
+}
+
+// closedUntilOf returns m's closed-cache deadline; 0 for a nil m.
+func (m *memo) closedUntilOf() int64 {
+	if m == nil {
+		return 0
+	}
+	return m.closedUntil.Load()
 }
