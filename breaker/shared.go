@@ -38,14 +38,15 @@ const maxKeys = 10_000
 // A Shared breaker starts no goroutine and writes nothing at construction.
 // It is safe for concurrent use.
 type Shared struct {
-	c      redis.Scripter
-	set    SharedSettings // with defaults
-	p      params
-	prefix string
-	policy FailurePolicy
-	health *Breaker
-	log    *slog.Logger
-	epoch  time.Time
+	c       redis.Scripter
+	set     SharedSettings // with defaults
+	p       params
+	prefix  string
+	policy  FailurePolicy
+	health  *Breaker
+	log     *slog.Logger
+	logKeys bool
+	epoch   time.Time
 	// now reads the instance's monotonic clock in ns; tests replace it.
 	now func() int64
 
@@ -103,7 +104,7 @@ func NewShared(c redis.Scripter, s SharedSettings, opts ...SharedOption) (*Share
 	}
 	b := &Shared{
 		c: c, set: s.withDefaults(), prefix: cfg.prefix, policy: cfg.policy,
-		health: New(cfg.health), log: cfg.log, epoch: time.Now(),
+		health: New(cfg.health), log: cfg.log, logKeys: cfg.logKeys, epoch: time.Now(),
 		memos: map[string]*memo{}, local: map[string]*localCircuit{}, probes: map[string][]Ticket{},
 	}
 	b.p = b.set.params()
@@ -397,7 +398,7 @@ func (b *Shared) run(ctx context.Context, key string, m *memo, in input, start i
 	if m == nil {
 		m = b.newMemo(key, rkey)
 	}
-	b.learn(m, r, in, start)
+	b.learn(key, m, r, in, start)
 	return r, m, nil
 }
 
@@ -405,7 +406,7 @@ var errStoreBreakerOpen = errors.New("store breaker open")
 
 // learn updates m from a reply to a call sent at start, and logs and counts
 // what the reply says happened.
-func (b *Shared) learn(m *memo, r reply, in input, start int64) {
+func (b *Shared) learn(key string, m *memo, r reply, in input, start int64) {
 	if m != nil {
 		m.gen.Store(r.gen)
 		m.state.Store(r.state)
@@ -436,24 +437,36 @@ func (b *Shared) learn(m *memo, r reply, in input, start int64) {
 		b.log.Warn("tollgate/breaker: replaced a foreign value at a breaker's key")
 	}
 	if r.from != 0 {
-		b.transitioned(State(r.from-1), State(r.state), r, in.op)
+		b.transitioned(key, r, in.op, false)
 	}
 }
 
 // transitioned counts and logs one state change that this instance's call
-// made; every change happens in exactly one script call, so the fleet logs
-// each once.
-func (b *Shared) transitioned(from, to State, r reply, op int) {
+// made; every change of a shared state happens in exactly one script call,
+// so the fleet logs each once. local marks a Fallback breaker's change.
+func (b *Shared) transitioned(key string, r reply, op int, local bool) {
+	from, to := State(r.from-1), State(r.state)
 	b.stats.entered[to].Add(1)
-	if from == Closed && to == Open && op != opForceOpen {
+	if from == Closed && to == Open && op < opForceOpen {
 		b.stats.trips.Add(1)
 	}
-	level := slog.LevelInfo
-	if to == Open {
+	level, msg := slog.LevelInfo, "tollgate/breaker: "+from.String()+" → "+to.String()
+	switch {
+	case op == opForceOpen:
+		msg = "tollgate/breaker: forced open"
+	case op == opForceClosed:
+		msg = "tollgate/breaker: forced closed"
+	case op == opReset:
+		msg = "tollgate/breaker: reset"
+	case to == Open:
 		level = slog.LevelWarn
 	}
-	b.log.Log(context.Background(), level, "tollgate/breaker: "+from.String()+" → "+to.String(),
-		"generation", r.gen, "trips", r.trips, "forced", op >= opForceOpen)
+	attrs := []slog.Attr{slog.String("from", from.String()), slog.String("to", to.String()),
+		slog.Int64("generation", r.gen), slog.Int64("trips", r.trips), slog.Bool("local", local)}
+	if b.logKeys {
+		attrs = append(attrs, slog.String("key", key))
+	}
+	b.log.LogAttrs(context.Background(), level, msg, attrs...)
 }
 
 // memo returns key's memo, or nil.
@@ -495,7 +508,7 @@ func (b *Shared) degradeAcquire(key string, now int64, cause error) (Ticket, err
 	r := lc.c.step(localUs(now), input{op: opAcquire, token: token}, b.p)
 	lc.mu.Unlock()
 	if r.from != 0 {
-		b.transitioned(State(r.from-1), State(r.state), r, opAcquire)
+		b.transitioned(key, r, opAcquire, true)
 	}
 	switch r.grant {
 	case grantClosed:
@@ -557,7 +570,7 @@ func (b *Shared) doneLocal(tk *ticket, bt batch, now int64) error {
 	r := lc.c.step(localUs(now), input{op: opRecord, token: tk.token, gen: tk.gen, b: bt}, b.p)
 	lc.mu.Unlock()
 	if r.from != 0 {
-		b.transitioned(State(r.from-1), State(r.state), r, opRecord)
+		b.transitioned(tk.key, r, opRecord, true)
 	}
 	if r.ignored == 1 {
 		b.stats.stale.Add(1)

@@ -227,10 +227,11 @@ func (p FailurePolicy) String() string {
 type SharedOption func(*sharedConfig)
 
 type sharedConfig struct {
-	prefix string
-	policy FailurePolicy
-	health Settings
-	log    *slog.Logger
+	prefix  string
+	policy  FailurePolicy
+	health  Settings
+	log     *slog.Logger
+	logKeys bool
 }
 
 // WithPrefix sets the prefix of the breaker's Redis keys, which are
@@ -264,6 +265,13 @@ func WithLogger(l *slog.Logger) SharedOption {
 		}
 		c.log = l
 	}
+}
+
+// WithLogKeys(true) adds the key to each transition's log line, for keys
+// that are not personal data, such as destination host names. The default
+// is false: keys are never logged.
+func WithLogKeys(on bool) SharedOption {
+	return func(c *sharedConfig) { c.logKeys = on }
 }
 
 // checkKey returns ErrInvalidKey for an empty or oversized key.
