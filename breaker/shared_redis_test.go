@@ -22,7 +22,7 @@ import (
 // one on 127.0.0.1:6379 if it answers, else a server of the test's own;
 // the test is skipped when there is none. Keys go under a random prefix,
 // and nothing is flushed.
-func realRedis(t *testing.T) (*redis.Client, string) {
+func realRedis(t testing.TB) (*redis.Client, string) {
 	t.Helper()
 	addr := os.Getenv("TOLLGATE_REDIS_ADDR")
 	if addr == "" {
@@ -42,7 +42,7 @@ func realRedis(t *testing.T) (*redis.Client, string) {
 
 // fleet returns n Shared breakers, each with its own client of addr, as n
 // processes would have.
-func fleet(t *testing.T, addr, prefix string, n int, s SharedSettings, opts ...SharedOption) []*Shared {
+func fleet(t testing.TB, addr, prefix string, n int, s SharedSettings, opts ...SharedOption) []*Shared {
 	t.Helper()
 	bs := make([]*Shared, n)
 	for i := range bs {
