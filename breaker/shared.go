@@ -193,7 +193,7 @@ func (t Ticket) Generation() int64 {
 // Acquire asks whether a call to key's downstream may go through. It
 // returns a Ticket to report the call's outcome with, or ErrOpen with
 // Ticket.RetryAfter set. A breaker this instance knows to be open answers
-// without Redis, allocation or lock until its open time ends.
+// without Redis and without allocating until its open time ends.
 //
 // While Redis fails, the failure policy decides. A context that has ended
 // is the caller's error, before or during the call to Redis, and is never
@@ -227,6 +227,18 @@ func (b *Shared) Acquire(ctx context.Context, key string) (Ticket, error) {
 	}
 	r, m, err := b.run(ctx, key, m, in, now)
 	if err != nil {
+		var rerr *redisscript.Error
+		if in.b.calls > 0 && (errors.Is(err, errStoreBreakerOpen) || errors.As(err, &rerr)) {
+			// Never sent, or refused by Redis before the script ran: keep
+			// the outcomes for the next round trip. After a timeout the
+			// script may have run, and they are dropped rather than
+			// counted twice.
+			m.mu.Lock()
+			if m.pendGen == in.gen {
+				m.pending = in.b.add(m.pending)
+			}
+			m.mu.Unlock()
+		}
 		if cerr, ok := err.(callerError); ok {
 			return Ticket{}, cerr.err
 		}
