@@ -281,3 +281,22 @@ func TestRedisKilledUnderLoad(t *testing.T) {
 	goleak.VerifyNone(t, ignore,
 		goleak.IgnoreAnyFunction("github.com/tollgate-go/tollgate/internal/redistest.(*Server).launchLocked.func1"))
 }
+
+// TestRedisCluster: each breaker is one key in its key's slot, so the
+// script runs on a real 3-master Cluster, for keys whose braces would move
+// a naive hash tag too.
+func TestRedisCluster(t *testing.T) {
+	cl := redistest.StartCluster(t, 3, 0)
+	c := cl.Client(t, &redis.ClusterOptions{})
+	b, err := NewShared(c, SharedSettings{MinCalls: 2, OpenFor: time.Minute}, WithLogger(nil), WithFailurePolicy(FailClosed))
+	require.NoError(t, err)
+	for _, key := range []string{"hooks.a.example", "user:{42}", "}x{", "=y", "tenant-7"} {
+		trip(t, b, key)
+		snap, err := b.Inspect(ctx, key)
+		require.NoError(t, err)
+		assert.Equal(t, Open, snap.State, "key %q", key)
+		require.NoError(t, b.Reset(ctx, key))
+		require.NoError(t, call(t, b, key, Success))
+	}
+	assert.Equal(t, uint64(0), b.Stats().StoreErrors)
+}
