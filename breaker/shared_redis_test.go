@@ -107,6 +107,7 @@ func TestRedisProbesFleetWide(t *testing.T) {
 			}
 			wg.Wait()
 			require.Len(t, granted, probes, "round %d: leases granted fleet-wide", round)
+			t.Logf("Probes %d, round %d: %d leases granted to 64 racing goroutines", probes, round, len(granted))
 			for _, tk := range granted {
 				assert.Equal(t, granted[0].Generation(), tk.Generation())
 				require.NoError(t, tk.Done(ctx, Success))
@@ -141,6 +142,7 @@ func TestRedisDeadProber(t *testing.T) {
 		time.Sleep(5 * time.Millisecond)
 	}
 	waited := time.Since(start)
+	t.Logf("the next probe came %v after the dead prober took the lease (ProbeTimeout 200ms)", waited)
 	assert.GreaterOrEqual(t, waited, 190*time.Millisecond)
 	assert.Less(t, waited, time.Second)
 	require.True(t, probe.Probe())
