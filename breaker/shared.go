@@ -267,6 +267,12 @@ func (b *Shared) Acquire(ctx context.Context, key string) (Ticket, error) {
 // a call granted from the cache is kept to send with the next round trip,
 // and Done returns nil without knowing whether it will count.
 //
+// Done is a round trip, so pass a context that is still live: one that
+// has ended returns its error and the outcome is lost (a probe's lease then
+// frees itself after ProbeTimeout). context.WithoutCancel of a request's
+// context, with a timeout, reports the outcome of a call whose request
+// has gone.
+//
 // Under FailClosed, a Redis failure is ErrStoreUnavailable; under the other
 // policies the outcome is dropped and Done returns nil. Done on a ticket
 // already reported, or on a refused call's, is ErrTicketDone.

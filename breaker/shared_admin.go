@@ -250,6 +250,9 @@ type SharedStats struct {
 	Degraded uint64
 	// Foreign counts foreign values replaced at breakers' keys.
 	Foreign uint64
+	// Open is a gauge: the number of keys whose breaker this instance
+	// currently remembers as open (it refuses their calls without Redis).
+	Open int
 	// Store is the state of the local breaker in front of Redis; Outage
 	// is true from its trip until Redis answers again with it closed.
 	Store  State
@@ -270,6 +273,14 @@ func (b *Shared) Stats() SharedStats {
 		StoreErrors: c.storeErrors.Load(), Degraded: c.degraded.Load(), Foreign: c.foreign.Load(),
 		Store: b.health.State(), Outage: b.outage.Load() != 0,
 	}
+	now := b.now()
+	b.mu.RLock()
+	for _, m := range b.memos {
+		if until := m.openUntil.Load(); until != 0 && now < until {
+			s.Open++
+		}
+	}
+	b.mu.RUnlock()
 	for i := range 3 {
 		s.Granted[i], s.Rejected[i] = c.granted[i].Load(), c.rejected[i].Load()
 		s.Successes[i], s.Failures[i], s.Slow[i] = c.successes[i].Load(), c.failures[i].Load(), c.slow[i].Load()

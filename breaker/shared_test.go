@@ -624,5 +624,8 @@ func TestSharedStatsCountByState(t *testing.T) {
 	assert.Equal(t, [3]uint64{0, 2, 1}, s.Rejected)
 	assert.Equal(t, [3]uint64{4, 0, 0}, s.Failures)
 	assert.Equal(t, [3]uint64{0, 0, 1}, s.Successes)
+	assert.Equal(t, 0, s.Open, "closed by the probe")
+	trip(t, b, "k")
+	assert.Equal(t, 1, b.Stats().Open)
 	assert.Equal(t, fmt.Sprint(Closed), fmt.Sprint(s.Store))
 }
