@@ -37,7 +37,14 @@ func realRedis(t testing.TB) (*redis.Client, string) {
 	if err := c.Ping(context.Background()).Err(); err != nil {
 		t.Skipf("no Redis at %s: %v", addr, err)
 	}
-	return c, redistest.KeyPrefix()
+	prefix := redistest.KeyPrefix()
+	t.Cleanup(func() { // open and forced breakers would stay a day, or for ever
+		iter := c.Scan(context.Background(), 0, prefix+":*", 1000).Iterator()
+		for iter.Next(context.Background()) {
+			c.Del(context.Background(), iter.Val())
+		}
+	})
+	return c, prefix
 }
 
 // patient returns client options for a Redis that other work on this
