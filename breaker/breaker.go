@@ -1,6 +1,11 @@
-// Package breaker holds the circuit breaker that a tollgate.Limiter puts in
-// front of its store: after store failures it stops calling the store for a
-// cool-down, then lets one call probe whether the store is back.
+// Package breaker holds two circuit breakers.
+//
+// Shared (shared.go) protects a service's downstreams: its state lives in
+// Redis, one key per downstream, shared by every instance; see NewShared.
+//
+// Breaker is the local one that a tollgate.Limiter (and a Shared breaker)
+// puts in front of Redis: after store failures it stops calling the store
+// for a cool-down, then lets one call probe whether the store is back.
 //
 // A Breaker trips on either of two rules: a run of consecutive failures,
 // which catches a store that is down, or a failure rate over a sliding time

@@ -17,3 +17,9 @@ var TokenBucket string
 //
 //go:embed limit.lua
 var Limit string
+
+// CircuitBreaker runs one step of a distributed circuit breaker on its one
+// key; circuit in package breaker holds the same state machine.
+//
+//go:embed circuit_breaker.lua
+var CircuitBreaker string

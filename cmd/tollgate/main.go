@@ -4,6 +4,7 @@
 //	tollgate inspect [-redis URL] [-prefix P] KEY PLAN...
 //	tollgate reset   [-redis URL] [-prefix P] KEY PLAN...
 //	tollgate bench   [-redis URL] [-duration 10s] [-concurrency 8] [-keys 10000] [-plans NAME:CAPACITY:RATE|WINDOW,...]
+//	tollgate breaker show|reset|open|close [-redis URL] [-prefix P] [-window 10s] KEY
 //
 // Redis is given by -redis, else $REDIS_URL, else redis://127.0.0.1:6379/0.
 // The exit status is 0 on success, 1 on a runtime error and 2 on a usage
@@ -42,6 +43,7 @@ const usageText = `Usage:
   tollgate reset   [-redis URL] [-prefix P] KEY PLAN...
   tollgate bench   [-redis URL] [-duration 10s] [-concurrency 8] [-keys 10000]
                    [-plans NAME:CAPACITY:RATE|WINDOW,...] [-progress 1s]
+  tollgate breaker show|reset|open|close [-redis URL] [-prefix P] [-window 10s] KEY
   tollgate help
 
 inspect  prints the buckets of KEY for each PLAN as Redis holds them, reading
@@ -51,6 +53,9 @@ bench    runs a closed-loop load through the library (RedisStore, Limiter with
          FailClosed), printing decisions/s and errors every second, then
          totals and latency percentiles. Its buckets go under a random key
          prefix and are deleted at the end (they would expire by TTL anyway).
+breaker  shows the shared circuit breaker of KEY (state, generation, trips,
+         calls in the window), or resets it, or forces it open or closed
+         across the fleet; -window is the breakers' Window, for show's counts.
 
 Flags go before KEY. Redis is -redis URL, else $REDIS_URL, else
 redis://127.0.0.1:6379/0 (redis://[user:password@]host:port/db; rediss:// for
@@ -103,6 +108,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv fu
 		err = runBucketCommand(ctx, cmd, rest, stdout, stderr, getenv)
 	case "bench":
 		err = runBench(ctx, rest, stdout, stderr, getenv)
+	case "breaker":
+		err = runBreakerCommand(ctx, rest, stdout, stderr, getenv)
 	default:
 		err = usagef("unknown command %q", cmd)
 	}

@@ -36,6 +36,9 @@
 // counts each call into a bucket as it happens. WithDurationBuckets, which
 // set them when this package received each call, is gone for that reason.
 //
+// NewBreaker exports a breaker.Shared instance's stats the same way, as
+// tollgate_circuit_* metrics (see BreakerCollector).
+//
 // Several Limiters in one registry need one Collector each, with distinct
 // const labels, for example WithConstLabels(prometheus.Labels{"limiter":
 // "login"}); the registry refuses a second Collector with the same ones.

@@ -1,0 +1,238 @@
+package breaker
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/alicebob/miniredis/v2"
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/tollgate-go/tollgate/internal/redisscript"
+)
+
+// epochUs is where the tests' Redis clock starts, in µs since the Unix
+// epoch.
+const epochUs = int64(1_800_000_000_000_000)
+
+// scriptRunner runs circuit_breaker.lua on a miniredis whose clock the
+// test sets.
+type scriptRunner struct {
+	mr  *miniredis.Miniredis
+	c   *redis.Client
+	key string
+}
+
+func newScriptRunner(t *testing.T) *scriptRunner {
+	t.Helper()
+	mr := miniredis.RunT(t)
+	c := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	t.Cleanup(func() { _ = c.Close() })
+	return &scriptRunner{mr: mr, c: c, key: "tollgate:{k}:cb"}
+}
+
+// step runs in at now µs (Redis TIME), moving TTLs along too.
+func (s *scriptRunner) step(t *testing.T, now int64, in input, p params) reply {
+	t.Helper()
+	s.mr.SetTime(time.UnixMicro(now))
+	args := []any{in.op, strconv.FormatUint(in.token, 10), in.gen, in.b.calls, in.b.failures, in.b.slow, in.b.run, boolInt(in.b.succeeded)}
+	args = append(args, p.args()...)
+	raw, err := script.Run(context.Background(), s.c, []string{s.key}, args...)
+	require.NoError(t, err)
+	vals, err := redisscript.Ints(nil, raw, replyLen)
+	require.NoError(t, err)
+	return reply{vals[0], vals[1], vals[2], vals[3], vals[4], vals[5], vals[6], vals[7], vals[8], vals[9], vals[10], vals[11]}
+}
+
+var testParams = params{
+	window: 1_000_000, minCalls: 4, rate: 500_000, slowRate: 0, consecutive: 0,
+	openFor: 100_000, maxOpenFor: 400_000, probes: 2, probeTimeout: 50_000,
+}
+
+func TestCircuitTable(t *testing.T) {
+	ok := batch{calls: 1, succeeded: true}
+	fail := batch{calls: 1, failures: 1, run: 1}
+	type step struct {
+		at   int64 // µs after epochUs
+		in   input
+		want reply // only the fields named in check
+	}
+	// A trip, two probes, one failing (open time doubles), then closing.
+	steps := []step{
+		{0, input{op: opAcquire, token: 7}, reply{state: 0, gen: 0, grant: grantClosed}},
+		{1, input{op: opRecord, gen: 0, b: fail}, reply{state: 0, calls: 1, failures: 1}},
+		{2, input{op: opRecord, gen: 0, b: ok}, reply{state: 0, calls: 2, failures: 1}},
+		{3, input{op: opRecord, gen: 0, b: ok}, reply{state: 0, calls: 3, failures: 1}},
+		{4, input{op: opRecord, gen: 0, b: fail}, reply{state: 1, gen: 1, wait: 100_000, from: 1, trips: 1}},     // 2 of 4
+		{5, input{op: opRecord, gen: 0, b: fail}, reply{state: 1, gen: 1, wait: 99_999, trips: 1, ignored: 1}},   // fenced
+		{100_003, input{op: opAcquire, token: 9}, reply{state: 1, gen: 1, wait: 1, trips: 1}},                    // not yet
+		{100_004, input{op: opAcquire, token: 9}, reply{state: 2, gen: 2, grant: grantProbe, from: 2, trips: 1}}, // lease 1
+		{100_005, input{op: opAcquire, token: 10}, reply{state: 2, gen: 2, grant: grantProbe, trips: 1}},         // lease 2
+		{100_006, input{op: opAcquire, token: 11}, reply{state: 2, gen: 2, wait: 49_998, trips: 1}},              // none left
+		{100_007, input{op: opRecord, token: 9, gen: 2, b: ok}, reply{state: 2, gen: 2, trips: 1}},               // 1 of 2
+		{100_008, input{op: opRecord, token: 9, gen: 2, b: ok}, reply{state: 2, gen: 2, trips: 1, ignored: 1}},   // twice
+		{100_009, input{op: opRecord, token: 10, gen: 2, b: fail}, reply{state: 1, gen: 3, wait: 200_000, from: 3, trips: 1}},
+		{300_009, input{op: opAcquire, token: 12}, reply{state: 2, gen: 4, grant: grantProbe, from: 2, trips: 1}},
+		{400_000, input{op: opAcquire, token: 13}, reply{state: 2, gen: 4, grant: grantProbe, trips: 1}},        // 12's lease expired
+		{400_001, input{op: opRecord, token: 12, gen: 4, b: ok}, reply{state: 2, gen: 4, trips: 1, ignored: 1}}, // too late
+		{400_002, input{op: opAcquire, token: 14}, reply{state: 2, gen: 4, grant: grantProbe, trips: 1}},        // 12's slot again
+		{400_003, input{op: opRecord, token: 13, gen: 4, b: ok}, reply{state: 2, gen: 4, trips: 1}},
+		{400_004, input{op: opRecord, token: 14, gen: 4, b: ok}, reply{state: 0, gen: 5, from: 3, trips: 1}},
+		{400_005, input{op: opRecord, gen: -1, b: fail}, reply{state: 0, gen: 5, trips: 1, calls: 1, failures: 1}}, // unfenced
+		{400_006, input{op: opForceOpen}, reply{state: 1, gen: 6, wait: 100_000, from: 1, trips: 1, held: 1}},
+		{9_000_000, input{op: opAcquire, token: 15}, reply{state: 1, gen: 6, wait: 100_000, trips: 1, held: 1}}, // held
+		{9_000_001, input{op: opReset}, reply{state: 0, gen: 7, from: 2}},
+	}
+	sr := newScriptRunner(t)
+	var c circuit
+	for i, s := range steps {
+		now := epochUs + s.at
+		got := c.step(now, s.in, testParams)
+		assert.Equal(t, s.want, got, "step %d: Go circuit.step(%+v)", i, s.in)
+		lua := sr.step(t, now, s.in, testParams)
+		assert.Equal(t, s.want, lua, "step %d: script(%+v)", i, s.in)
+	}
+}
+
+// TestCircuitAgreesWithScript feeds the Go state machine and the script
+// the same random steps, and demands the same replies.
+func TestCircuitAgreesWithScript(t *testing.T) {
+	for seed := range uint64(6) {
+		t.Run(fmt.Sprint(seed), func(t *testing.T) {
+			rng := rand.New(rand.NewPCG(seed, 14))
+			p := testParams
+			p.consecutive = int64(rng.IntN(4))
+			p.probes = int64(1 + rng.IntN(3))
+			if seed%2 == 1 {
+				p.slowRate = 700_000
+			}
+			sr := newScriptRunner(t)
+			var c circuit
+			now := epochUs
+			var tokens []uint64
+			var last reply
+			for i := range 600 {
+				now += int64(rng.IntN(40_000))
+				in := randomInput(rng, last, tokens)
+				if in.op == opAcquire {
+					tokens = append(tokens, in.token)
+				}
+				got := c.step(now, in, p)
+				lua := sr.step(t, now, in, p)
+				require.Equal(t, lua, got, "step %d at %d: %+v", i, now-epochUs, in)
+				last = got
+			}
+		})
+	}
+}
+
+// randomInput returns a step that is often meaningful: outcomes of the
+// current generation, probes of tokens granted before.
+func randomInput(rng *rand.Rand, last reply, tokens []uint64) input {
+	in := input{op: opAcquire, token: rng.Uint64N(1<<40) + 1}
+	switch n := rng.IntN(100); {
+	case n < 35:
+	case n < 85:
+		in.op, in.token = opRecord, 0
+		in.gen = last.gen
+		if rng.IntN(10) == 0 {
+			in.gen = max(last.gen-1, 0)
+		}
+		if rng.IntN(10) == 0 {
+			in.gen = -1
+		}
+		if len(tokens) > 0 && rng.IntN(2) == 0 {
+			in.token = tokens[len(tokens)-1-rng.IntN(min(len(tokens), 3))]
+		}
+		in.b = randomBatch(rng, in.token != 0)
+	case n < 90:
+		in.op, in.token, in.b = opAcquire, rng.Uint64N(1<<40)+1, randomBatch(rng, false)
+		in.gen = last.gen
+	case n < 94:
+		in.op, in.token = opRead, 0
+	case n < 96:
+		in.op, in.token = opForceOpen, 0
+	case n < 98:
+		in.op, in.token = opForceClosed, 0
+	default:
+		in.op, in.token = opReset, 0
+	}
+	return in
+}
+
+func randomBatch(rng *rand.Rand, probe bool) batch {
+	if probe {
+		switch rng.IntN(5) {
+		case 0:
+			return batch{}
+		case 1, 2:
+			return batch{calls: 1, failures: 1, run: 1}
+		}
+		return batch{calls: 1, succeeded: true}
+	}
+	var b batch
+	for range rng.IntN(4) + 1 {
+		o := batch{calls: 1, succeeded: true}
+		if rng.IntN(2) == 0 {
+			o = batch{calls: 1, failures: 1, run: 1}
+		}
+		o.slow = int64(rng.IntN(2))
+		b = b.add(o)
+	}
+	return b
+}
+
+// FuzzCircuit runs random steps through the Go state machine and checks
+// that it never panics, moves only along the breaker's edges, never lets
+// the generation go back, and never has more live leases than Probes.
+func FuzzCircuit(f *testing.F) {
+	f.Add(uint64(1), uint64(2), uint8(1))
+	f.Add(uint64(99), uint64(7), uint8(3))
+	f.Fuzz(func(t *testing.T, s1, s2 uint64, probes uint8) {
+		rng := rand.New(rand.NewPCG(s1, s2))
+		p := testParams
+		p.probes = int64(probes%5) + 1
+		p.consecutive = int64(rng.IntN(3))
+		var c circuit
+		now := epochUs
+		var tokens []uint64
+		var last reply
+		for i := range 300 {
+			now += int64(rng.IntN(60_000))
+			in := randomInput(rng, last, tokens)
+			if in.op == opAcquire {
+				tokens = append(tokens, in.token)
+			}
+			r := c.step(now, in, p)
+			if r.state < 0 || r.state > 2 || r.gen < last.gen {
+				t.Fatalf("step %d: %+v after %+v", i, r, last)
+			}
+			if r.from != 0 && in.op < opForceOpen {
+				from, to := r.from-1, r.state
+				legal := (from == stateClosed && to == stateOpen) || (from == stateOpen && to == stateHalfOpen) ||
+					(from == stateHalfOpen && (to == stateOpen || to == stateClosed))
+				if !legal {
+					t.Fatalf("step %d: illegal transition %d → %d on %+v", i, from, to, in)
+				}
+			}
+			if r.grant != grantNone && r.state != stateClosed && r.state != stateHalfOpen {
+				t.Fatalf("step %d: granted in state %d", i, r.state)
+			}
+			live := 0
+			for _, l := range c.leases {
+				if l.token != 0 && !l.used && l.expires > now {
+					live++
+				}
+			}
+			if live > int(p.probes) {
+				t.Fatalf("step %d: %d live leases, Probes %d", i, live, p.probes)
+			}
+			last = r
+		}
+	})
+}
