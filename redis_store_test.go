@@ -1394,8 +1394,8 @@ func TestRedisErrorClassesNeverComeFromKeys(t *testing.T) {
 // a bucket plan, window plans of 1, 20 and 64 sub-windows, a suppressed
 // window, and a bucket chained with a window; each on 100 keys, so that
 // every sub-window holds counts, and on 10,000, so that most decisions
-// open a sub-window of their own. bucket-only-script runs the script
-// before windows (ADR 16).
+// open a sub-window of their own. ADR 16 compares a bucket's with the
+// script before windows (scripts/token_bucket.lua at f823a98).
 func BenchmarkServerTime(b *testing.B) {
 	redistest.SkipIfUnavailable(b)
 	srv := redistest.StartServer(b)
@@ -1406,14 +1406,12 @@ func BenchmarkServerTime(b *testing.B) {
 		return Plan{Name: fmt.Sprint("w", slots), Capacity: 1 << 30, Window: time.Second, Slots: slots}
 	}
 	suppressed := Plan{Name: "s", Capacity: 1 << 30, Window: time.Second, Suppress: 1.5}
-	old := redisscript.New(scripts.TokenBucket)
 	for _, keys := range []int{100, 10_000} {
 		for _, tc := range []struct {
 			name  string
 			plans []Plan
 		}{
 			{"bucket", []Plan{bucket}},
-			{"bucket-only-script", nil},
 			{"window-1", []Plan{window(1)}},
 			{"window-20", []Plan{window(20)}},
 			{"window-64", []Plan{window(64)}},
@@ -1424,10 +1422,6 @@ func BenchmarkServerTime(b *testing.B) {
 				s := NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix()))
 				names := benchKeys(keys)
 				decide := func(key string) error {
-					if tc.plans == nil { // the script before windows: ARGV cost, capacity, rate
-						_, err := old.Run(context.Background(), c, []string{s.Key(key, bucket.Name)}, 1, bucket.Capacity, formatRate(bucket.Rate))
-						return err
-					}
 					_, err := s.Take(context.Background(), key, 1, tc.plans)
 					return err
 				}

@@ -10,7 +10,7 @@ import "math/rand/v2"
 // start counts in full, so no span of Window ever holds more than the
 // limit.
 //
-// It does no I/O and reads no clock; scripts/token_bucket.lua repeats the
+// It does no I/O and reads no clock; scripts/limit.lua repeats the
 // same arithmetic on a Redis hash, and a test keeps the two equal. Unlike
 // TokenBucket it is changed in place: its counts are a ring, kept without
 // allocating between decisions.

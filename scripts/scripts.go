@@ -5,12 +5,6 @@ package scripts
 
 import _ "embed"
 
-// TokenBucket decides on every chained token-bucket plan of one key in one
-// atomic step; TokenBucket in package tollgate holds the same arithmetic.
-//
-//go:embed token_bucket.lua
-var TokenBucket string
-
 // Limit decides on every chained plan of one key, token buckets and
 // sliding windows alike, in one atomic step; TokenBucket, window and chain
 // in package tollgate hold the same arithmetic.
