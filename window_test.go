@@ -560,3 +560,81 @@ func TestWindowMemoryOnRealRedis(t *testing.T) {
 		}
 	}
 }
+
+// TestWindowReplacesForeignData plants what a window plan's key may hold
+// that is not its own window (another type, a bucket of the same name,
+// a window of another shape, garbage counts, counts far ahead of the
+// clock): it reads as an empty window, a refusal writes nothing, and the
+// next admission replaces it with the window alone.
+func TestWindowReplacesForeignData(t *testing.T) {
+	ctx := context.Background()
+	win := Plan{Name: "api", Capacity: 3, Window: time.Second, Slots: 4} // v = w250000/4
+	b := strconv.FormatInt(t0/250_000, 10)
+	tests := []struct {
+		name  string
+		plant func(c *redis.Client, key string) error
+	}{
+		{"string", func(c *redis.Client, key string) error { return c.Set(ctx, key, "hello", 0).Err() }},
+		{"a bucket of the same name", func(c *redis.Client, key string) error {
+			return c.HSet(ctx, key, "t", "0", "ts", t0, "v", "1").Err()
+		}},
+		{"a window of another width", func(c *redis.Client, key string) error {
+			return c.HSet(ctx, key, "v", "w100000/4", b, "3").Err()
+		}},
+		{"a suppressed window", func(c *redis.Client, key string) error {
+			return c.HSet(ctx, key, "v", "s250000/4", b, "3", "o"+b, "9").Err()
+		}},
+		{"no schema", func(c *redis.Client, key string) error { return c.HSet(ctx, key, b, "3").Err() }},
+		{"garbage count", func(c *redis.Client, key string) error {
+			return c.HSet(ctx, key, "v", "w250000/4", b, "lots").Err()
+		}},
+		{"negative count", func(c *redis.Client, key string) error {
+			return c.HSet(ctx, key, "v", "w250000/4", b, "-3").Err()
+		}},
+		{"fractional sub-window", func(c *redis.Client, key string) error {
+			return c.HSet(ctx, key, "v", "w250000/4", b+".5", "3").Err()
+		}},
+		{"a stranger field", func(c *redis.Client, key string) error {
+			return c.HSet(ctx, key, "v", "w250000/4", "t", "3").Err()
+		}},
+		{"counts far ahead of the clock", func(c *redis.Client, key string) error {
+			return c.HSet(ctx, key, "v", "w250000/4", strconv.FormatInt(t0/250_000+100, 10), "3").Err()
+		}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			s, mr, _ := newMiniredisStore(t)
+			c := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+			defer c.Close()
+			key := s.Key("k", win.Name)
+			require.NoError(t, tt.plant(c, key))
+			before := mr.Dump()
+
+			r, err := s.Take(ctx, "k", 0, []Plan{win})
+			require.NoError(t, err, "a read must not fail")
+			assert.Equal(t, int64(3), r.Remaining, "foreign data reads as an empty window")
+			assert.Equal(t, before, mr.Dump(), "a read writes nothing")
+			r, err = s.Take(ctx, "k", 1, []Plan{{Name: "other", Capacity: 1, Rate: 1}, win})
+			require.NoError(t, err)
+			require.True(t, r.Allowed)
+			r, err = s.Take(ctx, "k", 1, []Plan{{Name: "other", Capacity: 1, Rate: 1}, win})
+			require.NoError(t, err)
+			require.False(t, r.Allowed, "the bucket refuses")
+			mr.Del(s.Key("k", "other"))
+
+			r, err = s.Take(ctx, "k", 2, []Plan{win})
+			require.NoError(t, err)
+			assert.True(t, r.Allowed)
+			assert.Equal(t, int64(0), r.Remaining)
+			fields, err := c.HGetAll(ctx, key).Result()
+			require.NoError(t, err)
+			assert.Equal(t, map[string]string{"v": "w250000/4", b: "3"}, fields)
+
+			full := mr.Dump()
+			r, err = s.Take(ctx, "k", 1, []Plan{win})
+			require.NoError(t, err)
+			assert.False(t, r.Allowed)
+			assert.Equal(t, full, mr.Dump(), "a refusal writes nothing")
+		})
+	}
+}
