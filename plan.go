@@ -52,8 +52,9 @@ type Plan struct {
 	// be 0 for a token bucket.
 	Window time.Duration
 	// Slots is the number of sub-windows a window plan counts in, 1 to
-	// 64; 0 means 20. A request may be refused for up to Window/Slots
-	// longer than the window (5% by default); memory per key grows with
+	// 64; 0 means 20. A request may be refused for up to one sub-window
+	// longer than the window: Window/Slots (5% by default), rounded up
+	// to whole µs, which adds at most Slots µs; memory per key grows with
 	// Slots (README). It must be 0 for a token bucket.
 	Slots int
 	// Suppress, when not 0, puts a window plan in suppressed mode (seed

@@ -154,7 +154,8 @@ func TestSuppressionSteps(t *testing.T) {
 // FuzzWindow drives a window plan through fuzzed steps and checks it
 // against a log of every admission: no span of Window ever holds more
 // than Capacity; a refusal of a plain window is justified, the log
-// holding more than Capacity − cost over Window + Window/k; readyAt is the
+// holding more than Capacity − cost over the last (k+1)·g µs (Window +
+// Window/k, and up to k µs more where g is rounded up); readyAt is the
 // first µs at which the request passes; and nothing is ever negative. A
 // clock step back starts a new log, since a window that reads as garbage
 // after it starts afresh, and ends the check of refusals, since the window
@@ -172,7 +173,11 @@ func FuzzWindow(f *testing.F) {
 		if p.validateNumbers() != nil {
 			return
 		}
+		// The grid counts k+1 sub-windows of g µs: a look-back of at most
+		// (k+1)·g, which is Window + Window/k when g divides evenly and
+		// up to k µs more when g is rounded up.
 		W, g := p.Window.Microseconds(), p.width()
+		lookBack := (p.slots() + 1) * g
 		limit := p.Capacity
 		if suppress {
 			limit = p.hardLimit()
@@ -232,8 +237,8 @@ func FuzzWindow(f *testing.F) {
 				if sum := within(now-W, math.MaxInt64); sum > limit {
 					t.Fatalf("step %d: %d admitted in the window ending %d, limit %d", step, sum, now, limit)
 				}
-			} else if !suppress && monotonic && within(now-W-g, math.MaxInt64)+cost <= p.Capacity {
-				t.Fatalf("step %d: refused %d with %d admitted in Window + Window/k", step, cost, within(now-W-g, math.MaxInt64))
+			} else if !suppress && monotonic && within(now-lookBack, math.MaxInt64)+cost <= p.Capacity {
+				t.Fatalf("step %d: refused %d with %d admitted in the last (k+1)·g µs", step, cost, within(now-lookBack, math.MaxInt64))
 			}
 		}
 	})
