@@ -110,7 +110,7 @@ func (r Result) PlanResults() []PlanResult {
 	if r.chain != nil {
 		return r.chain
 	}
-	return []PlanResult{{Plan: r.Plan, Limit: r.Limit, Remaining: r.Remaining, RetryAfter: r.RetryAfter, ResetAfter: r.ResetAfter}}
+	return []PlanResult{{Plan: r.Plan, Limit: r.Limit, Remaining: r.Remaining, RetryAfter: r.RetryAfter, ResetAfter: r.ResetAfter, Suppression: r.Suppression}}
 }
 
 // planState is what a Result tells of one plan after a decision.

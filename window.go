@@ -56,11 +56,10 @@ func (w *window) counts(now int64) (admitted, offered int64) {
 		return 0, 0
 	}
 	admitted, offered = w.sumAdmitted, w.sumOffered
-	n := int64(len(w.admitted))
-	for i := w.newest + 1 - n; i < first; i++ { // sub-windows that left
-		admitted -= w.admitted[i%n]
+	for i := w.newest + 1 - int64(len(w.admitted)); i < first; i++ { // sub-windows that left
+		admitted -= w.admitted[w.slot(i)]
 		if w.offered != nil {
-			offered -= w.offered[i%n]
+			offered -= w.offered[w.slot(i)]
 		}
 	}
 	return admitted, offered
@@ -77,13 +76,20 @@ func (w *window) readyAt(p *Plan, now, cost int64) int64 {
 	}
 	first, last := w.span(now)
 	for i := first; i < last; i++ {
-		total -= w.admitted[i%int64(len(w.admitted))]
+		total -= w.admitted[w.slot(i)]
 		if total+cost <= p.Capacity {
 			return w.leaves(i)
 		}
 	}
 	// Once all have left, cost fits: checkCost keeps it within Capacity.
 	return w.leaves(last)
+}
+
+// slot returns the index in the rings of sub-window i: i mod (k+1), never
+// negative, also for the small times of tests.
+func (w *window) slot(i int64) int64 {
+	n := int64(len(w.admitted))
+	return (i%n + n) % n
 }
 
 // leaves returns the time, in µs, at which sub-window i stops counting:
@@ -98,7 +104,7 @@ func (w *window) leaves(i int64) int64 {
 func (w *window) resetAt(now int64) int64 {
 	first, last := w.span(now)
 	for i := last; i >= first; i-- {
-		if w.admitted[i%int64(len(w.admitted))] != 0 {
+		if w.admitted[w.slot(i)] != 0 {
 			return w.leaves(i)
 		}
 	}

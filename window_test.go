@@ -108,6 +108,19 @@ func TestWindowSteps(t *testing.T) {
 	}
 }
 
+func TestWindowNearTheEpoch(t *testing.T) {
+	// Sub-windows before 0 have negative numbers; the rings still work.
+	p := Plan{Name: "w", Capacity: 2, Window: time.Second, Slots: 4}
+	w := &window{}
+	assert.True(t, takeWindow(w, p, 0, 1, 0))
+	assert.True(t, takeWindow(w, p, 500_000, 1, 0))
+	assert.False(t, takeWindow(w, p, 600_000, 1, 0))
+	count, _ := w.counts(600_000)
+	assert.Equal(t, int64(2), count)
+	assert.Equal(t, int64(1_250_000), w.readyAt(&p, 600_000, 1))
+	assert.Equal(t, int64(1_750_000), w.resetAt(600_000))
+}
+
 func TestWindowWidthRoundsUp(t *testing.T) {
 	for _, tt := range []struct {
 		window time.Duration

@@ -140,10 +140,14 @@ func accrual(n int64, rate float64) time.Duration {
 // one token's accrual time.
 //
 // A sliding window gives nothing back one token at a time: its counts
-// leave a sub-window at a time, and all have left at ResetAfter, which it
-// tells; a window that counts nothing tells its Window.
+// leave a sub-window at a time. A refused request learns when it would
+// pass (RetryAfter, so that t never exceeds Retry-After); otherwise it
+// learns when all have left (ResetAfter), or, when it counts nothing, the
+// Window.
 func nextToken(pr tollgate.PlanResult, plan tollgate.Plan) time.Duration {
 	switch {
+	case plan.Window > 0 && pr.RetryAfter > 0:
+		return pr.RetryAfter
 	case plan.Window > 0 && pr.ResetAfter > 0:
 		return pr.ResetAfter
 	case plan.Window > 0:

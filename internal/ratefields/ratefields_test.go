@@ -50,6 +50,12 @@ func TestFieldsOfAWindow(t *testing.T) {
 	require.Greater(t, prs[0].ResetAfter, 57*time.Second, "the count leaves when its sub-window does")
 	assert.Equal(t, `"api";q=100;w=60, "sec";q=5;w=1`, string(AppendPolicy(nil, &res, lim)))
 	assert.Equal(t, fmt.Sprintf(`"api";r=99;t=%d, "sec";r=4;t=1`, CeilSeconds(prs[0].ResetAfter)), string(AppendRateLimit(nil, &res, lim)))
+
+	// Refused, t is the wait until the request would pass, never more
+	// than Retry-After, though the window empties later.
+	denied := tollgate.Result{Plan: "api", Limit: 100, RetryAfter: 3500 * time.Millisecond, ResetAfter: 5 * time.Second}
+	assert.Equal(t, `"api";r=0;t=4`, string(AppendRateLimit(nil, &denied, lim)))
+	assert.Equal(t, "4", string(AppendRetryAfter(nil, &denied)))
 }
 
 func TestPlanNamesAreStrings(t *testing.T) {
