@@ -612,6 +612,17 @@ func TestWindowReplacesForeignData(t *testing.T) {
 		{"fractional sub-window", func(c *redis.Client, key string) error {
 			return c.HSet(ctx, key, "v", "w250000/4", b+".5", "3").Err()
 		}},
+		// Counts and names Lua's tonumber reads as whole numbers, but on
+		// which HINCRBY would fail for ever.
+		{"count 1.0", func(c *redis.Client, key string) error { return c.HSet(ctx, key, "v", "w250000/4", b, "1.0").Err() }},
+		{"count 1e0", func(c *redis.Client, key string) error { return c.HSet(ctx, key, "v", "w250000/4", b, "1e0").Err() }},
+		{"count 0x1", func(c *redis.Client, key string) error { return c.HSet(ctx, key, "v", "w250000/4", b, "0x1").Err() }},
+		{"count with a space", func(c *redis.Client, key string) error {
+			return c.HSet(ctx, key, "v", "w250000/4", b, " 1").Err()
+		}},
+		{"sub-window in exponent form", func(c *redis.Client, key string) error {
+			return c.HSet(ctx, key, "v", "w250000/4", "1e3", "1").Err()
+		}},
 		{"a stranger field", func(c *redis.Client, key string) error {
 			return c.HSet(ctx, key, "v", "w250000/4", "t", "3").Err()
 		}},

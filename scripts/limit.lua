@@ -117,18 +117,17 @@ for i = 1, #KEYS do
     local na, no, nw, nl, sx = 0, 0, nil, nil, nil
     if ok then
       for j = 1, #h, 2 do
-        local f, c = h[j], tonumber(h[j + 1])
-        local x, offered = tonumber(f), false
-        if x == nil then
-          if f == 'v' then
-            version = h[j + 1]
-          elseif string.byte(f) == 111 then -- 'o'
-            x, offered = tonumber(string.sub(f, 2)), true
-          end
-        end
-        if f ~= 'v' then
-          if x == nil or c == nil or x ~= floor(x) or c ~= floor(c)
-              or x < 0 or c < 0 or x > max53 or c > max53 then
+        local f = h[j]
+        if f == 'v' then
+          version = h[j + 1]
+        else
+          -- Only what HINCRBY writes: digits, and 'o' before an offered
+          -- count's sub-window. tonumber alone would take '1.0' or '0x1',
+          -- on which HINCRBY then fails.
+          local digits = string.match(f, '^o?(%d+)$')
+          local x, offered = digits and tonumber(digits), string.byte(f) == 111
+          local c = string.find(h[j + 1], '^%d+$') and tonumber(h[j + 1])
+          if not x or not c or x > max53 or c > max53 then
             ok = false
             break
           end
