@@ -82,13 +82,17 @@ func (e *memEntry) bucket(p *Plan, now int64) TokenBucket {
 }
 
 // window returns the stored window of plan p, or nil, which counts
-// nothing, if there is none or it was kept for a plan of another shape:
-// Redis reads such a window as foreign, and so does the store.
-func (e *memEntry) window(p *Plan) *window {
-	if b := e.find(p); b != nil && b.win != nil && sameShape(&b.plan, p) {
+// nothing, if there is none. A window kept for a plan of another shape
+// reads as carry makes it, as the script reads it.
+func (e *memEntry) window(p *Plan, now int64) *window {
+	b := e.find(p)
+	switch {
+	case b == nil || b.win == nil:
+		return nil
+	case sameShape(&b.plan, p):
 		return b.win
 	}
-	return nil
+	return carry(b.win, b.plan.Suppress != 0, p, now)
 }
 
 // sameShape reports whether window plans a and b count in the same
@@ -117,16 +121,18 @@ func (e *memEntry) store(p *Plan, b TokenBucket) {
 	e.buckets = append(e.buckets, memBucket{plan: *p, TokenBucket: b})
 }
 
-// storeWindow returns plan p's window to write in, new if there is none
-// or it was kept for a plan of another shape.
-func (e *memEntry) storeWindow(p *Plan) *window {
+// storeWindow returns plan p's window to write in: new if there is none,
+// and carried over if it was kept for a plan of another shape.
+func (e *memEntry) storeWindow(p *Plan, now int64) *window {
 	eb := e.find(p)
 	switch {
 	case eb == nil:
 		e.buckets = append(e.buckets, memBucket{plan: *p, win: &window{}})
 		return e.buckets[len(e.buckets)-1].win
-	case eb.win == nil || !sameShape(&eb.plan, p):
+	case eb.win == nil:
 		*eb = memBucket{plan: *p, win: &window{}}
+	case !sameShape(&eb.plan, p):
+		*eb = memBucket{plan: *p, win: carry(eb.win, eb.plan.Suppress != 0, p, now)}
 	case eb.plan.Capacity != p.Capacity || eb.plan.Suppress != p.Suppress:
 		eb.plan = *p
 	}
@@ -320,7 +326,7 @@ func (m *MemoryStore) takeWindows(r *Result, key string, cost int64, plans []Pla
 	s, e, now := m.lock(key)
 	for i := range plans {
 		if p := &plans[i]; p.isWindow() {
-			windows[i] = e.window(p)
+			windows[i] = e.window(p, now)
 		} else {
 			buckets[i] = e.bucket(p, now)
 		}
@@ -339,10 +345,10 @@ func (m *MemoryStore) takeWindows(r *Result, key string, cost int64, plans []Pla
 					e.store(p, buckets[i])
 				}
 			case taken:
-				windows[i] = e.storeWindow(p)
+				windows[i] = e.storeWindow(p, now)
 				windows[i].add(p, now, cost, cost)
 			case p.Suppress != 0:
-				windows[i] = e.storeWindow(p)
+				windows[i] = e.storeWindow(p, now)
 				windows[i].add(p, now, 0, cost)
 			}
 		}

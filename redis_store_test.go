@@ -678,7 +678,7 @@ func assertSameWindow(t *testing.T, rs *RedisStore, ms *MemoryStore, key string,
 	inMemory := map[string]string{}
 	s := ms.shard(key)
 	s.mu.Lock()
-	w := s.keys[key].window(&p)
+	w := s.keys[key].window(&p, now)
 	lo, hi := w.span(now)
 	for i := lo; i <= hi; i++ {
 		n := int64(len(w.admitted))

@@ -161,6 +161,23 @@ func (w *window) add(p *Plan, now, admitted, offered int64) {
 	}
 }
 
+// carry returns a window of plan p holding, in the sub-window of now, what
+// old, a window of another shape, still counts at now: a plan changed
+// its Window, Slots or Suppress. Its counts then leave later than they
+// would have, never sooner, so the change cannot admit more than either
+// shape allows (ADR 16). An old window without offered counts
+// (wasSuppressed false) lends its admitted counts as offered ones.
+// scripts/limit.lua carries the same way.
+func carry(old *window, wasSuppressed bool, p *Plan, now int64) *window {
+	admitted, offered := old.counts(now)
+	if !wasSuppressed {
+		offered = admitted
+	}
+	w := &window{}
+	w.add(p, now, admitted, offered)
+	return w
+}
+
 // suppression returns the probability, 0 to 1, that a suppressed plan
 // refuses cost more tokens, with admitted and offered counted in its
 // window: 0 up to the soft limit S (Capacity), 1 past the hard limit H,

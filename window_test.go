@@ -667,3 +667,45 @@ func TestWindowReplacesForeignData(t *testing.T) {
 		})
 	}
 }
+
+// TestWindowShapeChangeCarriesCounts alternates two versions of a plan,
+// as a rolling deploy does: another Slots, then another Window, then
+// suppression switched on and off. The counts of the old shape move into
+// the new one, so the key never admits more than the larger limit in a
+// window; both stores agree on every decision.
+func TestWindowShapeChangeCarriesCounts(t *testing.T) {
+	ctx := context.Background()
+	base := Plan{Name: "api", Capacity: 10, Window: time.Minute}
+	for _, tt := range []struct {
+		name  string
+		other Plan
+		limit int64
+	}{
+		{"slots", Plan{Name: "api", Capacity: 10, Window: time.Minute, Slots: 30}, 10},
+		{"window", Plan{Name: "api", Capacity: 10, Window: time.Minute + 500*time.Millisecond}, 10},
+		{"suppressed", Plan{Name: "api", Capacity: 10, Window: time.Minute, Suppress: 1.5}, 15},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			rs, _, setTime := newMiniredisStore(t)
+			now := t0
+			ms := newClockedMemoryStore(&now)
+			rs.random, ms.random = sameDraws(), sameDraws()
+			admitted := int64(0)
+			for i := range 40 {
+				now = t0 + int64(i)*1000 // 40 requests in 40 ms
+				setTime(now)
+				p := []Plan{base, tt.other}[i%2]
+				got, err := rs.Take(ctx, "k", 1, []Plan{p})
+				require.NoError(t, err)
+				want, err := ms.Take(ctx, "k", 1, []Plan{p})
+				require.NoError(t, err)
+				require.Equal(t, want, got, "step %d: Lua and MemoryStore disagree", i)
+				if got.Allowed {
+					admitted++
+				}
+			}
+			assert.LessOrEqual(t, admitted, tt.limit, "the versions together")
+			assert.GreaterOrEqual(t, admitted, base.Capacity, "the first version's limit at least")
+		})
+	}
+}

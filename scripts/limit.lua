@@ -45,7 +45,9 @@
 -- only when tokens are taken; a suppressed one whenever tokens are asked.
 -- It expires when its newest sub-window stops counting.
 --
--- Data of another schema, type or geometry is replaced, never misread.
+-- Data of another schema or type is replaced, never misread. A window of
+-- another shape (the plan's width, k or suppression changed) is replaced
+-- too, but what it still counts moves into the current sub-window.
 
 local floor, tonumber = math.floor, tonumber
 local time = redis.call('TIME')
@@ -62,6 +64,7 @@ local foreign -- plans whose key holds data not ours, replaced on write
 -- off), the newest sub-window (newest), the newest with an admitted count
 -- (last), stale fields to delete (stale), and the fields read (xs).
 local b, adm, off, newest, last, stale, xs
+local carry -- window plans whose key held a window of another shape: its counts
 
 for i = 1, #KEYS do
   local a = wide and 4 * i - 1 or 2 * i -- plan i's first argument
@@ -151,7 +154,32 @@ for i = 1, #KEYS do
         foreign = foreign or {}
         foreign[i] = true
       end
-      na, no, nw, nl, sx, h = 0, 0, nil, nil, nil, {}
+      local og, ok_ = string.match(ok and version or '', '^[ws](%d+)/(%d+)$')
+      if og and version ~= id then
+        -- A window of another shape (the plan changed): what it still
+        -- counts moves into the current sub-window, where it stays
+        -- longer, as window.go's carry does. Offered counts come along
+        -- if it had them, or its admitted ones stand for them.
+        og, ok_ = tonumber(og), tonumber(ok_)
+        local ob, onw, ca, co = floor(now / og), nil, 0, 0
+        for j = 1, #h, 2 do
+          if h[j] ~= 'v' then
+            local x, c = tonumber(string.match(h[j], '^o?(%d+)$')), tonumber(h[j + 1])
+            if onw == nil or x > onw then onw = x end
+            if x >= ob - ok_ then
+              if string.byte(h[j]) == 111 then co = co + c else ca = ca + c end
+            end
+          end
+        end
+        if onw and onw > ob + ok_ then ca, co = 0, 0 end
+        if string.byte(version) == 119 then co = ca end -- 'w': no offered counts
+        carry = carry or {}
+        carry[i] = {ca, co}
+        na, no, nw, nl, sx, h = ca, co, nil, nil, nil, {string.format('%d', bi), ca}
+        if ca > 0 then nl = bi end
+      else
+        na, no, nw, nl, sx, h = 0, 0, nil, nil, nil, {}
+      end
     end
     -- The fields read are kept: a refusal or a read walks them again.
     b[i], adm[i], off[i], newest[i], last[i], stale[i], xs[i] = bi, na, no, nw, nl, sx, h
@@ -243,6 +271,10 @@ for i = 1, #KEYS do
       if foreign and foreign[i] then redis.call('DEL', KEYS[i]) end
       if newest[i] == nil then
         redis.call('HSET', KEYS[i], 'v', (hard > 0 and 's' or 'w') .. ARGV[a + 1] .. '/' .. ARGV[a + 2])
+      end
+      if carry and carry[i] then
+        if carry[i][1] > 0 then redis.call('HINCRBY', KEYS[i], field, carry[i][1]) end
+        if hard > 0 and carry[i][2] > 0 then redis.call('HINCRBY', KEYS[i], 'o' .. field, carry[i][2]) end
       end
       if take then
         redis.call('HINCRBY', KEYS[i], field, cost)
