@@ -87,15 +87,17 @@ func printWindow(w io.Writer, h map[string]string, ttl time.Duration, nowMicro i
 	first := nowMicro/g - slots
 	fmt.Fprintf(w, "  %s of %d sub-windows of %s (v = %s); sub-windows from %d on count now\n",
 		kind, slots, time.Duration(g)*time.Microsecond, v, first)
-	var subs []int64
+	var subs []int64 // sub-windows with a count, admitted or offered
 	counted := int64(0)
 	for f, c := range h {
-		i, err := strconv.ParseInt(f, 10, 64)
+		i, err := strconv.ParseInt(strings.TrimPrefix(f, "o"), 10, 64)
 		if err != nil {
 			continue
 		}
-		subs = append(subs, i)
-		if n, err := strconv.ParseInt(c, 10, 64); err == nil && i >= first {
+		if !slices.Contains(subs, i) {
+			subs = append(subs, i)
+		}
+		if n, err := strconv.ParseInt(c, 10, 64); err == nil && i >= first && f[0] != 'o' {
 			counted += n
 		}
 	}
@@ -111,7 +113,11 @@ func printWindow(w io.Writer, h map[string]string, ttl time.Duration, nowMicro i
 		if o, ok := h["o"+strconv.FormatInt(i, 10)]; ok {
 			offered = ", offered " + o
 		}
-		fmt.Fprintf(w, "  %d: %s admitted%s (from %s%s)\n", i, h[strconv.FormatInt(i, 10)], offered, formatTime(i*g), note)
+		admitted, ok := h[strconv.FormatInt(i, 10)]
+		if !ok {
+			admitted = "0"
+		}
+		fmt.Fprintf(w, "  %d: %s admitted%s (from %s%s)\n", i, admitted, offered, formatTime(i*g), note)
 	}
 	fmt.Fprintf(w, "  expires   %s\n", formatTTL(ttl))
 }

@@ -172,8 +172,11 @@ func TestInspectWindow(t *testing.T) {
 	_, err = lim.AllowN(ctx, "alice", 2, "api")
 	require.NoError(t, err)
 	mr.HSet("tollgate:{alice}:odd", "v", "w12")
+	// A suppressed window whose refusals left offered counts alone.
+	sub := strconv.FormatInt(t0.UnixMicro()/250_000, 10)
+	mr.HSet("tollgate:{alice}:sup", "v", "s250000/4", "o"+sub, "4")
 
-	code, stdout, stderr := cli(t, ctx, mr.Addr(), "inspect", "alice", "api", "odd")
+	code, stdout, stderr := cli(t, ctx, mr.Addr(), "inspect", "alice", "api", "odd", "sup")
 	require.Equal(t, exitOK, code, stderr)
 	first := t0.UnixMicro() / 250_000
 	assert.Equal(t, fmt.Sprintf(`Redis TIME 2026-11-22T10:00:00.423456Z (the buckets' clock)
@@ -188,7 +191,13 @@ func TestInspectWindow(t *testing.T) {
 "tollgate:{alice}:odd"
   schema    v = "w12": foreign data; reads as empty, and the next decision that takes tokens replaces it
   expires   never (PTTL -1)
-`, first+1-4, first+1, first), stdout)
+
+"tollgate:{alice}:sup"
+  suppressed sliding window of 4 sub-windows of 250ms (v = s250000/4); sub-windows from %d on count now
+  admitted  0 counted now
+  %d: 0 admitted, offered 4 (from 2026-11-22T10:00:00.000000Z)
+  expires   never (PTTL -1)
+`, first+1-4, first+1, first, first+1-4, first), stdout)
 }
 
 // TestInspectFindsEveryKey: the CLI computes keys as the library does,
