@@ -156,18 +156,19 @@ var errBreakerOpen = errors.New("circuit breaker open")
 // start is when the decision asked, on the Limiter's clock: the store
 // call is timed from it.
 func (l *Limiter) ask(ctx context.Context, r *Result, key string, cost int64, plans []Plan, start int64) error {
-	ok, probe := l.breaker.Allow()
+	b := l.health.forKey(ctx, key, plans)
+	ok, probe := b.Allow()
 	if !ok {
 		return l.degrade(ctx, r, key, cost, plans, errBreakerOpen)
 	}
-	return l.call(ctx, r, key, cost, plans, probe, start)
+	return l.call(ctx, r, key, cost, plans, b, probe, start)
 }
 
 // call calls the store, times the call, and judges a failure: the
 // breaker hears it, and the failure policy decides, unless the caller's own
 // doing ended the call. probe says whether this call is the breaker's probe;
 // start is when the decision asked, on the Limiter's clock.
-func (l *Limiter) call(ctx context.Context, r *Result, key string, cost int64, plans []Plan, probe bool, start int64) error {
+func (l *Limiter) call(ctx context.Context, r *Result, key string, cost int64, plans []Plan, b *breaker.Breaker, probe bool, start int64) error {
 	// A probe must end in Success, Failure or Abandon, or the breaker stays
 	// half-open for ever: also when the store panics or its goroutine
 	// exits (runtime.Goexit, which recover does not see). Every way out
@@ -176,7 +177,7 @@ func (l *Limiter) call(ctx context.Context, r *Result, key string, cost int64, p
 	if probe {
 		defer func() {
 			if !returned {
-				l.breaker.Abandon()
+				b.Abandon()
 			}
 		}()
 	}
@@ -189,7 +190,7 @@ func (l *Limiter) call(ctx context.Context, r *Result, key string, cost int64, p
 		if now-l.lastSuccess.Load() > int64(time.Millisecond) {
 			l.lastSuccess.Store(now) // to the ms: a write per call would make cores wait
 		}
-		l.breaker.Success()
+		b.Success()
 		if l.outage.active() {
 			l.recovered(now)
 		}
@@ -199,14 +200,14 @@ func (l *Limiter) call(ctx context.Context, r *Result, key string, cost int64, p
 	if !storeFailed {
 		l.stats.storeCall(r, elapsed, nil)
 		if probe {
-			l.breaker.Abandon()
+			b.Abandon()
 		}
 		*r = Result{}
 		return callerErr
 	}
 	l.stats.storeCall(r, elapsed, err)
 	l.outage.failed(now)
-	if l.breaker.Failure() {
+	if b.Failure() {
 		l.tripped(err)
 	}
 	if callerErr != nil {
@@ -274,7 +275,7 @@ func (l *Limiter) blame(ctx context.Context, err error, now int64) (callerErr er
 	default:
 		callerErr = cerr
 	}
-	starved := now-l.lastSuccess.Load() >= int64(l.breaker.Settings().Cooldown)
+	starved := now-l.lastSuccess.Load() >= int64(l.health.settings.Cooldown)
 	return callerErr, answered || starved
 }
 
@@ -311,10 +312,10 @@ func (l *Limiter) tripped(err error) {
 // is closed and no call has failed for two cool-downs before now (the
 // Limiter's clock).
 func (l *Limiter) recovered(now int64) {
-	if l.breaker.State() != breaker.Closed {
+	if !l.health.closed() {
 		return
 	}
-	start, failed, trips, ok := l.outage.end(now, 2*int64(l.breaker.Settings().Cooldown))
+	start, failed, trips, ok := l.outage.end(now, 2*int64(l.health.settings.Cooldown))
 	if ok {
 		l.log.Info("tollgate: store recovered", "outage", time.Duration(time.Now().UnixNano()-start),
 			"failed_calls", failed, "trips", trips)

@@ -146,20 +146,20 @@ func testBreakerSkipsDeadStoreAndProbes(t *testing.T) {
 		require.NoError(t, err)
 	}
 	assert.Equal(t, 3, f.Calls(), "after 3 failures the store is not called")
-	assert.Equal(t, breaker.Open, l.breaker.State())
+	assert.Equal(t, breaker.Open, l.health.one.State())
 
 	time.Sleep(60 * time.Millisecond)
 	_, err := l.Allow(ctx, "k")
 	require.NoError(t, err)
 	assert.Equal(t, 4, f.Calls(), "one probe after the cooldown")
-	assert.Equal(t, breaker.Open, l.breaker.State(), "a failed probe reopens")
+	assert.Equal(t, breaker.Open, l.health.one.State(), "a failed probe reopens")
 
 	f.fail(nil)
 	time.Sleep(60 * time.Millisecond)
 	r, err := l.Allow(ctx, "k")
 	require.NoError(t, err)
 	assert.Equal(t, SourceStore, r.Source)
-	assert.Equal(t, breaker.Closed, l.breaker.State())
+	assert.Equal(t, breaker.Closed, l.health.one.State())
 	_, err = l.Allow(ctx, "k")
 	require.NoError(t, err)
 	assert.Equal(t, 6, f.Calls())
@@ -226,7 +226,7 @@ func TestCallerCancellationIsNotAnOutage(t *testing.T) {
 	}
 	assert.Equal(t, 5, f.Calls(), "the breaker stayed closed")
 	assert.Equal(t, 0, logs.count())
-	assert.Equal(t, breaker.Closed, l.breaker.State())
+	assert.Equal(t, breaker.Closed, l.health.one.State())
 	s := l.Stats()
 	assert.Empty(t, s.StoreErrors)
 	assert.Zero(t, s.Plans[0].Allowed[SourceFallback])
@@ -237,7 +237,7 @@ func TestCallerCancellationIsNotAnOutage(t *testing.T) {
 	r, err := l.Allow(ctx, "k")
 	require.NoError(t, err)
 	assert.Equal(t, SourceFallback, r.Source)
-	assert.Equal(t, breaker.Open, l.breaker.State())
+	assert.Equal(t, breaker.Open, l.health.one.State())
 }
 
 // pastDeadline is a context whose deadline has passed while its Err is
@@ -286,7 +286,7 @@ func testPanickingProbeReleasesTheBreaker(t *testing.T) {
 	time.Sleep(2 * time.Millisecond)
 	_, err = l.Allow(ctx, "k")
 	assert.NoError(t, err, "the next call probes again and closes the breaker")
-	assert.Equal(t, breaker.Closed, l.breaker.State())
+	assert.Equal(t, breaker.Closed, l.health.one.State())
 }
 
 // countingStore counts the calls that reach a MemoryStore. Not being a
@@ -609,7 +609,7 @@ func TestProbeEndedByGoexitDoesNotHoldTheBreaker(t *testing.T) {
 	s.failing.Store(true)
 	_, err := l.Allow(context.Background(), "k")
 	require.NoError(t, err)
-	require.Equal(t, breaker.Open, l.breaker.State())
+	require.Equal(t, breaker.Open, l.health.one.State())
 
 	time.Sleep(2 * time.Millisecond)
 	s.goexit.Store(true)
@@ -625,7 +625,7 @@ func TestProbeEndedByGoexitDoesNotHoldTheBreaker(t *testing.T) {
 	time.Sleep(5 * time.Millisecond)
 	r, err := l.Allow(context.Background(), "k")
 	require.NoError(t, err)
-	assert.Equal(t, SourceStore, r.Source, "the store is healthy; breaker state %v", l.breaker.State())
+	assert.Equal(t, SourceStore, r.Source, "the store is healthy; breaker state %v", l.health.one.State())
 }
 
 // callersFault blames the caller for any store error once the
@@ -695,5 +695,5 @@ func TestRedisErrorReplyNearTheDeadlineIsTheStores(t *testing.T) {
 	r, err := l.Allow(ctx, "k")
 	assert.NoError(t, err, "READONLY is no deadline: FailOpen decides")
 	assert.Equal(t, SourceFailOpen, r.Source)
-	assert.Equal(t, breaker.Open, l.breaker.State(), "the breaker hears the failure")
+	assert.Equal(t, breaker.Open, l.health.one.State(), "the breaker hears the failure")
 }

@@ -29,7 +29,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/tollgate-go/tollgate/breaker"
 	"github.com/tollgate-go/tollgate/internal/denialcache"
 )
 
@@ -49,8 +48,8 @@ type Limiter struct {
 	store    Store
 	fallback Store // nil unless the policy is Fallback
 	policy   FailurePolicy
-	mem      *MemoryStore     // the store, when it is a MemoryStore
-	breaker  *breaker.Breaker // nil when the store is a MemoryStore
+	mem      *MemoryStore // the store, when it is a MemoryStore
+	health   *health      // the store's breakers; nil when the store is a MemoryStore
 	denials  *denialcache.Cache[Result]
 	log      *slog.Logger
 	debug    bool // log every decision: the logger had debug enabled at New
@@ -119,7 +118,7 @@ func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
 	if m, ok := store.(*MemoryStore); ok {
 		l.mem, keys = m, 0
 	} else {
-		l.breaker = breaker.New(c.breaker)
+		l.health = newHealth(store, c.breaker)
 	}
 	if c.denialKeys != nil {
 		keys = *c.denialKeys

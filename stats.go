@@ -42,12 +42,15 @@ type Stats struct {
 	StoreTime time.Duration
 
 	// Breaker is the state of the breaker in front of the store; always
-	// breaker.Closed for a MemoryStore, which has none.
+	// breaker.Closed for a MemoryStore, which has none. On a Redis
+	// Cluster each master has a breaker of its own, and Breaker is the
+	// state furthest from closed among them: open, then half-open.
 	Breaker breaker.State
 	// BreakerOpened, BreakerHalfOpened and BreakerClosed count the
-	// transitions into each state. BreakerOpened counts trips, from
-	// closed: a failed probe, which opens the breaker again once per
-	// Cooldown during a long outage, is not a trip.
+	// transitions into each state, of every master's breaker together on
+	// a Cluster. BreakerOpened counts trips, from closed: a failed probe,
+	// which opens the breaker again once per Cooldown during a long
+	// outage, is not a trip.
 	BreakerOpened, BreakerHalfOpened, BreakerClosed uint64
 	// Outage is true from the moment the breaker trips until a call
 	// succeeds with the breaker closed and no call failed for two
@@ -213,11 +216,11 @@ func (l *Limiter) Stats() Stats {
 		s.StoreErrors[k] = v
 	}
 	l.stats.mu.Unlock()
-	if b := l.breaker; b != nil {
-		s.Breaker = b.State()
-		s.BreakerOpened = b.Entered(breaker.Open)
-		s.BreakerHalfOpened = b.Entered(breaker.HalfOpen)
-		s.BreakerClosed = b.Entered(breaker.Closed)
+	if h := l.health; h != nil {
+		s.Breaker = h.state()
+		s.BreakerOpened = h.entered(breaker.Open)
+		s.BreakerHalfOpened = h.entered(breaker.HalfOpen)
+		s.BreakerClosed = h.entered(breaker.Closed)
 	}
 	if rs, ok := l.store.(*RedisStore); ok {
 		s.ScriptLoads = rs.ScriptLoads()

@@ -180,8 +180,10 @@ func TestChaosClusterFailover(t *testing.T) {
 		return 0
 	})
 	outages, promoted, p99s, worsts := failoverFigures(t, l, victims, results)
-	// The breaker belongs to the Limiter, not to a node: while it is open,
-	// keys on the healthy masters go to the fallback too.
+	// The Limiter keeps a breaker per master (ADR 20), but under Redis's
+	// default cluster-require-full-coverage every node answers CLUSTERDOWN
+	// once the master is marked failed: the healthy masters' keys go to
+	// the fallback too, until the replica takes over.
 	var collateral []time.Duration
 	kills := killTimes(results)
 	for i, kill := range kills {

@@ -1,0 +1,102 @@
+package tollgate
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/tollgate-go/tollgate/breaker"
+	"github.com/tollgate-go/tollgate/internal/redistest"
+)
+
+// TestClusterBreakerPerMaster kills one master of a 3-master Cluster under
+// decisions on keys of every master, for longer than the Cluster takes to
+// mark it failed. Its keys go to the fallback once its breaker trips; the
+// other masters' keys stay on Redis, each decision of them: a breaker per
+// Limiter sent them all to the fallback (issue 14).
+func TestClusterBreakerPerMaster(t *testing.T) {
+	redistest.SkipIfUnavailable(t)
+	cl := redistest.StartCluster(t, 3, 0)
+	ff := redistest.FailFast("")
+	client := cl.Client(t, &redis.ClusterOptions{
+		DialTimeout: ff.DialTimeout, ReadTimeout: ff.ReadTimeout, WriteTimeout: ff.WriteTimeout,
+		PoolTimeout: ff.PoolTimeout, DialerRetries: ff.DialerRetries, MaxRetries: -1, MaxRedirects: -1,
+		ContextTimeoutEnabled: true,
+	})
+	logs := &logCounter{}
+	l, err := New(NewRedisStore(client, WithKeyPrefix(redistest.KeyPrefix())), []Plan{{Name: "p", Capacity: 1 << 30, Rate: 1}},
+		WithDenialCache(0), WithLogger(slog.New(logs)), WithBreaker(breaker.Settings{Failures: 3, Cooldown: time.Minute}))
+	require.NoError(t, err)
+	ctx := context.Background()
+
+	byMaster := map[string][]string{} // master address → keys it serves
+	for i := 0; len(byMaster) < 3 || minLen(byMaster) < 5; i++ {
+		key := fmt.Sprint("user-", i)
+		addr := cl.MasterFor(key).Addr()
+		byMaster[addr] = append(byMaster[addr], key)
+	}
+	for _, keys := range byMaster {
+		for _, key := range keys {
+			r, err := l.Allow(ctx, key)
+			require.NoError(t, err)
+			require.Equal(t, SourceStore, r.Source)
+		}
+	}
+	// By default a Cluster refuses every command (CLUSTERDOWN) once a
+	// master is marked failed and until a replica takes over; with this
+	// setting the other masters go on serving their slots.
+	for _, addr := range cl.Addrs() {
+		c := redis.NewClient(&redis.Options{Addr: addr})
+		require.NoError(t, c.ConfigSet(ctx, "cluster-require-full-coverage", "no").Err())
+		_ = c.Close()
+	}
+	victim := cl.MasterFor(byMaster[cl.Addrs()[0]][0])
+	victim.Kill()
+	killed := time.Now()
+
+	sources := map[string]map[Source]int{} // master address → sources of its keys' decisions
+	rounds := 0
+	// Past the Cluster's node timeout (1 s), when it marks the master failed.
+	for ; rounds < 20 || time.Since(killed) < 1500*time.Millisecond; rounds++ {
+		for addr, keys := range byMaster {
+			if sources[addr] == nil {
+				sources[addr] = map[Source]int{}
+			}
+			for _, key := range keys {
+				r, err := l.Allow(ctx, key)
+				require.NoError(t, err, "Fallback decides while a master is down")
+				sources[addr][r.Source]++
+			}
+		}
+	}
+	t.Logf("sources by master (victim %s): %v", victim.Addr(), sources)
+	for addr, src := range sources {
+		if addr == victim.Addr() {
+			assert.Positive(t, src[SourceFallback], "the dead master's keys go to the fallback")
+			continue
+		}
+		assert.Zero(t, src[SourceFallback], "master %s is healthy: its keys stay on Redis", addr)
+		assert.Equal(t, rounds*len(byMaster[addr]), src[SourceStore], "master %s", addr)
+	}
+	s := l.Stats()
+	assert.Equal(t, breaker.Open, s.Breaker, "the dead master's breaker")
+	assert.Equal(t, uint64(1), s.BreakerOpened, "one trip, of one master's breaker")
+	assert.True(t, s.Outage)
+	assert.Len(t, logs.levels, 1, "one line for the outage")
+}
+
+func minLen(m map[string][]string) int {
+	n := -1
+	for _, v := range m {
+		if n < 0 || len(v) < n {
+			n = len(v)
+		}
+	}
+	return n
+}
