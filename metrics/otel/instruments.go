@@ -48,6 +48,9 @@
 // tollgate_store_duration_seconds_total and tollgate_store_calls_total
 // here, a histogram there.
 //
+// RegisterBreaker does the same for a shared circuit breaker
+// (breaker.Shared), as tollgate.circuit.* instruments.
+//
 // Several Limiters on one MeterProvider need one Register each, with
 // distinct attributes, for example WithAttributes(attribute.String(
 // "limiter", "login")): OpenTelemetry requires each callback's data points
