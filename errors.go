@@ -3,6 +3,7 @@ package tollgate
 import (
 	"errors"
 
+	"github.com/tollgate-go/tollgate/breaker"
 	"github.com/tollgate-go/tollgate/internal/redisscript"
 )
 
@@ -32,7 +33,9 @@ var (
 	// ErrStoreUnavailable means the store could not decide: it failed, or
 	// the circuit breaker is open. Limiter returns it only under
 	// FailClosed; the other policies decide without the store.
-	ErrStoreUnavailable = errors.New("tollgate: store unavailable")
+	// It is breaker.ErrStoreUnavailable, which a shared circuit breaker
+	// returns under FailClosed too.
+	ErrStoreUnavailable = breaker.ErrStoreUnavailable
 
 	// ErrBadReply means Redis answered the script with a reply of the
 	// wrong shape. It counts as a store failure.

@@ -6,32 +6,21 @@ import (
 	"github.com/tollgate-go/tollgate/breaker"
 )
 
-// FailurePolicy says how a Limiter decides while its store fails.
-type FailurePolicy int
+// FailurePolicy says how a Limiter decides while its store fails. It is
+// breaker.FailurePolicy, so that a Limiter and a shared circuit breaker
+// speak of failures with the same values.
+type FailurePolicy = breaker.FailurePolicy
 
 const (
 	// Fallback lets a local fallback store decide (Source SourceFallback):
 	// each instance then enforces the plans on its own, so the whole fleet
 	// may admit up to one plan's worth per instance. It is the default.
-	Fallback FailurePolicy = iota
+	Fallback = breaker.Fallback
 	// FailOpen allows every request (Source SourceFailOpen).
-	FailOpen
+	FailOpen = breaker.FailOpen
 	// FailClosed returns ErrStoreUnavailable.
-	FailClosed
+	FailClosed = breaker.FailClosed
 )
-
-// String returns "fallback", "fail-open" or "fail-closed".
-func (p FailurePolicy) String() string {
-	switch p {
-	case Fallback:
-		return "fallback"
-	case FailOpen:
-		return "fail-open"
-	case FailClosed:
-		return "fail-closed"
-	}
-	return "unknown"
-}
 
 // Option configures a Limiter.
 type Option func(*config)

@@ -44,8 +44,9 @@ var (
 
 	// ErrStoreUnavailable means Redis could not answer. Acquire and Done
 	// return it only under FailClosed; the admin operations, State and
-	// Inspect under every policy.
-	ErrStoreUnavailable = errors.New("tollgate/breaker: store unavailable")
+	// Inspect under every policy. It is also tollgate.ErrStoreUnavailable,
+	// which a Limiter returns under FailClosed, hence its text.
+	ErrStoreUnavailable = errors.New("tollgate: store unavailable")
 )
 
 // MaxKeyLen is the longest key a Shared breaker takes, in bytes, as
@@ -194,8 +195,8 @@ func (s SharedSettings) params() params {
 	}
 }
 
-// FailurePolicy says how a Shared breaker decides while Redis fails: the
-// same vocabulary as tollgate.FailurePolicy.
+// FailurePolicy says how a Shared breaker, or a tollgate.Limiter (whose
+// FailurePolicy is this type), decides while Redis fails.
 type FailurePolicy int
 
 const (
