@@ -198,37 +198,23 @@ for i = 1, #KEYS do
 end
 
 local allowed = reply[1] == 1
-if not wide then
-  -- Buckets alone: the reply holds them as read; drain them if allowed.
-  if allowed and need > 0 then
-    for i = 1, #KEYS do
+-- Buckets alone reply in place: reply already holds each bucket as read,
+-- in the slot it keeps in the answer.
+local out = wide and {reply[1], now} or reply
+local n = 2
+for i = 1, #KEYS do
+  local a = wide and 4 * i - 1 or 2 * i
+  local k = wide and tonumber(ARGV[a + 2]) or 0
+  if k == 0 then -- a bucket
+    if allowed and need > 0 then
       local t, ts = after[2 * i - 1] - need, after[2 * i]
-      reply[2 * i + 1], reply[2 * i + 2] = t, ts
+      out[n + 1], out[n + 2] = t, ts
       if foreign and foreign[i] then redis.call('DEL', KEYS[i]) end
       redis.call('HSET', KEYS[i], 't', t, 'ts', ts, 'v', 1)
       -- Until full again, rounded up, plus a millisecond for the expiry
       -- clock. The bucket fills from its stamp, which is ahead of now
       -- after TIME stepped back: counted from now, the key would expire,
       -- and read as full, that much early.
-      redis.call('PEXPIRE', KEYS[i],
-        floor(((tonumber(ARGV[2 * i]) * 1000000 - t) / tonumber(ARGV[2 * i + 1])
-          + math.max(0, ts - now)) / 1000) + 2)
-    end
-  end
-  return reply
-end
-
-local out = {reply[1], now}
-local n = 2
-for i = 1, #KEYS do
-  local a = 4 * i - 1
-  local k = tonumber(ARGV[a + 2])
-  if k == 0 then -- a bucket, as above
-    if allowed and need > 0 then
-      local t, ts = after[2 * i - 1] - need, after[2 * i]
-      out[n + 1], out[n + 2] = t, ts
-      if foreign and foreign[i] then redis.call('DEL', KEYS[i]) end
-      redis.call('HSET', KEYS[i], 't', t, 'ts', ts, 'v', 1)
       redis.call('PEXPIRE', KEYS[i],
         floor(((tonumber(ARGV[a]) * 1000000 - t) / tonumber(ARGV[a + 1])
           + math.max(0, ts - now)) / 1000) + 2)
