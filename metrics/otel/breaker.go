@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 
-	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 
@@ -49,14 +48,7 @@ func RegisterBreaker(b *breaker.Shared, mp metric.MeterProvider, opts ...Option)
 	if b == nil {
 		panic("tgotel: RegisterBreaker with a nil breaker")
 	}
-	var c config
-	for _, o := range opts {
-		o(&c)
-	}
-	if mp == nil {
-		mp = otel.GetMeterProvider()
-	}
-	m := mp.Meter(ScopeName)
+	m, c := meter(mp, opts)
 	in := &breakerInstruments{b: b}
 	var err error
 	counter := func(name, unit, desc string) metric.Int64ObservableCounter {

@@ -124,14 +124,7 @@ func Register(lim *tollgate.Limiter, mp metric.MeterProvider, opts ...Option) (m
 	if lim == nil {
 		panic("tgotel: Register with a nil Limiter")
 	}
-	var c config
-	for _, o := range opts {
-		o(&c)
-	}
-	if mp == nil {
-		mp = otel.GetMeterProvider()
-	}
-	m := mp.Meter(ScopeName)
+	m, c := meter(mp, opts)
 	in := &instruments{lim: lim, attrs: c.attrs}
 	var err, e error
 	in.decisions, e = m.Int64ObservableCounter("tollgate.decisions", metric.WithUnit("{decision}"),
@@ -175,6 +168,19 @@ func Register(lim *tollgate.Limiter, mp metric.MeterProvider, opts ...Option) (m
 	}
 	return m.RegisterCallback(in.observe, in.decisions, in.duration, in.calls, in.storeErrors,
 		in.fallback, in.breaker, in.transitions, in.scriptLoads)
+}
+
+// meter returns the meter of mp, nil meaning otel.GetMeterProvider(), and
+// the options applied.
+func meter(mp metric.MeterProvider, opts []Option) (metric.Meter, config) {
+	var c config
+	for _, o := range opts {
+		o(&c)
+	}
+	if mp == nil {
+		mp = otel.GetMeterProvider()
+	}
+	return mp.Meter(ScopeName), c
 }
 
 // opts returns the ObserveOptions of a data point with kv and the
