@@ -74,19 +74,15 @@ func RegisterBreaker(b *breaker.Shared, mp metric.MeterProvider, opts ...Option)
 	if err != nil {
 		return nil, err
 	}
-	point := func(kv ...attribute.KeyValue) []metric.ObserveOption {
-		all := append(append([]attribute.KeyValue(nil), c.attrs...), kv...)
-		return []metric.ObserveOption{metric.WithAttributeSet(attribute.NewSet(all...))}
-	}
-	in.base = point()
+	in.base = point(c.attrs)
 	for _, st := range []breaker.State{breaker.Closed, breaker.Open, breaker.HalfOpen} {
 		state := attribute.String("state", st.String())
-		in.granted[st] = point(state, attribute.String("result", "granted"))
-		in.rejected[st] = point(state, attribute.String("result", "rejected"))
-		in.success[st] = point(state, attribute.String("outcome", "success"))
-		in.failure[st] = point(state, attribute.String("outcome", "failure"))
-		in.slow[st] = point(state, attribute.String("outcome", "slow"))
-		in.to[st] = point(attribute.String("to", st.String()))
+		in.granted[st] = point(c.attrs, state, attribute.String("result", "granted"))
+		in.rejected[st] = point(c.attrs, state, attribute.String("result", "rejected"))
+		in.success[st] = point(c.attrs, state, attribute.String("outcome", "success"))
+		in.failure[st] = point(c.attrs, state, attribute.String("outcome", "failure"))
+		in.slow[st] = point(c.attrs, state, attribute.String("outcome", "slow"))
+		in.to[st] = point(c.attrs, attribute.String("to", st.String()))
 	}
 	return m.RegisterCallback(in.observe, in.calls, in.outcomes, in.stale, in.transitions, in.trips,
 		in.open, in.roundTrips, in.storeErrors, in.degraded, in.outage)

@@ -186,7 +186,12 @@ func meter(mp metric.MeterProvider, opts []Option) (metric.Meter, config) {
 // opts returns the ObserveOptions of a data point with kv and the
 // attributes of WithAttributes.
 func (in *instruments) opts(kv ...attribute.KeyValue) []metric.ObserveOption {
-	all := append(append([]attribute.KeyValue(nil), in.attrs...), kv...)
+	return point(in.attrs, kv...)
+}
+
+// point returns the ObserveOptions of a data point with attrs and kv.
+func point(attrs []attribute.KeyValue, kv ...attribute.KeyValue) []metric.ObserveOption {
+	all := append(append([]attribute.KeyValue(nil), attrs...), kv...)
 	return []metric.ObserveOption{metric.WithAttributeSet(attribute.NewSet(all...))}
 }
 
