@@ -89,7 +89,7 @@ func takeAll(plans []Plan, buckets []TokenBucket, now, cost int64) bool {
 		buckets[i] = buckets[i].Refill(plans[i], now)
 		ok = ok && buckets[i].Tokens >= need
 	}
-	if ok {
+	if ok && cost > 0 { // a read (cost 0, or -n for PeekN) takes nothing
 		for i := range buckets {
 			buckets[i].Tokens -= need
 		}
@@ -149,4 +149,35 @@ func accrualMicros(deficit int64, rate float64) int64 {
 		w++
 	}
 	return int64(w)
+}
+
+// adjust returns the bucket refilled to now with delta micro-tokens added:
+// a refund when delta > 0, capped at a full bucket, and a charge when
+// delta < 0, which may take the bucket below empty. What a bucket owes is
+// kept as its stamp moved ahead of now, by the time the debt takes to
+// accrue: a bucket in debt holds no tokens and refills nothing until its
+// stamp, so its RetryAfter counts the debt. Debt is rounded up and its
+// stamp ahead at most floor(Capacity / Rate) µs, one full refill, which
+// Refill would read as garbage beyond; uncharged is the part of a charge,
+// in micro-tokens, that did not fit. No adjustment mints tokens beyond
+// delta. scripts/bucket.lua repeats it.
+func (b TokenBucket) adjust(p Plan, now, delta int64) (_ TokenBucket, uncharged int64) {
+	b = b.Refill(p, now)
+	full := p.Capacity * microTokens
+	balance := b.Tokens
+	if b.Stamp > now { // in debt: what it owes at now, rounded up
+		balance = -int64(math.Ceil(float64(float64(b.Stamp-now) * p.Rate)))
+	}
+	balance += delta
+	switch {
+	case balance >= full:
+		return TokenBucket{Tokens: full, Stamp: now}, 0
+	case balance >= 0:
+		return TokenBucket{Tokens: balance, Stamp: min(b.Stamp, now)}, 0
+	}
+	ahead := int64(math.Floor(float64(full) / p.Rate)) // the most a stamp may be ahead
+	if w := accrualMicros(-balance, p.Rate); w <= ahead {
+		return TokenBucket{Stamp: now + w}, 0
+	}
+	return TokenBucket{Stamp: now + ahead}, -balance - int64(math.Floor(float64(float64(ahead)*p.Rate)))
 }

@@ -254,3 +254,86 @@ func FuzzBucket(f *testing.F) {
 		}
 	})
 }
+
+func TestTokenBucketAdjust(t *testing.T) {
+	p := Plan{Name: "p", Capacity: 10, Rate: 2} // a token every 500ms; a full refill in 5s
+	tests := []struct {
+		name      string
+		b         TokenBucket
+		at        int64 // µs after t0
+		delta     int64 // micro-tokens
+		want      TokenBucket
+		uncharged int64
+	}{
+		{"refund", TokenBucket{Tokens: 4_000_000, Stamp: t0}, 0, 3_000_000, TokenBucket{7_000_000, t0}, 0},
+		{"refund caps at full", TokenBucket{Tokens: 9_000_000, Stamp: t0}, 0, 3_000_000, TokenBucket{10_000_000, t0}, 0},
+		{"refund after a refill", TokenBucket{Tokens: 4_000_000, Stamp: t0}, 500_000, 3_000_000, TokenBucket{8_000_000, t0 + 500_000}, 0},
+		{"charge from tokens", TokenBucket{Tokens: 4_000_000, Stamp: t0}, 0, -3_000_000, TokenBucket{1_000_000, t0}, 0},
+		{"charge into debt", TokenBucket{Tokens: 1_000_000, Stamp: t0}, 0, -3_000_000, TokenBucket{0, t0 + 1_000_000}, 0},
+		{"debt grows", TokenBucket{Stamp: t0 + 1_000_000}, 0, -1_000_000, TokenBucket{0, t0 + 1_500_000}, 0},
+		{"refund repays debt", TokenBucket{Stamp: t0 + 1_000_000}, 0, 1_000_000, TokenBucket{0, t0 + 500_000}, 0},
+		{"refund beyond debt", TokenBucket{Stamp: t0 + 1_000_000}, 0, 3_000_000, TokenBucket{1_000_000, t0}, 0},
+		{"debt capped at one capacity", TokenBucket{Tokens: 2_000_000, Stamp: t0}, 0, -15_000_000, TokenBucket{0, t0 + 5_000_000}, 3_000_000},
+		{"debt at the cap takes nothing more", TokenBucket{Stamp: t0 + 5_000_000}, 0, -1_000_000, TokenBucket{0, t0 + 5_000_000}, 1_000_000},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			now := t0 + tt.at
+			got, uncharged := tt.b.adjust(p, now, tt.delta)
+			assert.Equal(t, tt.want, got)
+			assert.Equal(t, tt.uncharged, uncharged)
+		})
+	}
+}
+
+func TestTokenBucketInDebt(t *testing.T) {
+	p := Plan{Name: "p", Capacity: 10, Rate: 2}
+	b, _ := fullBucket(p, t0).adjust(p, t0, -14_000_000) // 4 tokens of debt: 2s
+	for _, at := range []int64{0, 1_999_999} {
+		assert.Equal(t, int64(0), b.Refill(p, t0+at).Tokens, "in debt at +%dµs", at)
+	}
+	assert.Equal(t, t0+2_500_000, b.ReadyAt(p, t0, 1), "a token comes 500ms after the debt is paid")
+	assert.Equal(t, t0+7_000_000, b.FullAt(p, t0), "full a whole refill after the debt is paid")
+	// The debt outlives any refill that would read it as garbage.
+	worst, lost := b.adjust(p, t0, -100_000_000)
+	assert.Equal(t, t0+5_000_000, worst.Stamp)
+	assert.Positive(t, lost)
+	assert.Equal(t, int64(0), worst.Refill(p, t0).Tokens)
+}
+
+// FuzzAdjust checks that no adjustment mints: the tokens at any later time
+// never exceed what the bucket would hold with the delta applied exactly,
+// and a charge leaves nothing uncharged unless its debt is at the cap.
+func FuzzAdjust(f *testing.F) {
+	f.Add(uint64(10), 2.0, int64(3_000_000), int64(-15_000_000), int64(0), int64(700_000))
+	f.Add(uint64(1), 0.001, int64(0), int64(-1_000_000), int64(5), int64(1))
+	f.Add(uint64(7), 3.3, int64(5_000_000), int64(2_500_000), int64(123_456), int64(9_000_000))
+	f.Fuzz(func(t *testing.T, capacity uint64, rate float64, tokens, delta, lag, later int64) {
+		p := Plan{Name: "p", Capacity: int64(capacity%1000) + 1, Rate: rate}
+		if p.validateNumbers() != nil {
+			return
+		}
+		full := p.Capacity * microTokens
+		tokens = min(max(tokens, 0), full)
+		delta = max(min(delta, 2*full), -2*full)
+		lag = min(max(lag, 0), 10_000_000)
+		later = min(max(later, 0), 10_000_000_000)
+		now := t0 + lag
+		b := TokenBucket{Tokens: tokens, Stamp: t0}
+		before := b.Refill(p, now)
+		got, uncharged := b.adjust(p, now, delta)
+		require.GreaterOrEqual(t, got.Tokens, int64(0))
+		require.LessOrEqual(t, got.Tokens, full)
+		require.LessOrEqual(t, got.Stamp-now, int64(math.Floor(float64(full)/p.Rate)), "never a garbage stamp")
+		require.GreaterOrEqual(t, uncharged, int64(0))
+		if uncharged > 0 {
+			require.Negative(t, delta)
+		}
+		// What the bucket holds at now+later, against the exact balance:
+		// the refilled tokens plus delta (less what was not charged), plus
+		// what accrues, capped at full.
+		exact := before.Tokens + delta + uncharged + int64(math.Floor(float64(float64(now+later-before.Stamp)*p.Rate))) - int64(math.Floor(float64(float64(now-before.Stamp)*p.Rate)))
+		have := got.Refill(p, now+later).Tokens
+		require.LessOrEqual(t, have, max(min(exact+1, full), 0), "adjust minted tokens")
+	})
+}

@@ -11,7 +11,7 @@ func chain(plans []Plan, buckets []TokenBucket, windows []*window, now, cost int
 	for i := range plans {
 		if p := &plans[i]; p.isWindow() {
 			admitted, offered := windows[i].counts(now)
-			ok = ok && (cost == 0 || admits(suppression(p, admitted, offered, cost), u))
+			ok = ok && (cost <= 0 || admits(suppression(p, admitted, offered, cost), u))
 		} else {
 			buckets[i] = buckets[i].Refill(*p, now)
 			ok = ok && buckets[i].Tokens >= need

@@ -50,7 +50,8 @@ func (s *RedisStore) check(ctx context.Context) error {
 	}
 	// "=" opens a base64 key, and the empty key is no caller's: the
 	// encoding of the empty key, "=", is reserved.
-	_, err := s.run(ctx, []string{s.prefix + ":{=}:" + checkPlan.Name}, 1, []Plan{checkPlan})
+	plans := []Plan{checkPlan}
+	_, err := s.run(ctx, []string{s.prefix + ":{=}:" + checkPlan.Name}, s.args(1, plans), 1, plans)
 	if err == nil {
 		return nil
 	}

@@ -17,11 +17,17 @@ import (
 // cache, ask the store behind its breaker and failure policy (a MemoryStore,
 // which cannot fail, directly), and record the decision. Allow, AllowN and
 // Peek pass the Result they return, so it is built in place rather than
-// copied up the steps.
-func (l *Limiter) decide(ctx context.Context, r *Result, key string, cost, minCost int64, names []string) error {
+// copied up the steps. h is nil but for Reserve, whose hold the store
+// that grants it fills in.
+func (l *Limiter) decide(ctx context.Context, r *Result, key string, cost, minCost int64, names []string, h *hold) error {
 	plans, entry, err := l.validate(ctx, key, cost, minCost, names)
 	if err != nil {
 		return err
+	}
+	if h != nil {
+		if err := h.accept(plans); err != nil {
+			return err
+		}
 	}
 	// Suppressed plans write on every request, so a remembered denial
 	// would not be the store's answer.
@@ -36,12 +42,16 @@ func (l *Limiter) decide(ctx context.Context, r *Result, key string, cost, minCo
 		}
 	}
 	if l.mem != nil { // a MemoryStore cannot fail: no breaker, no policy
-		l.mem.takeInto(r, key, cost, plans)
+		if h != nil {
+			l.mem.holdInto(r, key, cost, plans, h)
+		} else {
+			l.mem.takeInto(r, key, cost, plans)
+		}
 	} else {
 		if !cache {
 			asked = l.now()
 		}
-		if err := l.ask(ctx, r, key, cost, plans, asked); err != nil {
+		if err := l.ask(ctx, r, key, cost, plans, asked, h); err != nil {
 			return err
 		}
 	}
@@ -155,20 +165,32 @@ var errBreakerOpen = errors.New("circuit breaker open")
 // store fails, the failure policy decides instead.
 // start is when the decision asked, on the Limiter's clock: the store
 // call is timed from it.
-func (l *Limiter) ask(ctx context.Context, r *Result, key string, cost int64, plans []Plan, start int64) error {
+func (l *Limiter) ask(ctx context.Context, r *Result, key string, cost int64, plans []Plan, start int64, h *hold) error {
 	b := l.health.forKey(ctx, key, plans)
 	ok, probe := b.Allow()
 	if !ok {
-		return l.degrade(ctx, r, key, cost, plans, errBreakerOpen)
+		return l.degrade(ctx, r, key, cost, plans, h, errBreakerOpen)
 	}
-	return l.call(ctx, r, key, cost, plans, b, probe, start)
+	callerErr, storeErr := l.call(ctx, r, b, probe, start, func() error {
+		return take(ctx, r, l.store, key, cost, plans, h)
+	})
+	switch {
+	case callerErr != nil:
+		*r = Result{}
+		return callerErr
+	case storeErr != nil:
+		return l.degrade(ctx, r, key, cost, plans, h, storeErr)
+	}
+	return nil
 }
 
-// call calls the store, times the call, and judges a failure: the
-// breaker hears it, and the failure policy decides, unless the caller's own
-// doing ended the call. probe says whether this call is the breaker's probe;
-// start is when the decision asked, on the Limiter's clock.
-func (l *Limiter) call(ctx context.Context, r *Result, key string, cost int64, plans []Plan, b *breaker.Breaker, probe bool, start int64) error {
+// call makes op, a call to the store that puts its outcome in *r, times
+// it, and judges a failure: the breaker hears it, unless the caller's own
+// doing ended the call. It returns the error the caller gets instead of
+// an answer, or the store's failure, for the failure policy to answer.
+// probe says whether this call is the breaker's probe; start is when the
+// decision asked, on the Limiter's clock.
+func (l *Limiter) call(ctx context.Context, r *Result, b *breaker.Breaker, probe bool, start int64, op func() error) (callerErr, storeErr error) {
 	// A probe must end in Success, Failure or Abandon, or the breaker stays
 	// half-open for ever: also when the store panics or its goroutine
 	// exits (runtime.Goexit, which recover does not see). Every way out
@@ -181,7 +203,7 @@ func (l *Limiter) call(ctx context.Context, r *Result, key string, cost int64, p
 			}
 		}()
 	}
-	err := take(ctx, r, l.store, key, cost, plans)
+	err := op()
 	returned = true
 	now := l.now()
 	elapsed := time.Duration(now - start)
@@ -194,7 +216,7 @@ func (l *Limiter) call(ctx context.Context, r *Result, key string, cost int64, p
 		if l.outage.active() {
 			l.recovered(now)
 		}
-		return nil
+		return nil, nil
 	}
 	callerErr, storeFailed := l.blame(ctx, err, now)
 	if !storeFailed {
@@ -202,8 +224,7 @@ func (l *Limiter) call(ctx context.Context, r *Result, key string, cost int64, p
 		if probe {
 			b.Abandon()
 		}
-		*r = Result{}
-		return callerErr
+		return callerErr, nil
 	}
 	l.stats.storeCall(r, elapsed, err)
 	l.outage.failed(now)
@@ -211,10 +232,9 @@ func (l *Limiter) call(ctx context.Context, r *Result, key string, cost int64, p
 		l.tripped(err)
 	}
 	if callerErr != nil {
-		*r = Result{}
-		return callerErr
+		return callerErr, nil
 	}
-	return l.degrade(ctx, r, key, cost, plans, err)
+	return nil, err
 }
 
 // take has s take, with the Result in *r. The stores of this package skip
@@ -223,12 +243,22 @@ func (l *Limiter) call(ctx context.Context, r *Result, key string, cost int64, p
 // A MemoryStore also builds the Result in place: through the Store
 // interface a pointer to it would escape to the heap, and the Result was
 // copied up the call chain (BenchmarkLimiterAllow/memory).
-func take(ctx context.Context, r *Result, s Store, key string, cost int64, plans []Plan) (err error) {
+// A hold, for Reserve, goes to a MemoryStore or RedisStore, which Reserve
+// checked the stores are.
+func take(ctx context.Context, r *Result, s Store, key string, cost int64, plans []Plan, h *hold) (err error) {
 	switch s := s.(type) {
 	case *MemoryStore:
-		s.takeInto(r, key, cost, plans)
+		if h != nil {
+			s.holdInto(r, key, cost, plans, h)
+		} else {
+			s.takeInto(r, key, cost, plans)
+		}
 	case *RedisStore:
-		*r, err = s.take(ctx, key, cost, plans)
+		if h != nil {
+			*r, err = s.hold(ctx, key, cost, plans, h)
+		} else {
+			*r, err = s.take(ctx, key, cost, plans)
+		}
 	default:
 		*r, err = s.Take(ctx, key, cost, plans)
 	}
@@ -280,7 +310,7 @@ func (l *Limiter) blame(ctx context.Context, err error, now int64) (callerErr er
 }
 
 // degrade decides by the failure policy, without the store, into *r.
-func (l *Limiter) degrade(ctx context.Context, r *Result, key string, cost int64, plans []Plan, cause error) error {
+func (l *Limiter) degrade(ctx context.Context, r *Result, key string, cost int64, plans []Plan, h *hold, cause error) error {
 	switch l.policy {
 	case FailOpen:
 		*r = failOpenResult(plans)
@@ -289,7 +319,7 @@ func (l *Limiter) degrade(ctx context.Context, r *Result, key string, cost int64
 		*r = Result{}
 		return fmt.Errorf("%w: %w", ErrStoreUnavailable, cause)
 	}
-	if err := take(ctx, r, l.fallback, key, cost, plans); err != nil {
+	if err := take(ctx, r, l.fallback, key, cost, plans, h); err != nil {
 		*r = Result{}
 		return fmt.Errorf("%w: fallback store failed too: %w", ErrStoreUnavailable, err)
 	}

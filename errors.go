@@ -41,6 +41,26 @@ var (
 	// wrong shape. It counts as a store failure.
 	ErrBadReply = redisscript.ErrBadReply
 
+	// ErrAlreadySettled means a reservation was settled before: the second
+	// Settle or Cancel changed nothing. A retry of a Settle that failed
+	// with an error may get it when the first did reach the store.
+	ErrAlreadySettled = errors.New("tollgate: reservation already settled")
+
+	// ErrHoldExpired means a reservation's hold was gone when it was
+	// settled: it outlived its time to live (WithHoldTTL), or Redis lost
+	// it. Nothing was refunded; tokens used beyond the reservation were
+	// still charged.
+	ErrHoldExpired = errors.New("tollgate: reservation hold expired")
+
+	// ErrBadHold means a reservation's hold in Redis held data tollgate
+	// did not write. It was settled as if gone (ErrHoldExpired), and
+	// replaced.
+	ErrBadHold = errors.New("tollgate: reservation hold unreadable")
+
+	// ErrNotGranted means Settle or Cancel was called on a reservation
+	// that was not granted, which took nothing.
+	ErrNotGranted = errors.New("tollgate: reservation not granted")
+
 	// ErrWaitExceedsDeadline means Wait would have to wait past the
 	// context's deadline, so it returned at once.
 	ErrWaitExceedsDeadline = errors.New("tollgate: wait would exceed context deadline")

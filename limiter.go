@@ -53,6 +53,7 @@ type Limiter struct {
 	denials  *denialcache.Cache[Result]
 	log      *slog.Logger
 	debug    bool // log every decision: the logger had debug enabled at New
+	holdTTL  time.Duration
 
 	byName   map[string]*planEntry
 	plans    []Plan // as given to New
@@ -99,7 +100,7 @@ func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
 	}
 	l.defaults = l.byName[plans[0].Name]
 
-	c := config{log: slog.Default()}
+	c := config{log: slog.Default(), holdTTL: defaultHoldTTL}
 	for _, o := range opts {
 		o(&c)
 	}
@@ -109,10 +110,13 @@ func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
 	if c.policy < Fallback || c.policy > FailClosed {
 		return nil, fmt.Errorf("%w: unknown failure policy %d", ErrInvalidOption, c.policy)
 	}
+	if c.holdTTL < time.Millisecond || c.holdTTL > MaxRefillPeriod {
+		return nil, fmt.Errorf("%w: hold TTL %v is outside 1ms to MaxRefillPeriod", ErrInvalidOption, c.holdTTL)
+	}
 	if err := wiringError(c.fallback); err != nil {
 		return nil, fmt.Errorf("fallback store: %w", err)
 	}
-	l.policy, l.log = c.policy, c.log
+	l.policy, l.log, l.holdTTL = c.policy, c.log, c.holdTTL
 	l.debug = l.log.Enabled(context.Background(), slog.LevelDebug)
 	keys := defaultDenialCacheKeys
 	if m, ok := store.(*MemoryStore); ok {
@@ -160,7 +164,7 @@ func (l *Limiter) Plan(name string) (Plan, bool) {
 
 // Allow is AllowN with cost 1.
 func (l *Limiter) Allow(ctx context.Context, key string, plans ...string) (r Result, err error) {
-	err = l.decide(ctx, &r, key, 1, 1, plans)
+	err = l.decide(ctx, &r, key, 1, 1, plans, nil)
 	return r, err
 }
 
@@ -173,7 +177,7 @@ func (l *Limiter) Allow(ctx context.Context, key string, plans ...string) (r Res
 // a plan's capacity), the caller's own context error, and, under
 // FailClosed only, ErrStoreUnavailable.
 func (l *Limiter) AllowN(ctx context.Context, key string, cost int64, plans ...string) (r Result, err error) {
-	err = l.decide(ctx, &r, key, cost, 1, plans)
+	err = l.decide(ctx, &r, key, cost, 1, plans, nil)
 	return r, err
 }
 
@@ -181,7 +185,7 @@ func (l *Limiter) AllowN(ctx context.Context, key string, cost int64, plans ...s
 // whether one token would be taken now, RetryAfter is the exact wait until
 // it would, and Remaining and ResetAfter describe the buckets.
 func (l *Limiter) Peek(ctx context.Context, key string, plans ...string) (r Result, err error) {
-	err = l.decide(ctx, &r, key, 0, 0, plans)
+	err = l.decide(ctx, &r, key, 0, 0, plans, nil)
 	return r, err
 }
 

@@ -376,7 +376,7 @@ func describeWindow(p *Plan, w *window, now, cost int64, allowed bool) planState
 	if allowed && cost > 0 {
 		admitted -= cost
 	} else {
-		ready = w.readyAt(p, now, max(cost, 1))
+		ready = w.readyAt(p, now, asked(cost))
 	}
 	if p.Suppress != 0 && cost > 0 {
 		offered -= cost

@@ -2,6 +2,7 @@ package tollgate
 
 import (
 	"log/slog"
+	"time"
 
 	"github.com/tollgate-go/tollgate/breaker"
 )
@@ -32,6 +33,7 @@ type config struct {
 	breaker    breaker.Settings
 	log        *slog.Logger
 	denialKeys *int // nil: the default
+	holdTTL    time.Duration
 }
 
 // defaultDenialCacheKeys is the default bound of WithDenialCache.
@@ -81,4 +83,13 @@ func WithLogger(log *slog.Logger) Option {
 // when the store is a MemoryStore, which is as fast as the cache.
 func WithDenialCache(keys int) Option {
 	return func(c *config) { c.denialKeys = &keys }
+}
+
+// WithHoldTTL sets how long a reservation's hold lives (Reserve): a Settle
+// after it refunds nothing, and charges only the tokens used beyond the
+// reservation (ErrHoldExpired). In Redis a settled hold leaves a tombstone
+// for as long again, so that a retried Settle changes nothing. It must be
+// 1ms to MaxRefillPeriod. The default is 15 minutes.
+func WithHoldTTL(d time.Duration) Option {
+	return func(c *config) { c.holdTTL = d }
 }

@@ -32,11 +32,12 @@ const defaultKeyPrefix = "tollgate"
 // a script's effects rather than the script, so reading TIME before writing
 // is allowed; tests run on Redis 7.0.
 type RedisStore struct {
-	client redis.UniversalClient
-	prefix string
-	err    error // a wiring mistake: New reports it, and so does every call
-	script *redisscript.Script
-	random func() uint64 // draws for suppressed plans; tests replace it
+	client       redis.UniversalClient
+	prefix       string
+	err          error // a wiring mistake: New reports it, and so does every call
+	script       *redisscript.Script
+	settleScript *redisscript.Script
+	random       func() uint64 // draws for suppressed plans; tests replace it
 }
 
 // RedisOption configures a RedisStore.
@@ -54,7 +55,8 @@ func WithKeyPrefix(prefix string) RedisOption {
 // when the store is given to a Limiter, so that it shows at startup, and
 // by every call of a store used on its own.
 func NewRedisStore(client redis.UniversalClient, opts ...RedisOption) *RedisStore {
-	s := &RedisStore{client: client, prefix: defaultKeyPrefix, script: redisscript.New(scripts.Limit), random: random53}
+	s := &RedisStore{client: client, prefix: defaultKeyPrefix, script: redisscript.New(scripts.Limit),
+		settleScript: redisscript.New(scripts.Settle), random: random53}
 	for _, o := range opts {
 		o(s)
 	}
@@ -67,10 +69,10 @@ func NewRedisStore(client redis.UniversalClient, opts ...RedisOption) *RedisStor
 	return s
 }
 
-// ScriptLoads returns how many times the store has sent its script's
+// ScriptLoads returns how many times the store has sent its scripts'
 // source after Redis answered NOSCRIPT.
 func (s *RedisStore) ScriptLoads() int64 {
-	return s.script.Loads()
+	return s.script.Loads() + s.settleScript.Loads()
 }
 
 // Take implements Store.
@@ -86,16 +88,13 @@ func (s *RedisStore) take(ctx context.Context, key string, cost int64, plans []P
 	if s.err != nil {
 		return Result{}, s.err
 	}
-	keys := make([]string, len(plans))
-	for i, p := range plans {
-		keys[i] = s.Key(key, p.Name)
-	}
-	return s.run(ctx, keys, cost, plans)
+	return s.run(ctx, s.keys(key, plans), s.args(cost, plans), cost, plans)
 }
 
-// run runs the script on the state at keys, one key per plan.
-func (s *RedisStore) run(ctx context.Context, keys []string, cost int64, plans []Plan) (Result, error) {
-	reply, err := s.script.Run(ctx, s.client, keys, s.args(cost, plans)...)
+// run runs the script with keys and args on the state of plans, and
+// describes its decision.
+func (s *RedisStore) run(ctx context.Context, keys []string, args []any, cost int64, plans []Plan) (Result, error) {
+	reply, err := s.script.Run(ctx, s.client, keys, args...)
 	if err != nil {
 		return Result{}, err
 	}
@@ -215,9 +214,5 @@ func (s *RedisStore) Reset(ctx context.Context, key string, plans []Plan) error 
 	if len(plans) == 0 {
 		return nil
 	}
-	keys := make([]string, len(plans))
-	for i, p := range plans {
-		keys[i] = s.Key(key, p.Name)
-	}
-	return redisscript.Sanitize(s.client.Del(ctx, keys...).Err())
+	return redisscript.Sanitize(s.client.Del(ctx, s.keys(key, plans)...).Err())
 }

@@ -1178,6 +1178,14 @@ func TestTopologies(t *testing.T) {
 			// One token at 2/s: at most 500 ms, less the time since the drain.
 			assert.LessOrEqual(t, r.RetryAfter, 500*time.Millisecond)
 			assert.Greater(t, r.RetryAfter, 250*time.Millisecond)
+			// A hold and its buckets share a hash slot: a Cluster would
+			// refuse the script otherwise.
+			res, err := l.Reserve(context.Background(), key, 50, "daily")
+			require.NoError(t, err)
+			require.True(t, res.OK())
+			st, err := res.Settle(context.Background(), 10)
+			require.NoError(t, err)
+			assert.Equal(t, int64(86), st.Remaining, "4 allowed, 10 used")
 		}
 	}
 	t.Run("client", func(t *testing.T) {

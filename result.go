@@ -155,7 +155,7 @@ func (r *Result) describe(plans []Plan, buckets []TokenBucket, windows []planSta
 		st := stateOf(p, i, buckets, windows, now, cost, allowed)
 		r.chain[i] = PlanResult{Plan: p.Name, Limit: p.Capacity, Remaining: st.remaining,
 			RetryAfter: st.retryAfter, ResetAfter: st.resetAfter, Suppression: st.suppression}
-		if cost == 0 && st.retryAfter > 0 {
+		if cost <= 0 && st.retryAfter > 0 {
 			allowed = false
 		}
 		r.Suppressed = r.Suppressed || st.drawn
@@ -195,13 +195,13 @@ func bucketState(p *Plan, b TokenBucket, now, cost int64, allowed bool) (remaini
 		return b.Remaining(), 0, micros(b.readyAt(*p, now, p.Capacity) - now)
 	}
 	resetAfter = micros(b.FullAt(*p, now) - now)
-	retryAfter = micros(b.ReadyAt(*p, now, max(cost, 1)) - now)
+	retryAfter = micros(b.ReadyAt(*p, now, asked(cost)) - now)
 	return b.Refill(*p, now).Remaining(), retryAfter, resetAfter
 }
 
 // windowState returns what a Result reports of one window after a
 // decision: admitted and offered are its counts at now before the
-// decision, readyAt when max(cost, 1) tokens fit in it as it was, and
+// decision, readyAt when asked(cost) tokens fit in it as it was, and
 // resetAt when it counts nothing admitted after the decision, all in µs.
 func windowState(p *Plan, admitted, offered, readyAt, resetAt, now, cost int64, allowed bool) planState {
 	st := planState{remaining: max(0, p.Capacity-admitted), resetAfter: micros(resetAt - now)}
@@ -211,7 +211,7 @@ func windowState(p *Plan, admitted, offered, readyAt, resetAt, now, cost int64, 
 		st.retryAfter = micros(readyAt - now)
 	}
 	if p.Suppress != 0 {
-		c := max(cost, 1)
+		c := asked(cost)
 		st.suppression = suppression(p, admitted, offered, c)
 		st.drawn = cost > 0 && admitted+c > p.Capacity && admitted+c <= p.hardLimit()
 	}
@@ -230,6 +230,13 @@ func failOpenResult(plans []Plan) Result {
 	r := newResult(plans, buckets, windows, 0, 0, true)
 	r.Source = SourceFailOpen
 	return r
+}
+
+// asked returns how many tokens a decision of cost asks about: the cost
+// it takes, or, for a read, which takes nothing, 1 token (cost 0) or n
+// (cost -n, which PeekN sends).
+func asked(cost int64) int64 {
+	return max(cost, -cost, 1)
 }
 
 func micros(us int64) time.Duration {

@@ -57,9 +57,51 @@ type Stats struct {
 	// Cooldowns: through a partial outage, it stays true while the breaker
 	// closes and trips again.
 	Outage bool
-	// ScriptLoads is the number of times a RedisStore sent its script's
+	// ScriptLoads is the number of times a RedisStore sent its scripts'
 	// source after Redis answered NOSCRIPT; 0 for other stores.
 	ScriptLoads int64
+
+	// Reservations counts reservations and their settlements.
+	Reservations ReservationStats
+}
+
+// ReservationStats counts reservations (Reserve) and their settlements.
+type ReservationStats struct {
+	// Held is the number of reservations granted.
+	Held uint64
+	// Settled is the number settled, expired holds included, and
+	// Expired the number whose hold was gone (ErrHoldExpired).
+	Settled, Expired uint64
+	// Refunded, Charged and Uncharged are Settlement's fields summed, in
+	// tokens: given back, taken beyond reservations, and not taken because
+	// a bucket's debt would have passed one capacity.
+	Refunded, Charged, Uncharged uint64
+}
+
+// reservationCounters are what ReservationStats counts. Reservations are
+// rare next to decisions: one copy of each counter serves.
+type reservationCounters struct {
+	held, settled, expired, refunded, charged, uncharged atomic.Uint64
+}
+
+// count counts a settlement that found its hold as status says.
+func (c *reservationCounters) count(st *Settlement, status settleStatus) {
+	if status == holdSettled {
+		return
+	}
+	c.settled.Add(1)
+	if status != holdLive {
+		c.expired.Add(1)
+	}
+	c.refunded.Add(uint64(st.Refunded))
+	c.charged.Add(uint64(st.Charged))
+	c.uncharged.Add(uint64(st.Uncharged))
+}
+
+// snapshot reads the counters.
+func (c *reservationCounters) snapshot() ReservationStats {
+	return ReservationStats{Held: c.held.Load(), Settled: c.settled.Load(), Expired: c.expired.Load(),
+		Refunded: c.refunded.Load(), Charged: c.charged.Load(), Uncharged: c.uncharged.Load()}
 }
 
 // PlanStats counts the decisions that took tokens, by the plan that bound
@@ -111,8 +153,9 @@ func (p *planStripes) count(r *Result) {
 // counters are what a Limiter counts for Stats. Each counter a decision
 // touches has a copy per stripe, so that cores rarely write one cache line.
 type counters struct {
-	plans []planStripes // by plan, in the order given to New
-	calls []storeCounters
+	plans        []planStripes // by plan, in the order given to New
+	calls        []storeCounters
+	reservations reservationCounters
 
 	mu     sync.Mutex
 	errors map[string]uint64
@@ -225,5 +268,6 @@ func (l *Limiter) Stats() Stats {
 	if rs, ok := l.store.(*RedisStore); ok {
 		s.ScriptLoads = rs.ScriptLoads()
 	}
+	s.Reservations = l.stats.reservations.snapshot()
 	return s
 }

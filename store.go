@@ -41,14 +41,16 @@ func keyError(n int) error {
 	return fmt.Errorf("%w: %d bytes, more than %d", ErrInvalidKey, n, MaxKeyLen)
 }
 
-// checkCost rejects a cost below minCost or above any plan's capacity.
+// checkCost rejects a cost below minCost or above any plan's capacity. A
+// read for n tokens (PeekN), of cost -n, is held to the capacities as n.
 func checkCost(cost, minCost int64, plans []Plan) error {
 	if cost < minCost {
 		return fmt.Errorf("%w: %d is below %d", ErrInvalidCost, cost, minCost)
 	}
+	n := max(cost, -cost)
 	for i := range plans {
-		if cost > plans[i].Capacity {
-			return fmt.Errorf("%w: %d exceeds the capacity %d of plan %q", ErrInvalidCost, cost, plans[i].Capacity, plans[i].Name)
+		if n > plans[i].Capacity {
+			return fmt.Errorf("%w: %d exceeds the capacity %d of plan %q", ErrInvalidCost, n, plans[i].Capacity, plans[i].Name)
 		}
 	}
 	return nil

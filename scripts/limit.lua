@@ -11,11 +11,17 @@
 -- in a chain of buckets alone (ADR 16).
 --
 -- KEYS[i]        the state of plan i; every key shares one hash slot
--- ARGV[1]        cost in tokens; 0 reads without taking or writing
+-- ARGV[1]        cost in tokens; 0 reads without taking or writing, and
+--                -n reads as if asked for n tokens (PeekN)
 -- Then, for a chain of buckets alone (#ARGV = 1 + 2 #KEYS), which the
 -- arguments of windows would slow by 13-23% (ADR 16):
 -- ARGV[2i..2i+1] plan i: capacity in tokens, rate in tokens per second
 --                (= micro-tokens per µs)
+-- A reservation's hold (Limiter.Reserve) adds, to a chain of buckets
+-- alone (#ARGV = 2 #KEYS):
+-- KEYS[#KEYS]    the hold, set to the cost taken if allowed (see
+--                settle.lua)
+-- ARGV[#ARGV]    the hold's time to live in ms
 -- and for any other chain:
 -- ARGV[2]        a random whole number in [0, 2^53), drawn by the caller
 --                for suppressed plans (Lua's math.random is reseeded on
@@ -49,14 +55,15 @@
 -- another shape (the plan's width, k or suppression changed) is replaced
 -- too, but what it still counts moves into the current sub-window.
 
-local floor, tonumber = math.floor, tonumber
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
 local cost = tonumber(ARGV[1])
 local need = cost * 1000000
-local wide = #ARGV ~= 1 + 2 * #KEYS -- the layout with windows
+-- A hold adds one key and one argument to a chain of buckets alone.
+local held = #ARGV == 2 * #KEYS
+local plans = held and #KEYS - 1 or #KEYS
+local wide = not held and #ARGV ~= 1 + 2 * #KEYS -- the layout with windows
 local u = wide and tonumber(ARGV[2]) or 0
-local max53 = 9007199254740992
 local reply = {1, now} -- bucket plans: the state as read, until allowed
 local after = {} -- bucket plans: the state refilled to now
 local foreign -- plans whose key holds data not ours, replaced on write
@@ -66,44 +73,20 @@ local foreign -- plans whose key holds data not ours, replaced on write
 local b, adm, off, newest, last, stale, xs
 local carry -- window plans whose key held a window of another shape: its counts
 
-for i = 1, #KEYS do
+for i = 1, plans do
   local a = wide and 4 * i - 1 or 2 * i -- plan i's first argument
   local cap = tonumber(ARGV[a])
   local k = wide and tonumber(ARGV[a + 2]) or 0
   if k == 0 then
     -- A bucket: refill, exactly as bucket.go does it.
     local full, rate = cap * 1000000, tonumber(ARGV[a + 1])
-    local h = redis.pcall('HMGET', KEYS[i], 't', 'ts', 'v')
-    local t, ts
-    if h.err == nil and h[3] == '1' then
-      t, ts = tonumber(h[1]), tonumber(h[2])
-    end
-    if t == nil or ts == nil or t ~= floor(t) or ts ~= floor(ts)
-        or t < 0 or t > max53 or ts < 0 or ts > max53 then
-      if h.err ~= nil or h[1] or h[2] or h[3] then
-        foreign = foreign or {}
-        foreign[i] = true
-      end
-      t, ts = full, now -- missing or expired: a full bucket
+    local t, ts, f = readBucket(KEYS[i], full, now)
+    if f then
+      foreign = foreign or {}
+      foreign[i] = true
     end
     reply[2 * i + 1], reply[2 * i + 2] = t, ts
-    if now <= ts then
-      if ts - now > full / rate then
-        t, ts = full, now -- a stamp more than a full refill ahead: garbage
-      elseif t > full then
-        t = full
-      end
-    elseif t >= full then
-      t, ts = full, now
-    else
-      local gain = (now - ts) * rate
-      local whole = floor(gain)
-      if t + whole >= full then
-        t, ts = full, now
-      else
-        t, ts = t + whole, now - floor((gain - whole) / rate)
-      end
-    end
+    t, ts = refill(t, ts, full, rate, now)
     after[2 * i - 1], after[2 * i] = t, ts
     if t < need then reply[1] = 0 end
   else
@@ -202,22 +185,15 @@ local allowed = reply[1] == 1
 -- in the slot it keeps in the answer.
 local out = wide and {reply[1], now} or reply
 local n = 2
-for i = 1, #KEYS do
+for i = 1, plans do
   local a = wide and 4 * i - 1 or 2 * i
   local k = wide and tonumber(ARGV[a + 2]) or 0
   if k == 0 then -- a bucket
     if allowed and need > 0 then
       local t, ts = after[2 * i - 1] - need, after[2 * i]
       out[n + 1], out[n + 2] = t, ts
-      if foreign and foreign[i] then redis.call('DEL', KEYS[i]) end
-      redis.call('HSET', KEYS[i], 't', t, 'ts', ts, 'v', 1)
-      -- Until full again, rounded up, plus a millisecond for the expiry
-      -- clock. The bucket fills from its stamp, which is ahead of now
-      -- after TIME stepped back: counted from now, the key would expire,
-      -- and read as full, that much early.
-      redis.call('PEXPIRE', KEYS[i],
-        floor(((tonumber(ARGV[a]) * 1000000 - t) / tonumber(ARGV[a + 1])
-          + math.max(0, ts - now)) / 1000) + 2)
+      writeBucket(KEYS[i], t, ts, tonumber(ARGV[a]) * 1000000, tonumber(ARGV[a + 1]), now,
+        foreign and foreign[i])
     else
       out[n + 1], out[n + 2] = reply[2 * i + 1], reply[2 * i + 2]
     end
@@ -229,7 +205,7 @@ for i = 1, #KEYS do
     local ready = now
     if not take then
       -- The oldest sub-windows leave first, as window.readyAt computes.
-      local c = math.max(cost, 1)
+      local c = math.max(cost, -cost, 1)
       local total = adm[i]
       if total + c > cap then
         -- The live admitted counts, oldest first.
@@ -279,5 +255,8 @@ for i = 1, #KEYS do
     out[n + 4] = l and (l + 1 + k) * g or now
     n = n + 4
   end
+end
+if held and allowed and need > 0 then
+  redis.call('SET', KEYS[#KEYS], cost, 'PX', ARGV[#ARGV])
 end
 return out

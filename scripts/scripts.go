@@ -5,12 +5,26 @@ package scripts
 
 import _ "embed"
 
-// Limit decides on every chained plan of one key, token buckets and
-// sliding windows alike, in one atomic step; TokenBucket, window and chain
-// in package tollgate hold the same arithmetic.
+// bucket holds the token bucket's functions that Limit and Settle share.
 //
+//go:embed bucket.lua
+var bucket string
+
 //go:embed limit.lua
-var Limit string
+var limit string
+
+//go:embed settle.lua
+var settle string
+
+// Limit decides on every chained plan of one key, token buckets and
+// sliding windows alike, in one atomic step, and records a reservation's
+// hold; TokenBucket, window and chain in package tollgate hold the same
+// arithmetic.
+var Limit = bucket + limit
+
+// Settle settles a reservation's hold on the buckets of one key: it
+// refunds what was held and not used, or charges what was used beyond it.
+var Settle = bucket + settle
 
 // CircuitBreaker runs one step of a distributed circuit breaker on its one
 // key; circuit in package breaker holds the same state machine.

@@ -1,0 +1,265 @@
+package tollgate
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+)
+
+// defaultHoldTTL is how long a reservation's hold lives unless WithHoldTTL
+// says otherwise.
+const defaultHoldTTL = 15 * time.Minute
+
+// Reservation is a cost taken now and settled later, when the real cost is
+// known: the tokens of an LLM answer, the bytes of a download. Reserve
+// takes the most it may cost, exactly as AllowN would, and Settle then
+// refunds what was not used or charges what was used beyond it. It is
+// safe for concurrent use; it is settled at most once.
+type Reservation struct {
+	l      *Limiter
+	key    string
+	n      int64
+	result Result
+	hold   hold
+
+	mu      sync.Mutex
+	settled bool
+}
+
+// hold is what Reserve asks of the store that decides it: to keep the
+// tokens it takes as a hold, to settle later. The store that grants it
+// fills in where, and until when.
+type hold struct {
+	ttl   time.Duration
+	plans []Plan
+
+	store   Store  // the store that granted it; nil when none did (FailOpen)
+	id      string // a RedisStore's name for it
+	expires int64  // a MemoryStore's: when it expires, µs on its clock
+}
+
+// accept takes the plans of the decision that a hold is for: token
+// buckets only, for now.
+func (h *hold) accept(plans []Plan) error {
+	if windowIn(plans) {
+		return fmt.Errorf("%w: reservations take token-bucket plans only, not windows", ErrInvalidPlan)
+	}
+	h.plans = plans
+	return nil
+}
+
+// granted records that store s granted the hold, until expires (µs on a
+// MemoryStore's clock; a RedisStore's hold expires in Redis).
+func (h *hold) granted(s Store, expires int64) {
+	h.store, h.expires = s, expires
+}
+
+// Settlement is the outcome of settling a reservation.
+type Settlement struct {
+	// Result describes the buckets after settling, as Peek would:
+	// Allowed says whether one token would be taken now, and RetryAfter
+	// counts any debt.
+	Result
+	// Refunded is the number of tokens given back to each plan: the
+	// tokens reserved and not used. A bucket refilled meanwhile keeps no
+	// more than its capacity, so it may gain less. 0 when the hold was
+	// gone, or the store was down.
+	Refunded int64
+	// Charged is the number of tokens used beyond the reservation, taken
+	// from each plan, below empty if need be: a bucket in debt refills
+	// from below zero. Debt is capped at one capacity.
+	Charged int64
+	// Uncharged is the part of Charged, in whole tokens, that the
+	// plan with the least room could not take because its debt would have
+	// passed one capacity. Stats counts it too.
+	Uncharged int64
+}
+
+// Reserve takes n tokens now from the bucket of every named plan for key,
+// or from none of them, exactly as AllowN does, and holds them until
+// Settle says how many were used. If the reservation's Result is not
+// Allowed, nothing was taken and there is nothing to settle.
+//
+// Reserve the most a request may cost, and no more than the smallest
+// capacity of its plans (ErrInvalidCost): a reservation larger than a
+// bucket never passes. Reservations take token-bucket plans only; a window
+// plan gets ErrInvalidPlan. A store other than a MemoryStore or RedisStore,
+// or a fallback store other than a MemoryStore, gets errors.ErrUnsupported.
+//
+// Errors are AllowN's. A hold that is never settled costs nothing beyond
+// the tokens taken, which refill as usual.
+func (l *Limiter) Reserve(ctx context.Context, key string, n int64, plans ...string) (*Reservation, error) {
+	if !canHold(l.store, l.fallback) {
+		return nil, fmt.Errorf("%w: reservations need a MemoryStore or RedisStore, and a MemoryStore as fallback", errors.ErrUnsupported)
+	}
+	r := &Reservation{l: l, key: key, n: n, hold: hold{ttl: l.holdTTL}}
+	if err := l.decide(ctx, &r.result, key, n, 1, plans, &r.hold); err != nil {
+		return nil, err
+	}
+	if r.result.Allowed {
+		l.stats.reservations.held.Add(1)
+	}
+	return r, nil
+}
+
+// canHold reports whether a store and its fallback (nil if none) can hold
+// reservations.
+func canHold(store, fallback Store) bool {
+	switch store.(type) {
+	case *MemoryStore, *RedisStore:
+		_, ok := fallback.(*MemoryStore)
+		return ok || fallback == nil
+	}
+	return false
+}
+
+// PeekN reports whether n tokens would be taken now from the bucket of
+// every named plan for key, without taking them: Allowed says whether
+// they would, RetryAfter is the exact wait until they would, and
+// Remaining and ResetAfter describe the buckets. n must be at least 1 and
+// no more than every plan's capacity (ErrInvalidCost). Peek is PeekN of 1.
+func (l *Limiter) PeekN(ctx context.Context, key string, n int64, plans ...string) (r Result, err error) {
+	if n < 1 {
+		return Result{}, fmt.Errorf("%w: %d is below 1", ErrInvalidCost, n)
+	}
+	// A read of -n, which the stores understand as a read for n tokens,
+	// checked against the capacities as n.
+	err = l.decide(ctx, &r, key, -n, -n, plans, nil)
+	return r, err
+}
+
+// OK reports whether the reservation was granted: its tokens were taken.
+func (r *Reservation) OK() bool {
+	return r.result.Allowed
+}
+
+// Result returns the decision Reserve made, as AllowN would report it.
+func (r *Reservation) Result() Result {
+	return r.result
+}
+
+// Settle settles the reservation with the tokens actually used, at least 0,
+// once, atomically on every plan:
+//   - fewer than reserved: the rest is refunded to every plan, up to its
+//     capacity;
+//   - more than reserved: the excess is charged to every plan, as debt
+//     where the tokens are not there, up to one capacity of debt; the rest
+//     is reported as Uncharged.
+//
+// Errors: ErrNotGranted for a reservation that took nothing;
+// ErrAlreadySettled for a second Settle or Cancel, which changes nothing;
+// ErrHoldExpired when the hold outlived WithHoldTTL or Redis lost it
+// (ErrBadHold when it held data tollgate did not write): then nothing is
+// refunded and the excess is still charged, and the Settlement tells it;
+// ErrInvalidCost for an actual below 0 or above 9,007,199,254; the
+// caller's context error; and, under FailClosed, ErrStoreUnavailable,
+// after which Settle may be called again.
+//
+// While the store fails, the Fallback policy charges the excess to the
+// fallback store and drops the refund, which errs on the safe side, and
+// FailOpen settles nothing; the Settlement's Source tells which. A
+// reservation granted by the fallback store, or by FailOpen, which held
+// nothing, is settled there. A refund makes this Limiter forget the key's
+// remembered denials; other instances see it once the RetryAfter they
+// remember has passed.
+func (r *Reservation) Settle(ctx context.Context, actual int64) (Settlement, error) {
+	if !r.result.Allowed {
+		return Settlement{}, ErrNotGranted
+	}
+	if actual < 0 || actual > maxCapacity {
+		return Settlement{}, fmt.Errorf("%w: %d tokens used is out of range", ErrInvalidCost, actual)
+	}
+	if err := ctx.Err(); err != nil {
+		return Settlement{}, err
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.settled {
+		return Settlement{}, ErrAlreadySettled
+	}
+	st, err := r.l.settle(ctx, r, actual)
+	if err == nil || errors.Is(err, ErrHoldExpired) || errors.Is(err, ErrAlreadySettled) {
+		r.settled = true
+	}
+	return st, err
+}
+
+// Cancel is Settle with 0 tokens used: it refunds the whole reservation.
+func (r *Reservation) Cancel(ctx context.Context) (Settlement, error) {
+	return r.Settle(ctx, 0)
+}
+
+// settleStatus is what a store found of a hold it settled.
+type settleStatus int
+
+const (
+	holdLive    settleStatus = iota // settled: refunded, or charged the excess
+	holdSettled                     // settled before: nothing changed
+	holdGone                        // expired or lost: only the excess charged
+	holdBad                         // data not ours: settled as gone
+)
+
+// settle settles r with actual tokens used, on the store that granted it,
+// behind the breaker and failure policy when that store can fail.
+func (l *Limiter) settle(ctx context.Context, r *Reservation, actual int64) (st Settlement, err error) {
+	h := &r.hold
+	var status settleStatus
+	switch s := h.store.(type) {
+	case nil: // granted by FailOpen: nothing was held
+		return Settlement{Result: r.result}, nil
+	case *MemoryStore:
+		st, status = s.settle(r.key, h.plans, r.n, actual, h.expires)
+		st.Source = r.result.Source
+	case *RedisStore:
+		if st, status, err = l.settleOnRedis(ctx, s, r, actual); err != nil {
+			return Settlement{}, err
+		}
+	}
+	l.stats.reservations.count(&st, status)
+	if st.Refunded > 0 && l.denials != nil {
+		l.denials.Forget(r.key)
+	}
+	switch status {
+	case holdSettled:
+		return st, ErrAlreadySettled
+	case holdGone:
+		return st, ErrHoldExpired
+	case holdBad:
+		return st, fmt.Errorf("%w: %w", ErrHoldExpired, ErrBadHold)
+	}
+	return st, nil
+}
+
+// settleOnRedis settles r on s behind the breaker; while s fails, the
+// failure policy settles it.
+func (l *Limiter) settleOnRedis(ctx context.Context, s *RedisStore, r *Reservation, actual int64) (st Settlement, status settleStatus, err error) {
+	plans := r.hold.plans
+	b := l.health.forKey(ctx, r.key, plans)
+	cause := errBreakerOpen
+	if ok, probe := b.Allow(); ok {
+		callerErr, storeErr := l.call(ctx, &st.Result, b, probe, l.now(), func() (err error) {
+			st, status, err = s.settle(ctx, r.key, plans, &r.hold, r.n, actual)
+			return err
+		})
+		switch {
+		case callerErr != nil:
+			return Settlement{}, 0, callerErr
+		case storeErr == nil:
+			return st, status, nil
+		}
+		cause = storeErr
+	}
+	switch l.policy {
+	case FailOpen:
+		return Settlement{Result: failOpenResult(plans)}, holdLive, nil
+	case FailClosed:
+		return Settlement{}, 0, fmt.Errorf("%w: %w", ErrStoreUnavailable, cause)
+	}
+	// The fallback store holds no hold of Redis's: it charges the excess
+	// as for a hold gone, and the refund is dropped.
+	st, _ = l.fallback.(*MemoryStore).settle(r.key, plans, r.n, actual, 0)
+	st.Source = SourceFallback
+	return st, holdLive, nil
+}

@@ -1,0 +1,403 @@
+package tollgate
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/alicebob/miniredis/v2"
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/tollgate-go/tollgate/internal/redistest"
+)
+
+// llm is a plan of 1,000 tokens a minute, like an LLM's tokens per
+// minute; slow enough that a test's own run time refills nothing that
+// matters.
+var llm = Plan{Name: "tpm", Capacity: 1000, Rate: Per(1000, time.Minute)}
+
+// clockedLimiter is a Limiter on a store whose clock the test moves.
+type clockedLimiter struct {
+	*Limiter
+	advance func(time.Duration)   // moves the store's clock, and Redis's TTLs
+	mr      *miniredis.Miniredis  // nil for the MemoryStore
+	rs      *RedisStore           // nil for the MemoryStore
+	client  redis.UniversalClient // nil for the MemoryStore
+}
+
+// eachStore runs f on a Limiter over a MemoryStore and over a RedisStore on
+// miniredis, both on a clock the test moves, from t0.
+func eachStore(t *testing.T, plans []Plan, f func(t *testing.T, l clockedLimiter), opts ...Option) {
+	t.Run("memory", func(t *testing.T) {
+		now := t0
+		l, err := New(newClockedMemoryStore(&now), plans, opts...)
+		require.NoError(t, err)
+		f(t, clockedLimiter{Limiter: l, advance: func(d time.Duration) { now += d.Microseconds() }})
+	})
+	t.Run("redis", func(t *testing.T) {
+		rs, mr, setTime := newMiniredisStore(t)
+		now := t0
+		l, err := New(rs, plans, append([]Option{WithLogger(nil)}, opts...)...)
+		require.NoError(t, err)
+		f(t, clockedLimiter{Limiter: l, mr: mr, rs: rs, client: rs.client, advance: func(d time.Duration) {
+			now += d.Microseconds()
+			setTime(now)
+			mr.FastForward(d)
+		}})
+	})
+}
+
+func TestReserveSettle(t *testing.T) {
+	ctx := context.Background()
+	eachStore(t, []Plan{llm}, func(t *testing.T, l clockedLimiter) {
+		r, err := l.Reserve(ctx, "k", 800)
+		require.NoError(t, err)
+		require.True(t, r.OK())
+		assert.Equal(t, int64(200), r.Result().Remaining, "Reserve takes n now, as AllowN does")
+
+		st, err := r.Settle(ctx, 300)
+		require.NoError(t, err)
+		assert.Equal(t, int64(500), st.Refunded)
+		assert.Equal(t, int64(700), st.Remaining, "the unused 500 came back")
+		assert.True(t, st.Allowed)
+
+		again, err := r.Settle(ctx, 0)
+		require.ErrorIs(t, err, ErrAlreadySettled)
+		assert.Zero(t, again.Refunded)
+		peek, err := l.Peek(ctx, "k")
+		require.NoError(t, err)
+		assert.Equal(t, int64(700), peek.Remaining, "a second Settle refunds nothing")
+	})
+}
+
+func TestSettleRefundCapsAtCapacity(t *testing.T) {
+	ctx := context.Background()
+	eachStore(t, []Plan{llm}, func(t *testing.T, l clockedLimiter) {
+		r, err := l.Reserve(ctx, "k", 600)
+		require.NoError(t, err)
+		l.advance(30 * time.Second) // 500 tokens refill
+		st, err := r.Cancel(ctx)
+		require.NoError(t, err)
+		assert.Equal(t, int64(600), st.Refunded)
+		assert.Equal(t, int64(1000), st.Remaining, "full, not 1,500: a refund never mints")
+	})
+}
+
+func TestSettleOverchargeIsDebt(t *testing.T) {
+	ctx := context.Background()
+	eachStore(t, []Plan{llm}, func(t *testing.T, l clockedLimiter) {
+		r, err := l.Reserve(ctx, "k", 400)
+		require.NoError(t, err)
+		st, err := r.Settle(ctx, 1300) // 900 beyond the reservation, 600 there
+		require.NoError(t, err)
+		assert.Equal(t, int64(900), st.Charged)
+		assert.Zero(t, st.Uncharged)
+		assert.Equal(t, int64(0), st.Remaining)
+		assert.False(t, st.Allowed)
+		// 300 tokens of debt, then 1 token: 301 tokens at 1,000 a minute.
+		assert.Equal(t, 18_060*time.Millisecond, st.RetryAfter)
+
+		l.advance(18_059 * time.Millisecond)
+		res, err := l.Allow(ctx, "k")
+		require.NoError(t, err)
+		assert.False(t, res.Allowed, "still in debt")
+		l.advance(time.Millisecond)
+		res, err = l.Allow(ctx, "k")
+		require.NoError(t, err)
+		assert.True(t, res.Allowed, "the same request passes at RetryAfter")
+	}, WithDenialCache(0)) // its clock is the Limiter's, which the test does not move
+}
+
+func TestSettleDebtIsCapped(t *testing.T) {
+	ctx := context.Background()
+	eachStore(t, []Plan{llm}, func(t *testing.T, l clockedLimiter) {
+		r, err := l.Reserve(ctx, "k", 1000)
+		require.NoError(t, err)
+		st, err := r.Settle(ctx, 2500) // 1,500 of debt: one capacity fits
+		require.NoError(t, err)
+		assert.Equal(t, int64(1500), st.Charged)
+		assert.Equal(t, int64(500), st.Uncharged)
+		assert.Equal(t, uint64(500), l.Stats().Reservations.Uncharged)
+		// One capacity of debt, then a token; the debt's stamp is rounded
+		// down to whole µs.
+		assert.InDelta(t, time.Minute+60*time.Millisecond, st.RetryAfter, float64(time.Microsecond))
+	})
+}
+
+// TestDebtOutlivesItsTTL checks that a bucket in debt never reads as full
+// by expiring early: its TTL counts the debt too.
+func TestDebtOutlivesItsTTL(t *testing.T) {
+	ctx := context.Background()
+	eachStore(t, []Plan{llm}, func(t *testing.T, l clockedLimiter) {
+		r, err := l.Reserve(ctx, "k", 1000)
+		require.NoError(t, err)
+		_, err = r.Settle(ctx, 2000) // a minute of debt, then a minute to fill
+		require.NoError(t, err)
+		for _, step := range []time.Duration{59 * time.Second, time.Second, 59 * time.Second} {
+			l.advance(step)
+			p, err := l.Peek(ctx, "k")
+			require.NoError(t, err)
+			assert.Less(t, p.Remaining, int64(1000), "read as full %v early", 2*time.Minute-step)
+		}
+		l.advance(time.Second)
+		p, err := l.Peek(ctx, "k")
+		require.NoError(t, err)
+		assert.Equal(t, int64(1000), p.Remaining)
+	})
+}
+
+func TestSettleAfterTheHoldExpired(t *testing.T) {
+	ctx := context.Background()
+	eachStore(t, []Plan{llm}, func(t *testing.T, l clockedLimiter) {
+		refund, err := l.Reserve(ctx, "a", 600)
+		require.NoError(t, err)
+		over, err := l.Reserve(ctx, "b", 600)
+		require.NoError(t, err)
+		l.advance(time.Minute + time.Millisecond) // past the hold's TTL, set below
+		st, err := refund.Settle(ctx, 100)
+		require.ErrorIs(t, err, ErrHoldExpired)
+		assert.Zero(t, st.Refunded, "an expired hold refunds nothing")
+		st, err = over.Settle(ctx, 700)
+		require.ErrorIs(t, err, ErrHoldExpired)
+		assert.Equal(t, int64(100), st.Charged, "the excess is still charged")
+		_, err = over.Settle(ctx, 700)
+		require.ErrorIs(t, err, ErrAlreadySettled, "and only once")
+		stats := l.Stats().Reservations
+		assert.Equal(t, ReservationStats{Held: 2, Settled: 2, Expired: 2, Charged: 100}, stats)
+	}, WithHoldTTL(time.Minute))
+}
+
+func TestSettleBadInput(t *testing.T) {
+	ctx := context.Background()
+	eachStore(t, []Plan{llm, {Name: "w", Capacity: 5, Window: time.Second}}, func(t *testing.T, l clockedLimiter) {
+		_, err := l.Reserve(ctx, "k", 1001)
+		assert.ErrorIs(t, err, ErrInvalidCost, "more than the capacity never passes")
+		_, err = l.Reserve(ctx, "k", 0)
+		assert.ErrorIs(t, err, ErrInvalidCost)
+		_, err = l.Reserve(ctx, "k", 1, "w")
+		assert.ErrorIs(t, err, ErrInvalidPlan, "windows take no reservations")
+
+		r, err := l.Reserve(ctx, "k", 600)
+		require.NoError(t, err)
+		_, err = r.Settle(ctx, -1)
+		assert.ErrorIs(t, err, ErrInvalidCost)
+		_, err = r.Settle(ctx, maxCapacity+1)
+		assert.ErrorIs(t, err, ErrInvalidCost)
+
+		denied, err := l.Reserve(ctx, "k", 600)
+		require.NoError(t, err)
+		require.False(t, denied.OK())
+		_, err = denied.Settle(ctx, 0)
+		assert.ErrorIs(t, err, ErrNotGranted)
+		_, err = r.Cancel(ctx)
+		assert.NoError(t, err, "the bad calls settled nothing")
+
+		cancelled, cancel := context.WithCancel(ctx)
+		cancel()
+		_, err = l.Reserve(cancelled, "k", 1)
+		assert.ErrorIs(t, err, context.Canceled)
+	})
+}
+
+func TestReserveNeedsAStoreThatHolds(t *testing.T) {
+	l, err := New(foreignStore{NewMemoryStore()}, []Plan{llm})
+	require.NoError(t, err)
+	_, err = l.Reserve(context.Background(), "k", 1)
+	assert.ErrorIs(t, err, errors.ErrUnsupported)
+}
+
+// foreignStore is a Store of another package's kind: the Limiter knows
+// nothing of it but the interface.
+type foreignStore struct{ Store }
+
+func TestSettleConcurrentlyRefundsOnce(t *testing.T) {
+	ctx := context.Background()
+	eachStore(t, []Plan{llm}, func(t *testing.T, l clockedLimiter) {
+		r, err := l.Reserve(ctx, "k", 500)
+		require.NoError(t, err)
+		var wg sync.WaitGroup
+		var ok, again atomic.Int32
+		for range 8 {
+			wg.Go(func() {
+				_, err := r.Cancel(ctx)
+				switch {
+				case err == nil:
+					ok.Add(1)
+				case errors.Is(err, ErrAlreadySettled):
+					again.Add(1)
+				}
+			})
+		}
+		wg.Wait()
+		assert.Equal(t, int32(1), ok.Load())
+		assert.Equal(t, int32(7), again.Load())
+		p, err := l.Peek(ctx, "k")
+		require.NoError(t, err)
+		assert.Equal(t, int64(1000), p.Remaining)
+	})
+}
+
+// TestSettleRetryAfterALostReply settles a hold in Redis twice, as a retry
+// after a reply lost on the way back would: the second changes nothing.
+func TestSettleRetryAfterALostReply(t *testing.T) {
+	ctx := context.Background()
+	rs, _, _ := newMiniredisStore(t)
+	h := hold{ttl: time.Minute}
+	_, err := rs.hold(ctx, "k", 500, []Plan{llm}, &h)
+	require.NoError(t, err)
+	st, status, err := rs.settle(ctx, "k", []Plan{llm}, &h, 500, 0)
+	require.NoError(t, err)
+	assert.Equal(t, holdLive, status)
+	assert.Equal(t, int64(1000), st.Remaining)
+	_, err = rs.Take(ctx, "k", 300, []Plan{llm})
+	require.NoError(t, err)
+	st, status, err = rs.settle(ctx, "k", []Plan{llm}, &h, 500, 0)
+	require.NoError(t, err)
+	assert.Equal(t, holdSettled, status)
+	assert.Zero(t, st.Refunded)
+	assert.Equal(t, int64(700), st.Remaining, "refunded once")
+}
+
+// TestSettleUnreadableHolds settles holds that hold data tollgate did not
+// write: each is settled as gone, conservatively, and replaced.
+func TestSettleUnreadableHolds(t *testing.T) {
+	ctx := context.Background()
+	for name, spoil := range map[string]func(c redis.Cmdable, key string) error{
+		"another n":  func(c redis.Cmdable, key string) error { return c.Set(ctx, key, "499", 0).Err() },
+		"text":       func(c redis.Cmdable, key string) error { return c.Set(ctx, key, "5e2", 0).Err() },
+		"a hash":     func(c redis.Cmdable, key string) error { c.Del(ctx, key); return c.HSet(ctx, key, "n", 500).Err() },
+		"a negative": func(c redis.Cmdable, key string) error { return c.Set(ctx, key, "-500", 0).Err() },
+	} {
+		t.Run(name, func(t *testing.T) {
+			rs, _, _ := newMiniredisStore(t)
+			l, err := New(rs, []Plan{llm}, WithLogger(nil))
+			require.NoError(t, err)
+			r, err := l.Reserve(ctx, "k", 500)
+			require.NoError(t, err)
+			hk := rs.Key("k", "~"+r.hold.id)
+			require.NoError(t, spoil(rs.client, hk))
+			st, err := r.Settle(ctx, 600)
+			require.ErrorIs(t, err, ErrBadHold)
+			require.ErrorIs(t, err, ErrHoldExpired)
+			assert.Zero(t, st.Refunded)
+			assert.Equal(t, int64(100), st.Charged)
+			assert.Equal(t, int64(400), st.Remaining)
+			v, err := rs.client.Get(ctx, hk).Result()
+			require.NoError(t, err)
+			assert.Equal(t, "s", v, "replaced by a tombstone")
+		})
+	}
+}
+
+func TestReserveChainsAllOrNothing(t *testing.T) {
+	ctx := context.Background()
+	small := Plan{Name: "small", Capacity: 10, Rate: 1}
+	eachStore(t, []Plan{llm, small}, func(t *testing.T, l clockedLimiter) {
+		r, err := l.Reserve(ctx, "k", 8, "tpm", "small")
+		require.NoError(t, err)
+		require.True(t, r.OK())
+		denied, err := l.Reserve(ctx, "k", 5, "tpm", "small")
+		require.NoError(t, err)
+		assert.False(t, denied.OK())
+		st, err := r.Settle(ctx, 3)
+		require.NoError(t, err)
+		require.Len(t, st.PlanResults(), 2)
+		assert.Equal(t, int64(997), st.PlanResults()[0].Remaining)
+		assert.Equal(t, int64(7), st.PlanResults()[1].Remaining)
+	})
+}
+
+// TestConcurrentReservationsOfTheMaximum is LiteLLM's #18730: concurrent
+// requests each reserve the most they may cost against one cap; exactly
+// floor(cap / max) are granted, whatever they turn out to use.
+func TestConcurrentReservationsOfTheMaximum(t *testing.T) {
+	ctx := context.Background()
+	check := func(t *testing.T, s Store) {
+		l, err := New(s, []Plan{{Name: "tpm", Capacity: 1000, Rate: Per(1, time.Hour)}}, WithLogger(nil))
+		require.NoError(t, err)
+		var granted atomic.Int64
+		var wg sync.WaitGroup
+		for range 40 {
+			wg.Go(func() {
+				r, err := l.Reserve(ctx, "k", 300)
+				if !assert.NoError(t, err) || !r.OK() {
+					return
+				}
+				granted.Add(1)
+				_, err = r.Settle(ctx, 300)
+				assert.NoError(t, err)
+			})
+		}
+		wg.Wait()
+		assert.Equal(t, int64(3), granted.Load())
+	}
+	t.Run("memory", func(t *testing.T) { check(t, NewMemoryStore()) })
+	t.Run("redis", func(t *testing.T) {
+		redistest.SkipIfUnavailable(t)
+		c := redistest.NewClient(t, &redis.Options{Addr: redistest.Addr(t)})
+		check(t, NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix())))
+	})
+}
+
+func TestPeekN(t *testing.T) {
+	ctx := context.Background()
+	win := Plan{Name: "w", Capacity: 10, Window: time.Second, Slots: 10}
+	eachStore(t, []Plan{llm, win}, func(t *testing.T, l clockedLimiter) {
+		_, err := l.AllowN(ctx, "k", 900)
+		require.NoError(t, err)
+		p, err := l.PeekN(ctx, "k", 300)
+		require.NoError(t, err)
+		assert.False(t, p.Allowed)
+		assert.Equal(t, int64(100), p.Remaining)
+		assert.Equal(t, 12*time.Second, p.RetryAfter, "200 tokens at 1,000 a minute")
+		p, err = l.PeekN(ctx, "k", 100)
+		require.NoError(t, err)
+		assert.True(t, p.Allowed)
+		again, err := l.PeekN(ctx, "k", 100)
+		require.NoError(t, err)
+		assert.Equal(t, p, again, "a peek takes nothing")
+
+		_, err = l.AllowN(ctx, "k", 8, "w")
+		require.NoError(t, err)
+		l.advance(500 * time.Millisecond)
+		_, err = l.AllowN(ctx, "k", 1, "w")
+		require.NoError(t, err)
+		p, err = l.PeekN(ctx, "k", 4, "w")
+		require.NoError(t, err)
+		assert.False(t, p.Allowed)
+		assert.Equal(t, int64(1), p.Remaining)
+		assert.Equal(t, 600*time.Millisecond, p.RetryAfter, "once the 8 have left: sub-window 0 leaves at 1.1s")
+
+		_, err = l.PeekN(ctx, "k", 1001)
+		assert.ErrorIs(t, err, ErrInvalidCost)
+		_, err = l.PeekN(ctx, "k", 0)
+		assert.ErrorIs(t, err, ErrInvalidCost)
+	})
+}
+
+func TestRefundForgetsRememberedDenials(t *testing.T) {
+	ctx := context.Background()
+	rs, _, _ := newMiniredisStore(t)
+	l, err := New(rs, []Plan{llm}, WithLogger(nil))
+	require.NoError(t, err)
+	r, err := l.Reserve(ctx, "k", 1000)
+	require.NoError(t, err)
+	for range 2 {
+		d, err := l.AllowN(ctx, "k", 10)
+		require.NoError(t, err)
+		require.False(t, d.Allowed)
+	}
+	d, err := l.AllowN(ctx, "k", 10)
+	require.NoError(t, err)
+	require.Equal(t, SourceCache, d.Source, "the denial is remembered")
+	_, err = r.Settle(ctx, 500)
+	require.NoError(t, err)
+	a, err := l.AllowN(ctx, "k", 10)
+	require.NoError(t, err)
+	assert.True(t, a.Allowed, "the refund is seen at once")
+}

@@ -1,0 +1,140 @@
+package tollgate
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"strconv"
+
+	"github.com/tollgate-go/tollgate/internal/redisscript"
+)
+
+// settlement describes a settlement of n tokens reserved and actual used
+// on plans, whose buckets are as stored after it, and which found the hold
+// as status says. lost is the largest charge, in micro-tokens, that a
+// bucket could not take.
+func settlement(plans []Plan, buckets []TokenBucket, now, n, actual, lost int64, status settleStatus) Settlement {
+	st := Settlement{Result: newResult(plans, buckets, nil, now, 0, true)}
+	switch {
+	case status == holdLive && actual < n:
+		st.Refunded = n - actual
+	case status != holdSettled && actual > n:
+		st.Charged = actual - n
+		st.Uncharged = lost / microTokens
+	}
+	return st
+}
+
+// settleDelta returns the micro-tokens a settlement adds to each bucket:
+// a refund of what was not used if the hold is live, and otherwise a
+// charge of what was used beyond it, if anything. scripts/settle.lua
+// computes the same.
+func settleDelta(n, actual int64, status settleStatus) int64 {
+	if status == holdLive || status != holdSettled && actual > n {
+		return (n - actual) * microTokens
+	}
+	return 0
+}
+
+// holdInto is takeInto for Reserve. The hold is the Reservation itself,
+// in this process: the store only dates its expiry.
+func (m *MemoryStore) holdInto(r *Result, key string, cost int64, plans []Plan, h *hold) {
+	m.takeInto(r, key, cost, plans)
+	h.granted(m, m.now()+h.ttl.Microseconds())
+}
+
+// settle settles a reservation of n tokens on plans for key, of which
+// actual were used, with a hold that expires at expires (µs on the
+// store's clock; 0 for one held elsewhere, which reads as gone). The hold
+// itself is the Reservation, in this process, which settles only once.
+func (m *MemoryStore) settle(key string, plans []Plan, n, actual, expires int64) (Settlement, settleStatus) {
+	var buf [4]TokenBucket
+	buckets := buf[:0]
+	s, e, now := m.lock(key)
+	status := holdLive
+	if now > expires {
+		status = holdGone
+	}
+	delta := settleDelta(n, actual, status)
+	if delta != 0 && e == nil {
+		e = s.entry(key, len(plans), m.perCap, now)
+	}
+	var lost int64
+	for i := range plans {
+		p := &plans[i]
+		b := e.bucket(p, now)
+		if delta != 0 {
+			var u int64
+			b, u = b.adjust(*p, now, delta)
+			e.store(p, b)
+			lost = max(lost, u)
+		}
+		buckets = append(buckets, b)
+	}
+	s.mu.Unlock()
+	return settlement(plans, buckets, now, n, actual, lost, status), status
+}
+
+// hold is take for Reserve: the script also sets the hold, named by a new
+// random id, in the key's hash slot, if it takes the tokens.
+func (s *RedisStore) hold(ctx context.Context, key string, cost int64, plans []Plan, h *hold) (Result, error) {
+	if s.err != nil {
+		return Result{}, s.err
+	}
+	h.id = strconv.FormatUint(rand.Uint64(), 36)
+	keys := s.keys(key, plans, "~"+h.id)
+	r, err := s.run(ctx, keys, append(s.args(cost, plans), h.ttl.Milliseconds()), cost, plans)
+	if err == nil {
+		h.granted(s, 0)
+	}
+	return r, err
+}
+
+// keys returns the Redis keys of plans for key, and then of extra, which
+// is not a plan's name.
+func (s *RedisStore) keys(key string, plans []Plan, extra ...string) []string {
+	keys := make([]string, len(plans), len(plans)+len(extra))
+	for i, p := range plans {
+		keys[i] = s.Key(key, p.Name)
+	}
+	for _, x := range extra {
+		keys = append(keys, s.Key(key, x))
+	}
+	return keys
+}
+
+// settle runs scripts/settle.lua for the hold h of n tokens on plans for
+// key, of which actual were used.
+func (s *RedisStore) settle(ctx context.Context, key string, plans []Plan, h *hold, n, actual int64) (Settlement, settleStatus, error) {
+	args := make([]any, 3, 3+2*len(plans))
+	args[0], args[1], args[2] = n, actual, h.ttl.Milliseconds()
+	for i := range plans {
+		args = append(args, plans[i].Capacity, formatRate(plans[i].Rate))
+	}
+	reply, err := s.settleScript.Run(ctx, s.client, s.keys(key, plans, "~"+h.id), args...)
+	if err != nil {
+		return Settlement{}, 0, err
+	}
+	buckets := make([]TokenBucket, len(plans))
+	now, lost, status, err := parseSettleReply(buckets, reply)
+	if err != nil {
+		return Settlement{}, 0, err
+	}
+	return settlement(plans, buckets, now, n, actual, lost, status), status, nil
+}
+
+// parseSettleReply checks the shape of scripts/settle.lua's reply and puts
+// bucket i, as stored, in buckets[i].
+func parseSettleReply(buckets []TokenBucket, reply any) (now, lost int64, status settleStatus, err error) {
+	vals, err := redisscript.Ints(nil, reply, 3+2*len(buckets))
+	if err != nil {
+		return 0, 0, 0, err
+	}
+	if vals[0] > int64(holdBad) {
+		return 0, 0, 0, fmt.Errorf("%w: settle status is %d", ErrBadReply, vals[0])
+	}
+	for i := range buckets {
+		buckets[i] = TokenBucket{Tokens: vals[2+2*i], Stamp: vals[3+2*i]}
+	}
+	return vals[1], vals[len(vals)-1], settleStatus(vals[0]), nil
+}
