@@ -2,7 +2,12 @@ package tollgate
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -400,4 +405,180 @@ func TestRefundForgetsRememberedDenials(t *testing.T) {
 	a, err := l.AllowN(ctx, "k", 10)
 	require.NoError(t, err)
 	assert.True(t, a.Allowed, "the refund is seen at once")
+}
+
+// TestSettleDuringAnOutage settles reservations while Redis answers only
+// errors: the fallback charges the excess and drops the refund, FailOpen
+// settles nothing, and FailClosed fails and may be retried.
+func TestSettleDuringAnOutage(t *testing.T) {
+	ctx := context.Background()
+	outage := func(t *testing.T, opts ...Option) (*Limiter, *miniredis.Miniredis) {
+		rs, mr, _ := newMiniredisStore(t)
+		l, err := New(rs, []Plan{llm}, append([]Option{WithLogger(nil), WithDenialCache(0)}, opts...)...)
+		require.NoError(t, err)
+		return l, mr
+	}
+	t.Run("fallback", func(t *testing.T) {
+		l, mr := outage(t)
+		onRedis, err := l.Reserve(ctx, "k", 600)
+		require.NoError(t, err)
+		over, err := l.Reserve(ctx, "o", 600)
+		require.NoError(t, err)
+		mr.SetError("LOADING Redis is loading the dataset in memory")
+
+		st, err := onRedis.Settle(ctx, 100)
+		require.NoError(t, err)
+		assert.Equal(t, SourceFallback, st.Source)
+		assert.Zero(t, st.Refunded, "the refund is dropped")
+		st, err = over.Settle(ctx, 900)
+		require.NoError(t, err)
+		assert.Equal(t, int64(300), st.Charged, "the excess is charged to the fallback")
+		assert.Equal(t, int64(700), st.Remaining, "the fallback's bucket, which knew nothing of the 600")
+
+		inOutage, err := l.Reserve(ctx, "f", 600)
+		require.NoError(t, err)
+		require.Equal(t, SourceFallback, inOutage.Result().Source)
+		mr.SetError("")
+		st, err = inOutage.Settle(ctx, 100)
+		require.NoError(t, err, "settled where it was held")
+		assert.Equal(t, int64(500), st.Refunded)
+		assert.Equal(t, int64(900), st.Remaining)
+	})
+	t.Run("fail-open", func(t *testing.T) {
+		l, mr := outage(t, WithFailurePolicy(FailOpen))
+		r, err := l.Reserve(ctx, "k", 600)
+		require.NoError(t, err)
+		mr.SetError("LOADING Redis is loading the dataset in memory")
+		st, err := r.Settle(ctx, 100)
+		require.NoError(t, err)
+		assert.Equal(t, SourceFailOpen, st.Source)
+		open, err := l.Reserve(ctx, "k", 600)
+		require.NoError(t, err)
+		require.Equal(t, SourceFailOpen, open.Result().Source)
+		st, err = open.Settle(ctx, 900)
+		require.NoError(t, err, "a reservation FailOpen granted held nothing")
+		assert.Equal(t, SourceFailOpen, st.Source)
+	})
+	t.Run("fail-closed", func(t *testing.T) {
+		l, mr := outage(t, WithFailurePolicy(FailClosed))
+		r, err := l.Reserve(ctx, "k", 600)
+		require.NoError(t, err)
+		mr.SetError("LOADING Redis is loading the dataset in memory")
+		_, err = r.Settle(ctx, 100)
+		require.ErrorIs(t, err, ErrStoreUnavailable)
+		mr.SetError("")
+		st, err := r.Settle(ctx, 100)
+		require.NoError(t, err, "a Settle that failed may be called again")
+		assert.Equal(t, int64(500), st.Refunded)
+		assert.Equal(t, int64(900), st.Remaining)
+	})
+}
+
+const holdChildEnv = "TOLLGATE_HOLD_CHILD"
+
+// holdPlan is the plan of the charge-bound proof: 100 tokens, 200 a second.
+var holdPlan = Plan{Name: "tpm", Capacity: 100, Rate: 200}
+
+// holdTotals is what one child process reports: the tokens settled (less
+// any not charged), and those reserved and left unsettled.
+type holdTotals struct {
+	Settled, Unsettled, Granted, Denied int64
+}
+
+// TestHoldChildProcess is not a test of its own: the parent test runs the
+// test binary again with this test selected and a job in its environment.
+// Its workers reserve 1 to 20 tokens, then settle with 0 to twice that, or
+// leave one reservation in ten unsettled, and it prints its totals as JSON.
+func TestHoldChildProcess(t *testing.T) {
+	spec := os.Getenv(holdChildEnv)
+	if spec == "" {
+		t.Skip("runs only as a child of TestChargeBoundAcrossProcessesOnRealRedis")
+	}
+	var job windowJob
+	require.NoError(t, json.Unmarshal([]byte(spec), &job))
+	c := redis.NewClient(&redis.Options{Addr: job.Addr})
+	defer c.Close()
+	l, err := New(NewRedisStore(c, WithKeyPrefix(job.Prefix)), []Plan{holdPlan}, WithFailurePolicy(FailClosed), WithLogger(nil))
+	require.NoError(t, err)
+	ctx := context.Background()
+	var mu sync.Mutex
+	var total holdTotals
+	var wg sync.WaitGroup
+	deadline := time.Now().Add(job.Run)
+	for w := range job.Workers {
+		wg.Go(func() {
+			rng := rand.New(rand.NewPCG(uint64(w), uint64(os.Getpid())))
+			for time.Now().Before(deadline) {
+				n := 1 + rng.Int64N(20)
+				r, err := l.Reserve(ctx, "shared", n)
+				require.NoError(t, err)
+				var settled, unsettled int64
+				switch {
+				case !r.OK():
+				case rng.IntN(10) == 0:
+					unsettled = n
+				default:
+					actual := rng.Int64N(2*n + 1)
+					st, err := r.Settle(ctx, actual)
+					require.NoError(t, err)
+					settled = actual - st.Uncharged
+				}
+				mu.Lock()
+				total.Settled += settled
+				total.Unsettled += unsettled
+				if r.OK() {
+					total.Granted++
+				} else {
+					total.Denied++
+				}
+				mu.Unlock()
+			}
+		})
+	}
+	wg.Wait()
+	out, err := json.Marshal(total)
+	require.NoError(t, err)
+	fmt.Printf("%s\n", out)
+}
+
+// TestChargeBoundAcrossProcessesOnRealRedis runs 4 processes of 8
+// reserving and settling goroutines on one key: what they settled, plus
+// what they reserved and never settled, is at most capacity + rate ×
+// elapsed + the debt left at the end, and that debt is at most one
+// capacity.
+func TestChargeBoundAcrossProcessesOnRealRedis(t *testing.T) {
+	if os.Getenv(holdChildEnv) != "" {
+		t.Skip("a child runs only TestHoldChildProcess")
+	}
+	addr := redistest.Addr(t)
+	c := redistest.NewClient(t, &redis.Options{Addr: addr})
+	prefix := redistest.KeyPrefix()
+	start := redistest.Time(t, c)
+	var total holdTotals
+	for _, line := range runChildren(t, 4, "TestHoldChildProcess", holdChildEnv,
+		windowJob{Addr: addr, Prefix: prefix, Workers: 8, Run: time.Second}) {
+		var part holdTotals
+		require.NoError(t, json.Unmarshal([]byte(line), &part))
+		total.Settled += part.Settled
+		total.Unsettled += part.Unsettled
+		total.Granted += part.Granted
+		total.Denied += part.Denied
+	}
+	end := redistest.Time(t, c)
+	h, err := c.HMGet(context.Background(), NewRedisStore(c, WithKeyPrefix(prefix)).Key("shared", holdPlan.Name), "t", "ts").Result()
+	require.NoError(t, err)
+	var debt float64
+	if h[1] != nil {
+		ts, err := strconv.ParseInt(h[1].(string), 10, 64)
+		require.NoError(t, err)
+		debt = max(0, float64(ts-end)*holdPlan.Rate/microTokens)
+	}
+	elapsed := float64(end-start) / 1e6
+	bound := float64(holdPlan.Capacity) + holdPlan.Rate*elapsed + debt
+	t.Logf("%d granted, %d denied; %d settled + %d unsettled = %d tokens, bound %.1f (capacity %d + %.0f/s × %.3fs + debt %.1f)",
+		total.Granted, total.Denied, total.Settled, total.Unsettled, total.Settled+total.Unsettled,
+		bound, holdPlan.Capacity, holdPlan.Rate, elapsed, debt)
+	assert.LessOrEqual(t, float64(total.Settled+total.Unsettled), bound+1, "charged more than the bucket allows")
+	assert.LessOrEqual(t, debt, float64(holdPlan.Capacity), "debt beyond one capacity")
+	assert.Positive(t, total.Denied, "the load must push past the limit")
 }

@@ -52,7 +52,7 @@ func (m *MemoryStore) settle(key string, plans []Plan, n, actual, expires int64)
 	buckets := buf[:0]
 	s, e, now := m.lock(key)
 	status := holdLive
-	if now > expires {
+	if now >= expires { // as a key with that expiry would have gone
 		status = holdGone
 	}
 	delta := settleDelta(n, actual, status)

@@ -383,26 +383,11 @@ func TestWindowExactAcrossProcessesOnRealRedis(t *testing.T) {
 		t.Skip("a child runs only TestWindowChildProcess")
 	}
 	addr := redistest.Addr(t)
-	spec, err := json.Marshal(windowJob{Addr: addr, Prefix: redistest.KeyPrefix(), Workers: 16, Run: time.Second})
-	require.NoError(t, err)
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute) // a hung child is killed
-	defer cancel()
-	var cmds []*exec.Cmd
-	var outs []*bytes.Buffer
-	for range 4 {
-		cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^TestWindowChildProcess$", "-test.count=1")
-		cmd.Env = append(os.Environ(), windowChildEnv+"="+string(spec))
-		out := &bytes.Buffer{}
-		cmd.Stdout, cmd.Stderr = out, out
-		require.NoError(t, cmd.Start())
-		cmds, outs = append(cmds, cmd), append(outs, out)
-	}
 	var events []windowEvent
-	for i, cmd := range cmds {
-		require.NoError(t, cmd.Wait(), "child %d:\n%s", i, outs[i])
-		line, _, _ := strings.Cut(outs[i].String(), "\n")
+	for _, line := range runChildren(t, 4, "TestWindowChildProcess", windowChildEnv,
+		windowJob{Addr: addr, Prefix: redistest.KeyPrefix(), Workers: 16, Run: time.Second}) {
 		var evs []windowEvent
-		require.NoError(t, json.Unmarshal([]byte(line), &evs), "child %d:\n%s", i, outs[i])
+		require.NoError(t, json.Unmarshal([]byte(line), &evs))
 		events = append(events, evs...)
 	}
 	slices.SortStableFunc(events, func(a, b windowEvent) int { return cmp.Compare(a.At, b.At) })
@@ -470,6 +455,33 @@ func TestWindowExactAcrossProcessesOnRealRedis(t *testing.T) {
 	assert.Zero(t, overdrawn, "admissions the bucket had no tokens for")
 	assert.Greater(t, len(admitted), int(win.Capacity), "the load must get past the first window")
 	assert.Positive(t, refusals, "the load must push past the limit")
+}
+
+// runChildren runs n processes of this test binary, each running only
+// test with job, as JSON, in its environment variable env, and returns
+// the first line each printed.
+func runChildren(t *testing.T, n int, test, env string, job any) []string {
+	t.Helper()
+	spec, err := json.Marshal(job)
+	require.NoError(t, err)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute) // a hung child is killed
+	defer cancel()
+	var cmds []*exec.Cmd
+	var outs []*bytes.Buffer
+	for range n {
+		cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^"+test+"$", "-test.count=1")
+		cmd.Env = append(os.Environ(), env+"="+string(spec))
+		out := &bytes.Buffer{}
+		cmd.Stdout, cmd.Stderr = out, out
+		require.NoError(t, cmd.Start())
+		cmds, outs = append(cmds, cmd), append(outs, out)
+	}
+	lines := make([]string, n)
+	for i, cmd := range cmds {
+		require.NoError(t, cmd.Wait(), "child %d:\n%s", i, outs[i])
+		lines[i], _, _ = strings.Cut(outs[i].String(), "\n")
+	}
+	return lines
 }
 
 func btoi(b bool) int {
