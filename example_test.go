@@ -94,3 +94,37 @@ func ExampleLimiter_Wait() {
 	fmt.Println("waited at least 100ms:", time.Since(start) >= 99*time.Millisecond)
 	// Output: waited at least 100ms: true
 }
+
+// An LLM call whose cost, in tokens, is known only from the answer:
+// reserve the most it may use (max_tokens), then settle what it used.
+func ExampleLimiter_Reserve() {
+	lim, err := tollgate.New(tollgate.NewMemoryStore(), []tollgate.Plan{
+		{Name: "tpm", Capacity: 10_000, Rate: tollgate.Per(10_000, time.Minute)},
+	})
+	if err != nil {
+		panic(err)
+	}
+	ctx := context.Background()
+	const maxTokens = 4_000
+	for _, used := range []int64{1_200, 3_900, 2_500, 700} {
+		r, err := lim.Reserve(ctx, "team-7", maxTokens, "tpm")
+		if err != nil {
+			panic(err)
+		}
+		if !r.OK() {
+			fmt.Println("denied; retry after", r.Result().RetryAfter.Round(time.Second))
+			continue
+		}
+		// ... call the model with max_tokens = 4,000; it used `used` ...
+		st, err := r.Settle(ctx, used)
+		if err != nil {
+			panic(err)
+		}
+		fmt.Println("used", used, "refunded", st.Refunded, "left", st.Remaining)
+	}
+	// Output:
+	// used 1200 refunded 2800 left 8800
+	// used 3900 refunded 100 left 4900
+	// used 2500 refunded 1500 left 2400
+	// denied; retry after 10s
+}

@@ -64,6 +64,9 @@ func Middleware(l tollgate.RateLimiter, key KeyFunc, opts ...Option) func(http.H
 			}
 		}
 	}
+	if _, ok := l.(Reserver); m.final != nil && !ok {
+		panic("httplimit: Middleware: WithSettle needs a RateLimiter that is a Reserver")
+	}
 	if m.headers < HeadersBoth || m.headers > HeadersNone {
 		panic(fmt.Sprintf("httplimit: Middleware: unknown HeaderMode %d", m.headers))
 	}
@@ -161,6 +164,7 @@ type middleware struct {
 	denied   func(http.ResponseWriter, *http.Request, tollgate.Result)
 	keyError func(http.ResponseWriter, *http.Request, error)
 	onError  func(http.ResponseWriter, *http.Request, error)
+	final    func(*http.Request, Response) int64 // WithSettle's; nil: AllowN
 }
 
 func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Handler) {
@@ -177,7 +181,15 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	if m.cost != nil {
 		cost = m.cost(r)
 	}
-	res, err := m.lim.AllowN(r.Context(), key, cost, m.plans...)
+	var res tollgate.Result
+	var held *tollgate.Reservation
+	if m.final != nil {
+		if held, err = m.lim.(Reserver).Reserve(r.Context(), key, cost, m.plans...); err == nil {
+			res = held.Result()
+		}
+	} else {
+		res, err = m.lim.AllowN(r.Context(), key, cost, m.plans...)
+	}
 	switch {
 	case errors.Is(err, tollgate.ErrInvalidKey):
 		m.keyError(w, r, err)
@@ -189,6 +201,10 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	setFields(w.Header(), &res, m.headers, m.planner)
 	if !res.Allowed {
 		m.denied(w, r, res)
+		return
+	}
+	if held != nil {
+		m.serveHeld(w, r, held, next)
 		return
 	}
 	next.ServeHTTP(w, r)

@@ -1,0 +1,78 @@
+package httplimit
+
+import (
+	"context"
+	"net/http"
+
+	"github.com/tollgate-go/tollgate"
+)
+
+// Reserver is a RateLimiter that reserves a cost and settles it later, as
+// *tollgate.Limiter does: WithSettle needs one.
+type Reserver interface {
+	Reserve(ctx context.Context, key string, n int64, plans ...string) (*tollgate.Reservation, error)
+}
+
+// Response is what a handler answered, as WithSettle's cost function sees
+// it.
+type Response struct {
+	// Status is the status code sent, for example 200.
+	Status int
+	// Bytes is the number of body bytes written, for example 5120.
+	Bytes int64
+}
+
+// WithSettle charges each request what it turned out to cost, once the
+// handler has returned. The request first reserves its cost (1, or what
+// WithCost says: make that the most a request may cost) with Reserve, and
+// a request that gets the reservation is settled with final's answer, for
+// example the kilobytes it sent: the unused rest is refunded, and a cost
+// beyond it charged as debt (see tollgate.Reservation.Settle). The
+// settlement ignores the request's cancellation, since the response is
+// sent; if it fails, the reservation stays charged in full, which errs on
+// the safe side. A handler that panics is not settled.
+//
+// Middleware panics if its RateLimiter is not a Reserver.
+func WithSettle(final func(r *http.Request, resp Response) int64) Option {
+	return func(m *middleware) { m.final = final }
+}
+
+// serveHeld calls next for a request that got reservation res, and
+// settles it with what m.final makes of the response.
+func (m *middleware) serveHeld(w http.ResponseWriter, r *http.Request, res *tollgate.Reservation, next http.Handler) {
+	cw := &countingWriter{ResponseWriter: w}
+	next.ServeHTTP(cw, r)
+	if cw.status == 0 {
+		cw.status = http.StatusOK
+	}
+	_, _ = res.Settle(context.WithoutCancel(r.Context()), max(0, m.final(r, Response{Status: cw.status, Bytes: cw.bytes})))
+}
+
+// countingWriter notes the status and counts the body bytes of a
+// response. Unwrap lets http.ResponseController reach the writer's other
+// methods, such as Flush.
+type countingWriter struct {
+	http.ResponseWriter
+	status int
+	bytes  int64
+}
+
+func (w *countingWriter) WriteHeader(code int) {
+	if w.status == 0 {
+		w.status = code
+	}
+	w.ResponseWriter.WriteHeader(code)
+}
+
+func (w *countingWriter) Write(b []byte) (int, error) {
+	if w.status == 0 {
+		w.status = http.StatusOK
+	}
+	n, err := w.ResponseWriter.Write(b)
+	w.bytes += int64(n)
+	return n, err
+}
+
+func (w *countingWriter) Unwrap() http.ResponseWriter {
+	return w.ResponseWriter
+}

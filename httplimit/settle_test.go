@@ -1,0 +1,84 @@
+package httplimit
+
+import (
+	"context"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/tollgate-go/tollgate"
+)
+
+// TestWithSettleChargesTheResponse reserves 10 kB a request and settles
+// with the kilobytes actually sent, rounded up.
+func TestWithSettleChargesTheResponse(t *testing.T) {
+	l, err := tollgate.New(tollgate.NewMemoryStore(), []tollgate.Plan{{Name: "kb", Capacity: 30, Rate: 0.001}})
+	require.NoError(t, err)
+	body := map[string]int{"/small": 1500, "/large": 25_000, "/none": 0}
+	h := Middleware(l, ByHeader("X-Key"), WithCost(func(*http.Request) int64 { return 10 }),
+		WithSettle(func(_ *http.Request, resp Response) int64 { return (resp.Bytes + 1023) / 1024 }),
+	)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = w.Write([]byte(strings.Repeat("x", body[r.URL.Path])))
+	}))
+	send := func(path string) *httptest.ResponseRecorder {
+		req := httptest.NewRequest(http.MethodGet, path, nil)
+		req.Header.Set("X-Key", "k")
+		rec := httptest.NewRecorder()
+		h.ServeHTTP(rec, req)
+		return rec
+	}
+	remaining := func() int64 {
+		p, err := l.Peek(context.Background(), "header:X-Key:k")
+		require.NoError(t, err)
+		return p.Remaining
+	}
+	require.Equal(t, http.StatusOK, send("/small").Code)
+	assert.Equal(t, int64(28), remaining(), "2 kB charged of the 10 reserved")
+	require.Equal(t, http.StatusOK, send("/none").Code)
+	assert.Equal(t, int64(28), remaining(), "nothing sent, nothing charged")
+	require.Equal(t, http.StatusOK, send("/large").Code)
+	assert.Equal(t, int64(3), remaining(), "25 kB: 15 beyond the reservation")
+	rec := send("/small")
+	assert.Equal(t, http.StatusTooManyRequests, rec.Code, "10 kB no longer fit")
+	assert.Equal(t, uint64(3), l.Stats().Reservations.Settled)
+}
+
+// TestWithSettleSeesTheStatus settles failed responses at nothing.
+func TestWithSettleSeesTheStatus(t *testing.T) {
+	l, err := tollgate.New(tollgate.NewMemoryStore(), []tollgate.Plan{{Name: "p", Capacity: 6, Rate: 0.001}})
+	require.NoError(t, err)
+	var statuses []int
+	h := Middleware(l, ByHeader("X-Key"), WithCost(func(*http.Request) int64 { return 5 }),
+		WithSettle(func(_ *http.Request, resp Response) int64 {
+			statuses = append(statuses, resp.Status)
+			if resp.Status >= 500 {
+				return 0
+			}
+			return 1
+		}),
+	)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/fail" {
+			w.WriteHeader(http.StatusBadGateway)
+		}
+	}))
+	for _, path := range []string{"/fail", "/ok", "/fail"} {
+		req := httptest.NewRequest(http.MethodGet, path, nil)
+		req.Header.Set("X-Key", "k")
+		h.ServeHTTP(httptest.NewRecorder(), req)
+	}
+	assert.Equal(t, []int{http.StatusBadGateway, http.StatusOK, http.StatusBadGateway}, statuses)
+	p, err := l.Peek(context.Background(), "header:X-Key:k")
+	require.NoError(t, err)
+	assert.Equal(t, int64(5), p.Remaining, "only the good response was charged")
+}
+
+func TestWithSettleNeedsAReserver(t *testing.T) {
+	var notReserver tollgate.RateLimiter = struct{ tollgate.RateLimiter }{newLimiter(t)}
+	assert.Panics(t, func() {
+		Middleware(notReserver, ByIP(), WithSettle(func(*http.Request, Response) int64 { return 1 }))
+	})
+}
