@@ -582,3 +582,91 @@ func TestChargeBoundAcrossProcessesOnRealRedis(t *testing.T) {
 	assert.LessOrEqual(t, debt, float64(holdPlan.Capacity), "debt beyond one capacity")
 	assert.Positive(t, total.Denied, "the load must push past the limit")
 }
+
+// BenchmarkReservation compares a reservation and its settlement with two
+// plain decisions: in Redis's time (server-µs and cpu-µs per pair, as
+// BenchmarkServerTime measures them) and, on the MemoryStore, in
+// allocations per pair, of which the Reservation itself is one.
+func BenchmarkReservation(b *testing.B) {
+	ctx := context.Background()
+	plans := []Plan{{Name: "b", Capacity: 1 << 30, Rate: 1}}
+	b.Run("memory/reserve-settle", func(b *testing.B) {
+		l, err := New(NewMemoryStore(), plans)
+		require.NoError(b, err)
+		b.ReportAllocs()
+		for b.Loop() {
+			r, err := l.Reserve(ctx, "k", 10)
+			if err != nil {
+				b.Fatal(err)
+			}
+			if _, err := r.Settle(ctx, 3); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+	b.Run("memory/allow-twice", func(b *testing.B) {
+		l, err := New(NewMemoryStore(), plans)
+		require.NoError(b, err)
+		b.ReportAllocs()
+		for b.Loop() {
+			for range 2 {
+				if _, err := l.AllowN(ctx, "k", 3); err != nil {
+					b.Fatal(err)
+				}
+			}
+		}
+	})
+	redistest.SkipIfUnavailable(b)
+	srv := redistest.StartServer(b)
+	c := redis.NewClient(&redis.Options{Addr: srv.Addr(), PoolSize: 16})
+	b.Cleanup(func() { _ = c.Close() })
+	for _, tc := range []struct {
+		name string
+		pair func(s *RedisStore, key string) error
+	}{
+		{"allow-twice", func(s *RedisStore, key string) error {
+			for range 2 {
+				if _, err := s.Take(ctx, key, 3, plans); err != nil {
+					return err
+				}
+			}
+			return nil
+		}},
+		{"reserve-settle", func(s *RedisStore, key string) error {
+			h := hold{ttl: time.Minute}
+			if _, err := s.hold(ctx, key, 10, plans, &h); err != nil {
+				return err
+			}
+			_, _, err := s.settle(ctx, key, plans, &h, 10, 3)
+			return err
+		}},
+	} {
+		b.Run("redis/"+tc.name, func(b *testing.B) {
+			s := NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix()))
+			names := benchKeys(10_000)
+			for _, k := range names[:100] {
+				require.NoError(b, tc.pair(s, k)) // the scripts are loaded
+			}
+			calls, usec := evalshaStats(b, c)
+			cpu := serverCPU(b, c)
+			var next atomic.Int64
+			b.SetParallelism(8)
+			b.ResetTimer()
+			b.RunParallel(func(pb *testing.PB) {
+				i := int(next.Add(1)) * 7919
+				for pb.Next() {
+					i++
+					if err := tc.pair(s, names[i%len(names)]); err != nil {
+						b.Error(err)
+						return
+					}
+				}
+			})
+			b.StopTimer()
+			calls2, usec2 := evalshaStats(b, c)
+			pairs := float64(calls2-calls) / 2
+			b.ReportMetric(float64(usec2-usec)/pairs, "server-µs/op")
+			b.ReportMetric((serverCPU(b, c)-cpu)*1e6/pairs, "cpu-µs/op")
+		})
+	}
+}

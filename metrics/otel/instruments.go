@@ -24,11 +24,15 @@
 //	tollgate.breaker.state                    Int64ObservableGauge, 0 closed, 1 open, 2 half-open
 //	tollgate.breaker.transitions{to}          Int64ObservableCounter, {transition}
 //	tollgate.script.loads                     Int64ObservableCounter, {load}
+//	tollgate.reservations{event}              Int64ObservableCounter, {reservation}
+//	tollgate.reservation.tokens{kind}         Int64ObservableCounter, {token}
 //
 // decision is allowed or denied; source is store, fallback, fail-open or
 // cache (a denial the Limiter remembered); to is closed, open or
 // half-open; class is the class of a store failure, as in
-// tollgate.Stats.StoreErrors. Every plan has all its decision data points
+// tollgate.Stats.StoreErrors; event is held, settled or expired, and kind
+// refunded, charged or uncharged, as in tollgate.ReservationStats. Every
+// plan has all its decision data points
 // from the first collection, at 0, and so do the common error classes
 // (timeout, network, canceled, bad-reply, other).
 //
@@ -105,12 +109,16 @@ type instruments struct {
 	breaker     metric.Int64ObservableGauge
 	transitions metric.Int64ObservableCounter
 	scriptLoads metric.Int64ObservableCounter
+	holds       metric.Int64ObservableCounter
+	holdTokens  metric.Int64ObservableCounter
 
 	attrs         []attribute.KeyValue
 	base          []metric.ObserveOption
 	plans         [][2][][]metric.ObserveOption // [plan][denied, allowed][source]
 	classes       map[string][]metric.ObserveOption
 	transitionsTo [3][]metric.ObserveOption // closed, open, half-open
+	holdEvents    [3][]metric.ObserveOption // held, settled, expired
+	holdKinds     [3][]metric.ObserveOption // refunded, charged, uncharged
 }
 
 // Register creates the instruments of lim's metrics on a meter of mp, nil
@@ -151,6 +159,12 @@ func Register(lim *tollgate.Limiter, mp metric.MeterProvider, opts ...Option) (m
 	in.scriptLoads, e = m.Int64ObservableCounter("tollgate.script.loads", metric.WithUnit("{load}"),
 		metric.WithDescription("Reloads of the Lua script after Redis answered NOSCRIPT."))
 	err = errors.Join(err, e)
+	in.holds, e = m.Int64ObservableCounter("tollgate.reservations", metric.WithUnit("{reservation}"),
+		metric.WithDescription("Reservations, by event: held (granted), settled (expired ones included), expired (settled after the hold was gone)."))
+	err = errors.Join(err, e)
+	in.holdTokens, e = m.Int64ObservableCounter("tollgate.reservation.tokens", metric.WithUnit("{token}"),
+		metric.WithDescription("Tokens settled, by kind: refunded, charged (used beyond a reservation), uncharged (not taken because a bucket's debt would pass one capacity)."))
+	err = errors.Join(err, e)
 	if err != nil {
 		return nil, err
 	}
@@ -166,8 +180,14 @@ func Register(lim *tollgate.Limiter, mp metric.MeterProvider, opts ...Option) (m
 	for i, to := range []string{"closed", "open", "half-open"} {
 		in.transitionsTo[i] = in.opts(attribute.String("to", to))
 	}
+	for i, event := range []string{"held", "settled", "expired"} {
+		in.holdEvents[i] = in.opts(attribute.String("event", event))
+	}
+	for i, kind := range []string{"refunded", "charged", "uncharged"} {
+		in.holdKinds[i] = in.opts(attribute.String("kind", kind))
+	}
 	return m.RegisterCallback(in.observe, in.decisions, in.duration, in.calls, in.storeErrors,
-		in.fallback, in.breaker, in.transitions, in.scriptLoads)
+		in.fallback, in.breaker, in.transitions, in.scriptLoads, in.holds, in.holdTokens)
 }
 
 // meter returns the meter of mp, nil meaning otel.GetMeterProvider(), and
@@ -251,6 +271,13 @@ func (in *instruments) observe(_ context.Context, o metric.Observer) error {
 	o.ObserveInt64(in.transitions, clamp(s.BreakerOpened), in.transitionsTo[1]...)
 	o.ObserveInt64(in.transitions, clamp(s.BreakerHalfOpened), in.transitionsTo[2]...)
 	o.ObserveInt64(in.scriptLoads, max(s.ScriptLoads, 0), in.base...)
+	rs := s.Reservations
+	for i, v := range [3]uint64{rs.Held, rs.Settled, rs.Expired} {
+		o.ObserveInt64(in.holds, clamp(v), in.holdEvents[i]...)
+	}
+	for i, v := range [3]uint64{rs.Refunded, rs.Charged, rs.Uncharged} {
+		o.ObserveInt64(in.holdTokens, clamp(v), in.holdKinds[i]...)
+	}
 	return nil
 }
 

@@ -456,7 +456,26 @@ func TestInstruments(t *testing.T) {
 		"tollgate.breaker.state":       "int64 gauge ",
 		"tollgate.breaker.transitions": "int64 counter {transition}",
 		"tollgate.script.loads":        "int64 counter {load}",
+		"tollgate.reservations":        "int64 counter {reservation}",
+		"tollgate.reservation.tokens":  "int64 counter {token}",
 	}, got)
+}
+
+func TestReservations(t *testing.T) {
+	r, lim := newRegistered(t, tollgate.NewMemoryStore())
+	ctx := context.Background()
+	for _, used := range []int64{0, 3} { // 1 refunded, then 2 charged
+		res, err := lim.Reserve(ctx, "alice", 1, "daily")
+		require.NoError(t, err)
+		_, err = res.Settle(ctx, used)
+		require.NoError(t, err)
+	}
+	assert.Equal(t, int64(2), r.value("tollgate.reservations", attribute.String("event", "held")))
+	assert.Equal(t, int64(2), r.value("tollgate.reservations", attribute.String("event", "settled")))
+	assert.Equal(t, int64(0), r.value("tollgate.reservations", attribute.String("event", "expired")))
+	assert.Equal(t, int64(1), r.value("tollgate.reservation.tokens", attribute.String("kind", "refunded")))
+	assert.Equal(t, int64(2), r.value("tollgate.reservation.tokens", attribute.String("kind", "charged")))
+	assert.Equal(t, int64(0), r.value("tollgate.reservation.tokens", attribute.String("kind", "uncharged")))
 }
 
 func TestNilProviderMeansGlobal(t *testing.T) {

@@ -21,11 +21,15 @@
 //	tollgate_breaker_state                          gauge, 0 closed, 1 open, 2 half-open
 //	tollgate_breaker_transitions_total{to}          counter
 //	tollgate_script_loads_total                     counter
+//	tollgate_reservations_total{event}              counter
+//	tollgate_reservation_tokens_total{kind}         counter
 //
 // decision is allowed or denied; source is store, fallback, fail-open or
 // cache (a denial the Limiter remembered); to is closed, open or
 // half-open; class is the class of a store failure, as in
-// tollgate.Stats.StoreErrors. Every plan has all its decision series from
+// tollgate.Stats.StoreErrors; event is held, settled or expired, and kind
+// refunded, charged or uncharged, as in tollgate.ReservationStats.
+// Every plan has all its decision series from
 // the first scrape, at 0, so that increase() sees the first denial or
 // fallback; so do the common error classes (timeout, network, canceled,
 // bad-reply, other), while a Redis class such as READONLY appears when it
@@ -78,6 +82,8 @@ type Collector struct {
 	breaker     *prometheus.Desc
 	transitions *prometheus.Desc
 	scriptLoads *prometheus.Desc
+	holds       *prometheus.Desc
+	holdTokens  *prometheus.Desc
 }
 
 var _ prometheus.Collector = (*Collector)(nil)
@@ -121,12 +127,18 @@ func New(lim *tollgate.Limiter, opts ...Option) *Collector {
 		scriptLoads: prometheus.NewDesc("tollgate_script_loads_total",
 			"Reloads of the Lua script after Redis answered NOSCRIPT.",
 			nil, cl),
+		holds: prometheus.NewDesc("tollgate_reservations_total",
+			"Reservations, by event: held (granted), settled (expired ones included), expired (settled after the hold was gone).",
+			[]string{"event"}, cl),
+		holdTokens: prometheus.NewDesc("tollgate_reservation_tokens_total",
+			"Tokens settled, by kind: refunded, charged (used beyond a reservation), uncharged (not taken because a bucket's debt would pass one capacity).",
+			[]string{"kind"}, cl),
 	}
 }
 
 // Describe implements prometheus.Collector.
 func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.decisions, c.duration, c.storeErrors, c.fallback, c.breaker, c.transitions, c.scriptLoads} {
+	for _, d := range []*prometheus.Desc{c.decisions, c.duration, c.storeErrors, c.fallback, c.breaker, c.transitions, c.scriptLoads, c.holds, c.holdTokens} {
 		ch <- d
 	}
 }
@@ -170,6 +182,13 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	counter(ch, c.transitions, s.BreakerOpened, "open")
 	counter(ch, c.transitions, s.BreakerHalfOpened, "half-open")
 	counter(ch, c.scriptLoads, uint64(max(s.ScriptLoads, 0)))
+	rs := s.Reservations
+	counter(ch, c.holds, rs.Held, "held")
+	counter(ch, c.holds, rs.Settled, "settled")
+	counter(ch, c.holds, rs.Expired, "expired")
+	counter(ch, c.holdTokens, rs.Refunded, "refunded")
+	counter(ch, c.holdTokens, rs.Charged, "charged")
+	counter(ch, c.holdTokens, rs.Uncharged, "uncharged")
 }
 
 func counter(ch chan<- prometheus.Metric, d *prometheus.Desc, v uint64, labels ...string) {

@@ -195,6 +195,23 @@ func TestMemoryStore(t *testing.T) {
 	assert.Equal(t, float64(breaker.Closed), value(t, reg, "tollgate_breaker_state"))
 }
 
+func TestReservations(t *testing.T) {
+	reg, lim := newCollected(t, tollgate.NewMemoryStore())
+	ctx := context.Background()
+	for _, used := range []int64{0, 3} { // 1 refunded, then 2 charged
+		r, err := lim.Reserve(ctx, "alice", 1, "daily")
+		require.NoError(t, err)
+		_, err = r.Settle(ctx, used)
+		require.NoError(t, err)
+	}
+	assert.Equal(t, 2.0, value(t, reg, "tollgate_reservations_total", "event", "held"))
+	assert.Equal(t, 2.0, value(t, reg, "tollgate_reservations_total", "event", "settled"))
+	assert.Equal(t, 0.0, value(t, reg, "tollgate_reservations_total", "event", "expired"))
+	assert.Equal(t, 1.0, value(t, reg, "tollgate_reservation_tokens_total", "kind", "refunded"))
+	assert.Equal(t, 2.0, value(t, reg, "tollgate_reservation_tokens_total", "kind", "charged"))
+	assert.Equal(t, 0.0, value(t, reg, "tollgate_reservation_tokens_total", "kind", "uncharged"))
+}
+
 // TestStoreDurationHistogram: the histogram is the Limiter's, made
 // cumulative, with StoreTime as its sum.
 func TestStoreDurationHistogram(t *testing.T) {
@@ -517,8 +534,8 @@ func TestMetricNamesFollowConventions(t *testing.T) {
 	}
 	assert.Equal(t, []string{
 		"tollgate_breaker_state", "tollgate_breaker_transitions_total", "tollgate_decisions_total",
-		"tollgate_fallback_active", "tollgate_script_loads_total", "tollgate_store_duration_seconds",
-		"tollgate_store_errors_total",
+		"tollgate_fallback_active", "tollgate_reservation_tokens_total", "tollgate_reservations_total",
+		"tollgate_script_loads_total", "tollgate_store_duration_seconds", "tollgate_store_errors_total",
 	}, names, "the names dashboards use")
 }
 
