@@ -17,6 +17,10 @@
 //		// deny; retry after res.RetryAfter
 //	}
 //
+// A cost known only afterwards, such as an LLM answer's tokens, is
+// reserved at its most with Reserve and settled with Reservation.Settle,
+// which refunds the unused rest or charges the excess as debt.
+//
 // Being limited is a Result, not an error. Errors mean bad input or, under
 // FailClosed, an unavailable store. The net/http middleware is in package
 // httplimit; Limiter.Stats feeds the metrics adapters.
