@@ -107,10 +107,16 @@ func (l *Limiter) Reserve(ctx context.Context, key string, n int64, plans ...str
 // canHold reports whether a store and its fallback (nil if none) can hold
 // reservations.
 func canHold(store, fallback Store) bool {
-	switch store.(type) {
+	_, memory := fallback.(*MemoryStore)
+	return ours(store) && (memory || fallback == nil)
+}
+
+// ours reports whether s is a store of this package, which reads for n
+// tokens (PeekN) and holds reservations.
+func ours(s Store) bool {
+	switch s.(type) {
 	case *MemoryStore, *RedisStore:
-		_, ok := fallback.(*MemoryStore)
-		return ok || fallback == nil
+		return true
 	}
 	return false
 }
@@ -120,9 +126,17 @@ func canHold(store, fallback Store) bool {
 // they would, RetryAfter is the exact wait until they would, and
 // Remaining and ResetAfter describe the buckets. n must be at least 1 and
 // no more than every plan's capacity (ErrInvalidCost). Peek is PeekN of 1.
+// For n above 1, a store other than a MemoryStore or RedisStore, or such a
+// fallback store, gets errors.ErrUnsupported: the Store interface reads
+// for one token.
 func (l *Limiter) PeekN(ctx context.Context, key string, n int64, plans ...string) (r Result, err error) {
-	if n < 1 {
+	switch {
+	case n < 1:
 		return Result{}, fmt.Errorf("%w: %d is below 1", ErrInvalidCost, n)
+	case n == 1:
+		return l.Peek(ctx, key, plans...)
+	case !ours(l.store) || l.fallback != nil && !ours(l.fallback):
+		return Result{}, fmt.Errorf("%w: reading for more than one token needs a MemoryStore or RedisStore", errors.ErrUnsupported)
 	}
 	// A read of -n, which the stores understand as a read for n tokens,
 	// checked against the capacities as n.

@@ -210,10 +210,22 @@ func TestSettleBadInput(t *testing.T) {
 }
 
 func TestReserveNeedsAStoreThatHolds(t *testing.T) {
+	ctx := context.Background()
 	l, err := New(foreignStore{NewMemoryStore()}, []Plan{llm})
 	require.NoError(t, err)
-	_, err = l.Reserve(context.Background(), "k", 1)
+	_, err = l.Reserve(ctx, "k", 1)
 	assert.ErrorIs(t, err, errors.ErrUnsupported)
+	_, err = l.PeekN(ctx, "k", 2)
+	assert.ErrorIs(t, err, errors.ErrUnsupported)
+	p, err := l.PeekN(ctx, "k", 1)
+	require.NoError(t, err, "a read for one token is the Store interface's")
+	assert.True(t, p.Allowed)
+
+	rs, _, _ := newMiniredisStore(t)
+	l, err = New(rs, []Plan{llm}, WithFallback(foreignStore{NewMemoryStore()}))
+	require.NoError(t, err)
+	_, err = l.Reserve(ctx, "k", 1)
+	assert.ErrorIs(t, err, errors.ErrUnsupported, "the fallback could not settle")
 }
 
 // foreignStore is a Store of another package's kind: the Limiter knows
