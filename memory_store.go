@@ -266,13 +266,15 @@ func (m *MemoryStore) takeInto(r *Result, key string, cost int64, plans []Plan) 
 	for i := range plans {
 		buckets = append(buckets, e.bucket(&plans[i], now))
 	}
-	allowed := takeAll(plans, buckets, now, cost)
+	allowed, wd := takeAll(plans, buckets, now, cost)
 	if allowed && cost > 0 {
 		if e == nil {
 			e = s.entry(key, len(plans), m.perCap, now)
 		}
 		for i := range plans {
-			e.store(&plans[i], buckets[i])
+			if wd&(1<<i) == 0 { // a shadowed plan that would deny is left as it was
+				e.store(&plans[i], buckets[i])
+			}
 		}
 	} else {
 		// A denial or a read leaves the buckets as they were.
@@ -281,7 +283,7 @@ func (m *MemoryStore) takeInto(r *Result, key string, cost int64, plans []Plan) 
 		}
 	}
 	s.mu.Unlock()
-	r.describe(plans, buckets, nil, now, cost, allowed)
+	r.describe(plans, buckets, nil, now, cost, allowed, wd)
 }
 
 // lock locks the shard of key and returns it, the key's entry (nil if
@@ -331,13 +333,14 @@ func (m *MemoryStore) takeWindows(r *Result, key string, cost int64, plans []Pla
 			buckets[i] = e.bucket(p, now)
 		}
 	}
-	allowed := chain(plans, buckets, windows, now, cost, u)
+	allowed, wd := chain(plans, buckets, windows, now, cost, u)
 	taken := allowed && cost > 0
 	if (taken || suppressed && cost > 0) && e == nil {
 		e = s.entry(key, len(plans), m.perCap, now)
 	}
 	if taken || suppressed && cost > 0 {
 		for i := range plans {
+			taken := taken && wd&(1<<i) == 0 // a shadowed plan that would deny takes nothing
 			switch p := &plans[i]; {
 			case !p.isWindow():
 				if taken {
@@ -357,14 +360,14 @@ func (m *MemoryStore) takeWindows(r *Result, key string, cost int64, plans []Pla
 		switch p := &plans[i]; {
 		case p.isWindow():
 			// Windows change in place: they are described under the lock.
-			states[i] = describeWindow(p, windows[i], now, cost, allowed)
+			states[i] = describeWindow(p, windows[i], now, cost, allowed && wd&(1<<i) == 0)
 		case !taken:
 			// A denial or a read leaves the buckets as they were.
 			buckets[i] = e.bucket(p, now)
 		}
 	}
 	s.mu.Unlock()
-	r.describe(plans, buckets, states, now, cost, allowed)
+	r.describe(plans, buckets, states, now, cost, allowed, wd)
 }
 
 // describeWindow returns what a Result reports of window w of plan p after

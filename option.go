@@ -32,6 +32,8 @@ type config struct {
 	breaker    breaker.Settings
 	log        *slog.Logger
 	denialKeys *int // nil: the default
+	resolver   PlanResolver
+	shadow     bool
 }
 
 // defaultDenialCacheKeys is the default bound of WithDenialCache.

@@ -67,6 +67,14 @@ type Plan struct {
 	// token bucket. Suppressed plans write on every request, refusals
 	// included, so the denial cache never answers for them.
 	Suppress float64
+	// Shadow puts the plan in dry run: it is decided, and its bucket
+	// drained, exactly as if it were enforced, but it never denies. A
+	// request it lacks the tokens for leaves its bucket as enforcement
+	// would, so that its bucket always holds what the enforced plan would
+	// hold; it is reported as PlanResult.WouldDeny, Result.ShadowDenied
+	// and PlanStats.ShadowDenied. A shadowed plan may be at most 52nd in
+	// a chain. The default, false, enforces the plan.
+	Shadow bool
 }
 
 // Per returns the rate, in tokens per second, of n tokens every d. For

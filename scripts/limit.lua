@@ -12,6 +12,9 @@
 --
 -- KEYS[i]        the state of plan i; every key shares one hash slot
 -- ARGV[1]        cost in tokens; 0 reads without taking or writing
+-- A capacity below 0 shadows its plan (ADR 23): the plan is decided with
+-- capacity -c and drained if it fits, but never denies; a plan that lacks
+-- the tokens is left as it was.
 -- Then, for a chain of buckets alone (#ARGV = 1 + 2 #KEYS), which the
 -- arguments of windows would slow by 13-23% (ADR 16):
 -- ARGV[2i..2i+1] plan i: capacity in tokens, rate in tokens per second
@@ -25,7 +28,8 @@
 --   a window:    sub-window width g in µs, the number k of sub-windows,
 --                and the hard limit in tokens if suppressed, else 0
 --
--- Reply: {allowed (1 or 0), now (µs, from TIME), then per plan:
+-- Reply: {allowed (1 or 0) + 2 × (the sum of 2^(i-1) over the shadowed
+-- plans i that would deny), now (µs, from TIME), then per plan:
 --   a bucket:  tokens, stamp: the bucket as stored after the decision,
 --              drained if allowed, as read if not (a missing or foreign
 --              bucket reads as full at now);
@@ -58,6 +62,7 @@ local wide = #ARGV ~= 1 + 2 * #KEYS -- the layout with windows
 local u = wide and tonumber(ARGV[2]) or 0
 local max53 = 9007199254740992
 local reply = {1, now} -- bucket plans: the state as read, until allowed
+local wd, sd = 0, nil -- shadowed plans that would deny: bits, and by plan
 local after = {} -- bucket plans: the state refilled to now
 local foreign -- plans whose key holds data not ours, replaced on write
 -- Window plans, by plan: the current sub-window (b), the counts (adm,
@@ -69,6 +74,8 @@ local carry -- window plans whose key held a window of another shape: its counts
 for i = 1, #KEYS do
   local a = wide and 4 * i - 1 or 2 * i -- plan i's first argument
   local cap = tonumber(ARGV[a])
+  local shadow = cap < 0
+  if shadow then cap = -cap end
   local k = wide and tonumber(ARGV[a + 2]) or 0
   if k == 0 then
     -- A bucket: refill, exactly as bucket.go does it.
@@ -105,7 +112,14 @@ for i = 1, #KEYS do
       end
     end
     after[2 * i - 1], after[2 * i] = t, ts
-    if t < need then reply[1] = 0 end
+    if t < need then
+      if shadow then
+        sd = sd or {}
+        sd[i], wd = true, wd + 2 ^ (i - 1)
+      else
+        reply[1] = 0
+      end
+    end
   else
     -- A window: read it and count it, as window.go does.
     if b == nil then
@@ -192,7 +206,14 @@ for i = 1, #KEYS do
       else
         f = 1 - cap / (no + cost) * ((hard - na - cost + 1) / (hard - cap))
       end
-      if u < f * max53 then reply[1] = 0 end
+      if u < f * max53 then
+        if shadow then
+          sd = sd or {}
+          sd[i], wd = true, wd + 2 ^ (i - 1)
+        else
+          reply[1] = 0
+        end
+      end
     end
   end
 end
@@ -206,7 +227,7 @@ for i = 1, #KEYS do
   local a = wide and 4 * i - 1 or 2 * i
   local k = wide and tonumber(ARGV[a + 2]) or 0
   if k == 0 then -- a bucket
-    if allowed and need > 0 then
+    if allowed and need > 0 and not (sd and sd[i]) then
       local t, ts = after[2 * i - 1] - need, after[2 * i]
       out[n + 1], out[n + 2] = t, ts
       if foreign and foreign[i] then redis.call('DEL', KEYS[i]) end
@@ -216,16 +237,16 @@ for i = 1, #KEYS do
       -- after TIME stepped back: counted from now, the key would expire,
       -- and read as full, that much early.
       redis.call('PEXPIRE', KEYS[i],
-        floor(((tonumber(ARGV[a]) * 1000000 - t) / tonumber(ARGV[a + 1])
+        floor(((math.abs(tonumber(ARGV[a])) * 1000000 - t) / tonumber(ARGV[a + 1])
           + math.max(0, ts - now)) / 1000) + 2)
     else
       out[n + 1], out[n + 2] = reply[2 * i + 1], reply[2 * i + 2]
     end
     n = n + 2
   else -- a window
-    local cap, g, hard = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 3])
+    local cap, g, hard = math.abs(tonumber(ARGV[a])), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 3])
     local bi = b[i]
-    local take = allowed and cost > 0
+    local take = allowed and cost > 0 and not (sd and sd[i])
     local ready = now
     if not take then
       -- The oldest sub-windows leave first, as window.readyAt computes.
@@ -280,4 +301,5 @@ for i = 1, #KEYS do
     n = n + 4
   end
 end
+out[1] = out[1] + 2 * wd
 return out
