@@ -155,32 +155,34 @@ func (l *Limiter) AllowPlans(ctx context.Context, key string, cost int64, plans 
 		return r, fmt.Errorf("%w: no plan given", ErrUnknownPlan)
 	}
 	t := l.table.Load()
+	// The plans decided on are the Limiter's copies, never the caller's
+	// slice: it stays on the caller's stack.
+	var use []Plan
 	var entry *planEntry
 	if len(plans) == 1 {
 		if entry, err = l.entryFor(t, plans[0]); err != nil {
 			return r, err
 		}
-		plans = entry.one
+		use = entry.one
 	} else {
-		given := plans
-		plans = make([]Plan, len(given))
-		for i, p := range given {
+		use = make([]Plan, len(plans))
+		for i, p := range plans {
 			e, err := l.entryFor(t, p)
 			if err != nil {
 				return r, err
 			}
-			for _, q := range plans[:i] {
+			for _, q := range use[:i] {
 				if q.Name == p.Name {
 					return r, fmt.Errorf("%w: plan %q is given twice in one call", ErrInvalidPlan, p.Name)
 				}
 			}
-			plans[i] = e.one[0]
+			use[i] = e.one[0]
 		}
 	}
 	if err := checkKey(key); err != nil {
 		return r, err
 	}
-	err = l.decideOn(ctx, &r, t, key, cost, 1, plans, entry)
+	err = l.decideOn(ctx, &r, t, key, cost, 1, use, entry)
 	return r, err
 }
 

@@ -159,6 +159,10 @@ type middleware struct {
 	skip     func(*http.Request) bool
 	headers  HeaderMode
 	denied   func(http.ResponseWriter, *http.Request, tollgate.Result)
+
+	shadowHeaders bool // WithShadowHeaders
+	inContext     bool // WithResultInContext
+
 	keyError func(http.ResponseWriter, *http.Request, error)
 	onError  func(http.ResponseWriter, *http.Request, error)
 }
@@ -186,7 +190,12 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		m.onError(w, r, err)
 		return
 	}
-	setFields(w.Header(), &res, m.headers, m.planner)
+	if res.Source != tollgate.SourceExempt { // an exempt key has no limits to tell
+		setFields(w.Header(), &res, m.headers, m.planner, m.shadowHeaders)
+	}
+	if m.inContext {
+		r = r.WithContext(context.WithValue(r.Context(), resultKey{}, res))
+	}
 	if !res.Allowed {
 		m.denied(w, r, res)
 		return
