@@ -155,10 +155,10 @@ type middleware struct {
 	key     KeyFunc
 	plans   []string
 
-	cost     func(*http.Request) int64
-	skip     func(*http.Request) bool
-	headers  HeaderMode
-	denied   func(http.ResponseWriter, *http.Request, tollgate.Result)
+	cost    func(*http.Request) int64
+	skip    func(*http.Request) bool
+	headers HeaderMode
+	denied  func(http.ResponseWriter, *http.Request, tollgate.Result)
 
 	shadowHeaders bool // WithShadowHeaders
 	inContext     bool // WithResultInContext
