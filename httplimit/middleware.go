@@ -155,16 +155,15 @@ type middleware struct {
 	key     KeyFunc
 	plans   []string
 
-	cost    func(*http.Request) int64
-	skip    func(*http.Request) bool
-	headers HeaderMode
-	denied  func(http.ResponseWriter, *http.Request, tollgate.Result)
+	cost     func(*http.Request) int64
+	skip     func(*http.Request) bool
+	headers  HeaderMode
+	denied   func(http.ResponseWriter, *http.Request, tollgate.Result)
+	keyError func(http.ResponseWriter, *http.Request, error)
+	onError  func(http.ResponseWriter, *http.Request, error)
 
 	shadowHeaders bool // WithShadowHeaders
 	inContext     bool // WithResultInContext
-
-	keyError func(http.ResponseWriter, *http.Request, error)
-	onError  func(http.ResponseWriter, *http.Request, error)
 }
 
 func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Handler) {
