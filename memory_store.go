@@ -57,6 +57,7 @@ type memBucket struct {
 	plan Plan
 	TokenBucket
 	win *window
+	ver bucketVersion // of versioned plans (Plan.Version)
 }
 
 // find returns the stored state of plan p's name, or nil. e may be nil: a
@@ -76,7 +77,7 @@ func (e *memEntry) find(p *Plan) *memBucket {
 // there is none.
 func (e *memEntry) bucket(p *Plan, now int64) TokenBucket {
 	if b := e.find(p); b != nil && b.win == nil {
-		return b.TokenBucket
+		return b.ver.inherit(b.TokenBucket, p, now)
 	}
 	return fullBucket(*p, now)
 }
@@ -109,16 +110,22 @@ func (e *memEntry) store(p *Plan, b TokenBucket) {
 	for i := range e.buckets {
 		switch eb := &e.buckets[i]; {
 		case eb.plan.Name != p.Name:
-		case eb.win != nil || eb.plan.Capacity != p.Capacity || eb.plan.Rate != p.Rate:
+		case eb.win != nil:
+			*eb = memBucket{plan: *p, TokenBucket: b, ver: bucketVersion{}.written(p)}
+			return
+		case eb.plan.Capacity != p.Capacity || eb.plan.Rate != p.Rate:
 			// Another Limiter with other plans of that name shares the store.
-			*eb = memBucket{plan: *p, TokenBucket: b}
+			*eb = memBucket{plan: *p, TokenBucket: b, ver: eb.ver.written(p)}
 			return
 		default: // no pointer written, no write barrier
 			eb.TokenBucket = b
+			if p.Version != 0 {
+				eb.ver = eb.ver.written(p)
+			}
 			return
 		}
 	}
-	e.buckets = append(e.buckets, memBucket{plan: *p, TokenBucket: b})
+	e.buckets = append(e.buckets, memBucket{plan: *p, TokenBucket: b, ver: bucketVersion{}.written(p)})
 }
 
 // storeWindow returns plan p's window to write in: new if there is none,

@@ -118,7 +118,7 @@ func (s *RedisStore) run(ctx context.Context, keys []string, cost int64, plans [
 // windows, the cost, a random number drawn if a plan is suppressed, and
 // four numbers per plan.
 func (s *RedisStore) args(cost int64, plans []Plan) []any {
-	if !windowIn(plans) {
+	if !windowIn(plans) && !versionedIn(plans) {
 		args := make([]any, 1+2*len(plans))
 		args[0] = cost
 		for i := range plans {
@@ -135,7 +135,7 @@ func (s *RedisStore) args(cost int64, plans []Plan) []any {
 		p, a := &plans[i], args[2+4*i:6+4*i]
 		switch {
 		case !p.isWindow():
-			a[0], a[1], a[2], a[3] = capacityArg(p), formatRate(p.Rate), 0, 0
+			a[0], a[1], a[2], a[3] = capacityArg(p), formatRate(p.Rate), 0, versionArg(p)
 		case p.Suppress != 0:
 			a[0], a[1], a[2], a[3] = capacityArg(p), p.width(), p.slots(), p.hardLimit()
 		default:

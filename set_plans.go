@@ -48,6 +48,8 @@ func fingerprint(p Plan) string {
 	b = strconv.AppendInt(b, int64(p.Slots), 10)
 	b = append(b, '/')
 	b = strconv.AppendFloat(b, p.Suppress, 'g', -1, 64)
+	b = append(b, '/')
+	b = strconv.AppendUint(b, uint64(versionArg(&p)), 10)
 	if p.Shadow {
 		b = append(b, "/s"...)
 	}

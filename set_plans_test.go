@@ -3,7 +3,6 @@ package tollgate
 import (
 	"context"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -79,11 +78,10 @@ func TestSetPlansRacesWithAllow(t *testing.T) {
 	ctx := context.Background()
 	l := newTestLimiter(t, NewMemoryStore())
 	tables := [][]Plan{testPlans, {{Name: "gold", Capacity: 8, Rate: 4}, {Name: "daily", Capacity: 50, Rate: 1}}}
-	var stop atomic.Bool
 	var wg sync.WaitGroup
 	for g := range 4 {
 		wg.Go(func() {
-			for !stop.Load() {
+			for range 500 {
 				_, err := l.Allow(ctx, "k", "gold", "daily")
 				assert.NoError(t, err)
 				_, err = l.Allow(ctx, "k")
@@ -95,11 +93,17 @@ func TestSetPlansRacesWithAllow(t *testing.T) {
 			}
 		})
 	}
-	for i := range 1000 {
-		require.NoError(t, l.SetPlans(tables[i%2]))
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	for i := 0; ; i++ {
+		select {
+		case <-done:
+		default:
+			require.NoError(t, l.SetPlans(tables[i%2]))
+			continue
+		}
+		break
 	}
-	stop.Store(true)
-	wg.Wait()
 	st := l.Stats()
 	assert.Equal(t, "gold", st.Plans[0].Plan)
 	assert.Positive(t, st.Plans[0].Allowed[SourceStore])

@@ -24,7 +24,9 @@
 --                for suppressed plans (Lua's math.random is reseeded on
 --                every call before Redis 7)
 -- ARGV[4i-1..4i+2] plan i: capacity in tokens, then
---   a bucket:    rate in tokens per second, 0, 0
+--   a bucket:    rate in tokens per second, 0, and 0 or, for a plan with
+--                a version (ADR 22), version × 4 + inheritance (1
+--                proportional, 2 reset, 3 additive, 0 as-is)
 --   a window:    sub-window width g in µs, the number k of sub-windows,
 --                and the hard limit in tokens if suppressed, else 0
 --
@@ -39,7 +41,11 @@
 --              decision (now if nothing does)}
 --
 -- Bucket: a hash {t = micro-tokens, ts = stamp in µs, v = 1}, written only
--- when tokens are taken, expiring when it would be full again.
+-- when tokens are taken, expiring when it would be full again. Plans with
+-- a version also keep pv, the highest version that wrote it, never
+-- lowered, and c, the capacity of the last such write: a plan of a
+-- higher version than pv applies its inheritance once, from capacity c
+-- (or its own, if none), as plan_version.go does.
 --
 -- Window: a hash {v = 'w' or 's' (suppressed) .. g .. '/' .. k,
 -- <i> = tokens admitted in sub-window i = floor(µs / g),
@@ -65,6 +71,7 @@ local reply = {1, now} -- bucket plans: the state as read, until allowed
 local wd, sd = 0, nil -- shadowed plans that would deny: bits, and by plan
 local after = {} -- bucket plans: the state refilled to now
 local foreign -- plans whose key holds data not ours, replaced on write
+local pvs -- versioned bucket plans: the version the bucket had
 -- Window plans, by plan: the current sub-window (b), the counts (adm,
 -- off), the newest sub-window (newest), the newest with an admitted count
 -- (last), stale fields to delete (stale), and the fields read (xs).
@@ -80,10 +87,17 @@ for i = 1, #KEYS do
   if k == 0 then
     -- A bucket: refill, exactly as bucket.go does it.
     local full, rate = cap * 1000000, tonumber(ARGV[a + 1])
-    local h = redis.pcall('HMGET', KEYS[i], 't', 'ts', 'v')
-    local t, ts
+    local vs = wide and tonumber(ARGV[a + 3]) or 0
+    local h
+    if vs > 0 then
+      h = redis.pcall('HMGET', KEYS[i], 't', 'ts', 'v', 'pv', 'c')
+    else
+      h = redis.pcall('HMGET', KEYS[i], 't', 'ts', 'v')
+    end
+    local t, ts, pv, oc
     if h.err == nil and h[3] == '1' then
       t, ts = tonumber(h[1]), tonumber(h[2])
+      if vs > 0 then pv, oc = tonumber(h[4]), tonumber(h[5]) end
     end
     if t == nil or ts == nil or t ~= floor(t) or ts ~= floor(ts)
         or t < 0 or t > max53 or ts < 0 or ts > max53 then
@@ -91,7 +105,23 @@ for i = 1, #KEYS do
         foreign = foreign or {}
         foreign[i] = true
       end
-      t, ts = full, now -- missing or expired: a full bucket
+      t, ts, pv, oc = full, now, nil, nil -- missing or expired: a full bucket
+    end
+    if vs > 0 then
+      pv = pv or 0
+      pvs = pvs or {}
+      pvs[i] = pv
+      if floor(vs / 4) > pv then -- a higher version takes the bucket over, once
+        local how, old = vs % 4, full
+        if oc and oc > 0 then old = oc * 1000000 end
+        if how == 1 then
+          t = floor(t / old * full)
+        elseif how == 2 then
+          t, ts = full, now
+        elseif how == 3 then
+          t = math.min(t, full) + math.max(0, full - old)
+        end
+      end
     end
     reply[2 * i + 1], reply[2 * i + 2] = t, ts
     if now <= ts then
@@ -231,7 +261,13 @@ for i = 1, #KEYS do
       local t, ts = after[2 * i - 1] - need, after[2 * i]
       out[n + 1], out[n + 2] = t, ts
       if foreign and foreign[i] then redis.call('DEL', KEYS[i]) end
-      redis.call('HSET', KEYS[i], 't', t, 'ts', ts, 'v', 1)
+      if pvs and pvs[i] then
+        local cap = math.abs(tonumber(ARGV[a]))
+        redis.call('HSET', KEYS[i], 't', t, 'ts', ts, 'v', 1,
+          'pv', math.max(floor(tonumber(ARGV[a + 3]) / 4), pvs[i]), 'c', cap)
+      else
+        redis.call('HSET', KEYS[i], 't', t, 'ts', ts, 'v', 1)
+      end
       -- Until full again, rounded up, plus a millisecond for the expiry
       -- clock. The bucket fills from its stamp, which is ahead of now
       -- after TIME stepped back: counted from now, the key would expire,
