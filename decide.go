@@ -307,7 +307,7 @@ func (l *Limiter) degrade(ctx context.Context, r *Result, key string, cost int64
 		*r = Result{}
 		return fmt.Errorf("%w: %w", ErrStoreUnavailable, cause)
 	}
-	if err := take(ctx, r, l.fallback, key, cost, plans); err != nil {
+	if err := take(ctx, r, l.fallback, key, cost, share(plans, l.fleetSize(), cost)); err != nil {
 		*r = Result{}
 		return fmt.Errorf("%w: fallback store failed too: %w", ErrStoreUnavailable, err)
 	}

@@ -58,6 +58,7 @@ type Limiter struct {
 	resolver  PlanResolver              // nil: none
 	shadowAll bool                      // WithShadow
 	others    otherPlans                // AllowPlans's plans not in the table
+	fleet     *fleet                    // WithFleet; nil: none
 
 	epoch       time.Time // the Limiter's clock, and its denial cache's, counts from here
 	stats       counters
@@ -115,6 +116,14 @@ func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
 		if l.fallback == nil {
 			l.fallback = NewMemoryStore()
 		}
+	}
+	if c.fleet != nil {
+		f, err := newFleet(store, *c.fleet)
+		if err != nil {
+			return nil, err
+		}
+		l.fleet = f
+		go f.run()
 	}
 	return l, nil
 }

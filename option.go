@@ -34,6 +34,7 @@ type config struct {
 	denialKeys *int // nil: the default
 	resolver   PlanResolver
 	shadow     bool
+	fleet      *FleetSettings // nil: no fleet
 }
 
 // defaultDenialCacheKeys is the default bound of WithDenialCache.

@@ -61,6 +61,10 @@ type Stats struct {
 	// ScriptLoads is the number of times a RedisStore sent its script's
 	// source after Redis answered NOSCRIPT; 0 for other stores.
 	ScriptLoads int64
+	// FleetSize is the number of instances alive that the last heartbeat
+	// counted (WithFleet): the fallback enforces 1/FleetSize of each plan
+	// during an outage. 0 without WithFleet or before the first heartbeat.
+	FleetSize int64
 }
 
 // PlanStats counts the decisions that took tokens, by the plan that bound
@@ -286,6 +290,9 @@ func (l *Limiter) Stats() Stats {
 	}
 	if rs, ok := l.store.(*RedisStore); ok {
 		s.ScriptLoads = rs.ScriptLoads()
+	}
+	if l.fleet != nil {
+		s.FleetSize = l.fleet.size.Load()
 	}
 	return s
 }
