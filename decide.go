@@ -347,11 +347,12 @@ func (l *Limiter) recovered(now int64) {
 // other plans (AllowPlans).
 func (l *Limiter) record(ctx context.Context, r *Result, cost int64, entry *planEntry, t *planTable) {
 	if cost > 0 {
-		if entry == nil { // a chain: the binding plan's
-			entry = l.entryOf(t, r.Plan)
+		bound := entry
+		if bound == nil { // a chain: the binding plan's
+			bound = l.entryOf(t, r.Plan)
 		}
-		if entry != nil { // nil: a foreign store named none of ours
-			entry.counts.decisions.count(r)
+		if bound != nil { // nil: a foreign store named none of ours
+			bound.counts.decisions.count(r)
 		}
 		if r.ShadowDenied {
 			l.countShadow(r, entry, t)

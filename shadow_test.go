@@ -185,3 +185,17 @@ func hashOf(t *testing.T, addr, key string) map[string]string {
 	require.NotEmpty(t, h)
 	return h
 }
+
+// In a chain, a would-be denial is counted under the shadowed plan that
+// would have denied, not the plan that bound the decision.
+func TestShadowDenialsCountedByThePlanThatWouldDeny(t *testing.T) {
+	l, err := New(NewMemoryStore(), []Plan{{Name: "now", Capacity: 10, Rate: 1}, {Name: "next", Capacity: 1, Rate: 0.001, Shadow: true}}, WithLogger(nil))
+	require.NoError(t, err)
+	for range 3 {
+		_, err := l.Allow(context.Background(), "k", "now", "next")
+		require.NoError(t, err)
+	}
+	st := l.Stats()
+	assert.Equal(t, []uint64{0, 2}, []uint64{st.Plans[0].ShadowDenied, st.Plans[1].ShadowDenied})
+	assert.Equal(t, uint64(3), st.Plans[0].Allowed[SourceStore], "the enforced plan bound every decision")
+}

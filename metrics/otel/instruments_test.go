@@ -456,7 +456,23 @@ func TestInstruments(t *testing.T) {
 		"tollgate.breaker.state":       "int64 gauge ",
 		"tollgate.breaker.transitions": "int64 counter {transition}",
 		"tollgate.script.loads":        "int64 counter {load}",
+		"tollgate.shadow.denials":      "int64 counter {decision}",
+		"tollgate.fleet.size":          "int64 gauge {instance}",
 	}, got)
+}
+
+// Would-be denials are counted under the shadowed plan, also one that
+// SetPlans added after Register, with its own plan attribute.
+func TestShadowDenialsByPlan(t *testing.T) {
+	r, lim := newRegistered(t, tollgate.NewMemoryStore())
+	require.NoError(t, lim.SetPlans([]tollgate.Plan{{Name: "now", Capacity: 10, Rate: 1}, {Name: "next", Capacity: 1, Rate: 0.001, Shadow: true}}))
+	for range 3 {
+		_, err := lim.Allow(context.Background(), "alice", "now", "next")
+		require.NoError(t, err)
+	}
+	assert.Equal(t, int64(2), r.value("tollgate.shadow.denials", attribute.String("plan", "next")))
+	assert.Equal(t, int64(0), r.value("tollgate.shadow.denials", attribute.String("plan", "now")))
+	assert.Equal(t, int64(3), r.decisions("now", "allowed", "store"))
 }
 
 func TestNilProviderMeansGlobal(t *testing.T) {

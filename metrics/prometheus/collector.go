@@ -21,6 +21,8 @@
 //	tollgate_breaker_state                          gauge, 0 closed, 1 open, 2 half-open
 //	tollgate_breaker_transitions_total{to}          counter
 //	tollgate_script_loads_total                     counter
+//	tollgate_shadow_denials_total{plan}             counter
+//	tollgate_fleet_size                             gauge
 //
 // decision is allowed or denied; source is store, fallback, fail-open or
 // cache (a denial the Limiter remembered); to is closed, open or
@@ -29,7 +31,10 @@
 // the first scrape, at 0, so that increase() sees the first denial or
 // fallback; so do the common error classes (timeout, network, canceled,
 // bad-reply, other), while a Redis class such as READONLY appears when it
-// first happens.
+// first happens. tollgate_shadow_denials_total counts the decisions a
+// shadowed plan would have denied (tollgate.PlanStats.ShadowDenied), every
+// plan from the first scrape; tollgate_fleet_size is the instances alive
+// that the last heartbeat counted (tollgate.WithFleet), 0 without one.
 //
 // The buckets of tollgate_store_duration_seconds are the Limiter's,
 // Stats.LatencyBounds (50µs to 1s), and cannot be changed: the Limiter
@@ -78,6 +83,8 @@ type Collector struct {
 	breaker     *prometheus.Desc
 	transitions *prometheus.Desc
 	scriptLoads *prometheus.Desc
+	shadow      *prometheus.Desc
+	fleetSize   *prometheus.Desc
 }
 
 var _ prometheus.Collector = (*Collector)(nil)
@@ -121,12 +128,18 @@ func New(lim *tollgate.Limiter, opts ...Option) *Collector {
 		scriptLoads: prometheus.NewDesc("tollgate_script_loads_total",
 			"Reloads of the Lua script after Redis answered NOSCRIPT.",
 			nil, cl),
+		shadow: prometheus.NewDesc("tollgate_shadow_denials_total",
+			"Decisions that a shadowed plan would have denied had it been enforced, by that plan.",
+			[]string{"plan"}, cl),
+		fleetSize: prometheus.NewDesc("tollgate_fleet_size",
+			"Instances alive that the last heartbeat counted (WithFleet); 0 without one.",
+			nil, cl),
 	}
 }
 
 // Describe implements prometheus.Collector.
 func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.decisions, c.duration, c.storeErrors, c.fallback, c.breaker, c.transitions, c.scriptLoads} {
+	for _, d := range []*prometheus.Desc{c.decisions, c.duration, c.storeErrors, c.fallback, c.breaker, c.transitions, c.scriptLoads, c.shadow, c.fleetSize} {
 		ch <- d
 	}
 }
@@ -141,6 +154,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 			counter(ch, c.decisions, p.Allowed[src], p.Plan, "allowed", source)
 			counter(ch, c.decisions, p.Denied[src], p.Plan, "denied", source)
 		}
+		counter(ch, c.shadow, p.ShadowDenied, p.Plan)
 	}
 
 	// Prometheus's buckets are cumulative, the Limiter's are not.
@@ -170,6 +184,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	counter(ch, c.transitions, s.BreakerOpened, "open")
 	counter(ch, c.transitions, s.BreakerHalfOpened, "half-open")
 	counter(ch, c.scriptLoads, uint64(max(s.ScriptLoads, 0)))
+	gauge(ch, c.fleetSize, float64(s.FleetSize))
 }
 
 func counter(ch chan<- prometheus.Metric, d *prometheus.Desc, v uint64, labels ...string) {
