@@ -74,27 +74,36 @@ func (b TokenBucket) Refill(p Plan, now int64) TokenBucket {
 // always succeeds.
 func (b TokenBucket) Take(p Plan, now, cost int64) (TokenBucket, bool) {
 	one := [1]TokenBucket{b}
-	ok := takeAll([]Plan{p}, one[:], now, cost)
+	ok, _ := takeAll([]Plan{p}, one[:], now, cost)
 	return one[0], ok
 }
 
 // takeAll is Take for chained bucket plans, all or nothing: it refills
 // every bucket to now, and takes cost tokens from each only if each holds
-// them.
+// them. A shadowed plan that lacks them does not deny: bit i of wd says
+// so for plan i, whose bucket is then only refilled.
 // buckets[i] is the bucket of plans[i] and is updated in place.
-func takeAll(plans []Plan, buckets []TokenBucket, now, cost int64) bool {
+func takeAll(plans []Plan, buckets []TokenBucket, now, cost int64) (ok bool, wd uint64) {
 	need := cost * microTokens
-	ok := true
+	ok = true
 	for i := range plans {
 		buckets[i] = buckets[i].Refill(plans[i], now)
-		ok = ok && buckets[i].Tokens >= need
+		if buckets[i].Tokens < need {
+			if plans[i].Shadow {
+				wd |= 1 << i
+			} else {
+				ok = false
+			}
+		}
 	}
 	if ok && cost > 0 { // a read (cost 0, or -n for PeekN) takes nothing
 		for i := range buckets {
-			buckets[i].Tokens -= need
+			if wd&(1<<i) == 0 {
+				buckets[i].Tokens -= need
+			}
 		}
 	}
-	return ok
+	return ok, wd
 }
 
 // Remaining is the number of whole tokens in the bucket as last refilled.

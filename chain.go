@@ -4,20 +4,29 @@ package tollgate
 // nothing: buckets[i] is the bucket of bucket plan i, refilled to now in
 // place; windows[i] is the window of window plan i (nil: empty). u is the
 // request's random number for suppressed plans, in [0, 2^53). A read
-// (cost 0) is allowed. scripts/limit.lua decides the same way.
-func chain(plans []Plan, buckets []TokenBucket, windows []*window, now, cost int64, u uint64) bool {
+// (cost 0) is allowed. A shadowed plan that would deny does not: bit i
+// of wd says so for plan i. scripts/limit.lua decides the same way.
+func chain(plans []Plan, buckets []TokenBucket, windows []*window, now, cost int64, u uint64) (ok bool, wd uint64) {
 	need := cost * microTokens
-	ok := true
+	ok = true
 	for i := range plans {
+		fits := true
 		if p := &plans[i]; p.isWindow() {
 			admitted, offered := windows[i].counts(now)
-			ok = ok && (cost <= 0 || admits(suppression(p, admitted, offered, cost), u))
+			fits = cost <= 0 || admits(suppression(p, admitted, offered, cost), u)
 		} else {
 			buckets[i] = buckets[i].Refill(*p, now)
-			ok = ok && buckets[i].Tokens >= need
+			fits = buckets[i].Tokens >= need
+		}
+		switch {
+		case fits:
+		case plans[i].Shadow:
+			wd |= 1 << i
+		default:
+			ok = false
 		}
 	}
-	return ok
+	return ok, wd
 }
 
 // suppressedIn reports whether any of plans is suppressed: such a chain

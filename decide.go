@@ -13,15 +13,50 @@ import (
 )
 
 // decide makes one decision into *r. It is a pipeline of steps, each
-// readable alone: validate the request, answer a remembered denial from the
-// cache, ask the store behind its breaker and failure policy (a MemoryStore,
-// which cannot fail, directly), and record the decision. Allow, AllowN and
-// Peek pass the Result they return, so it is built in place rather than
-// copied up the steps. h is nil but for Reserve, whose hold the store
-// that grants it fills in.
+// readable alone: look the plans up, validate the request, resolve the
+// plans for the key (WithPlanResolver), answer a remembered denial from
+// the cache, ask the store behind its breaker and failure policy (a
+// MemoryStore, which cannot fail, directly), and record the decision.
+// Allow, AllowN and Peek pass the Result they return, so it is built in
+// place rather than copied up the steps. h is nil but for Reserve, whose
+// hold the store that grants it fills in.
 func (l *Limiter) decide(ctx context.Context, r *Result, key string, cost, minCost int64, names []string, h *hold) error {
-	plans, entry, err := l.validate(ctx, key, cost, minCost, names)
-	if err != nil {
+	t := l.table.Load()
+	plans, entry := t.defaults.one, t.defaults
+	if len(names) > 0 {
+		var err error
+		if plans, entry, err = t.resolve(names); err != nil {
+			return err
+		}
+	}
+	if err := checkKey(key); err != nil {
+		return err
+	}
+	if l.resolver != nil {
+		var err error
+		if plans, entry, err = l.resolveFor(ctx, t, key, plans, entry); err != nil {
+			if errors.Is(err, ErrExempt) {
+				*r = exemptResult(plans)
+				return nil
+			}
+			return err
+		}
+	}
+	return l.decideOn(ctx, r, t, key, cost, minCost, plans, entry, h)
+}
+
+// decideOn makes one decision on plans, resolved, into *r. entry is the
+// plan's when there is one plan, and nil for a chain; h is decide's.
+func (l *Limiter) decideOn(ctx context.Context, r *Result, t *planTable, key string, cost, minCost int64, plans []Plan, entry *planEntry, h *hold) error {
+	if err := checkCost(cost, minCost, plans); err != nil {
+		return err
+	}
+	if len(plans) > maxShadowIndex {
+		if err := checkShadow(plans); err != nil {
+			return err
+		}
+	}
+	if err := ctx.Err(); err != nil {
 		return err
 	}
 	if h != nil {
@@ -35,9 +70,9 @@ func (l *Limiter) decide(ctx context.Context, r *Result, key string, cost, minCo
 	var pk string   // the denial cache's name for plans
 	var asked int64 // when the store was asked, on the Limiter's clock, which the cache shares
 	if cache {
-		pk, asked = planKey(names), l.now()
+		pk, asked = planKey(plans, entry), l.now()
 		if l.cached(r, key, pk, cost, asked) {
-			l.record(ctx, r, cost, entry)
+			l.record(ctx, r, cost, entry, t)
 			return nil
 		}
 	}
@@ -58,44 +93,22 @@ func (l *Limiter) decide(ctx context.Context, r *Result, key string, cost, minCo
 	if cache {
 		l.remember(key, pk, cost, r, asked)
 	}
-	l.record(ctx, r, cost, entry)
+	l.record(ctx, r, cost, entry, t)
 	return nil
 }
 
-// validate checks a request and returns its plans, and the plan's entry
-// when there is one plan. A context that has ended is an error before
-// anything is consumed, whichever the store.
-func (l *Limiter) validate(ctx context.Context, key string, cost, minCost int64, names []string) (plans []Plan, entry *planEntry, err error) {
-	entry = l.defaults
-	plans = entry.one
-	if len(names) > 0 {
-		if plans, entry, err = l.resolve(names); err != nil {
-			return nil, nil, err
-		}
-	}
-	if err := checkKey(key); err != nil {
-		return nil, nil, err
-	}
-	if err := checkCost(cost, minCost, plans); err != nil {
-		return nil, nil, err
-	}
-	if err := ctx.Err(); err != nil {
-		return nil, nil, err
-	}
-	return plans, entry, nil
-}
-
-// resolve maps plan names to plans, and returns the entry of a single plan.
-func (l *Limiter) resolve(names []string) ([]Plan, *planEntry, error) {
+// resolve maps plan names to the table's plans, and returns the entry of a
+// single plan.
+func (t *planTable) resolve(names []string) ([]Plan, *planEntry, error) {
 	if len(names) == 1 {
-		if e, ok := l.byName[names[0]]; ok {
+		if e, ok := t.byName[names[0]]; ok {
 			return e.one, e, nil
 		}
 		return nil, nil, fmt.Errorf("%w: %q", ErrUnknownPlan, names[0])
 	}
 	plans := make([]Plan, len(names))
 	for i, name := range names {
-		e, ok := l.byName[name]
+		e, ok := t.byName[name]
 		if !ok {
 			return nil, nil, fmt.Errorf("%w: %q", ErrUnknownPlan, name)
 		}
@@ -109,14 +122,19 @@ func (l *Limiter) resolve(names []string) ([]Plan, *planEntry, error) {
 	return plans, nil, nil
 }
 
-// planKey names the plans of a request for the denial cache. One name, the
-// common case, costs nothing; no names, the default plan, is "", which no
-// plan is called.
-func planKey(names []string) string {
-	if len(names) == 1 {
-		return names[0]
+// planKey names the plans of a request for the denial cache by their
+// fingerprints, so that a remembered denial answers only for the same
+// parameters: a raised limit (a resolver's tier upgrade, SetPlans) is
+// asked of the store at once. One plan, the common case, costs nothing.
+func planKey(plans []Plan, entry *planEntry) string {
+	if entry != nil {
+		return entry.fp
 	}
-	return strings.Join(names, ",") // a comma is in no plan name
+	fps := make([]string, len(plans))
+	for i, p := range plans {
+		fps[i] = fingerprint(p)
+	}
+	return strings.Join(fps, ",") // a comma is in no fingerprint
 }
 
 // cached answers the request from a remembered denial, as of now, and
@@ -319,7 +337,7 @@ func (l *Limiter) degrade(ctx context.Context, r *Result, key string, cost int64
 		*r = Result{}
 		return fmt.Errorf("%w: %w", ErrStoreUnavailable, cause)
 	}
-	if err := take(ctx, r, l.fallback, key, cost, plans, h); err != nil {
+	if err := take(ctx, r, l.fallback, key, cost, share(plans, l.fleetSize(), cost), h); err != nil {
 		*r = Result{}
 		return fmt.Errorf("%w: fallback store failed too: %w", ErrStoreUnavailable, err)
 	}
@@ -352,27 +370,22 @@ func (l *Limiter) recovered(now int64) {
 	}
 }
 
-// planIndex returns the index of the plan named name, or -1 if a foreign
-// store named none of ours. Plans are few, and their names the very
-// strings a Result carries, so a scan beats hashing the name.
-func (l *Limiter) planIndex(name string) int {
-	for i := range l.plans {
-		if l.plans[i].Name == name {
-			return i
-		}
-	}
-	return -1
-}
-
 // record counts a decision that took tokens, under its binding plan, and
-// logs it at debug level if the logger wants that. entry is the plan's
-// when one plan was asked, and nil for a chain.
-func (l *Limiter) record(ctx context.Context, r *Result, cost int64, entry *planEntry) {
+// the would-be denials of its shadowed plans, and logs it at debug level
+// if the logger wants that. entry is the plan's when one plan was asked,
+// and nil for a chain, whose binding plan t names, or else the Limiter's
+// other plans (AllowPlans).
+func (l *Limiter) record(ctx context.Context, r *Result, cost int64, entry *planEntry, t *planTable) {
 	if cost > 0 {
-		if entry != nil {
-			entry.counts.count(r)
-		} else if i := l.planIndex(r.Plan); i >= 0 { // a chain: the binding plan's
-			l.stats.plans[i].count(r)
+		bound := entry
+		if bound == nil { // a chain: the binding plan's
+			bound = l.entryOf(t, r.Plan)
+		}
+		if bound != nil { // nil: a foreign store named none of ours
+			bound.counts.decisions.count(r)
+		}
+		if r.ShadowDenied {
+			l.countShadow(r, entry, t)
 		}
 	}
 	if l.debug {

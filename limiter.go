@@ -59,20 +59,16 @@ type Limiter struct {
 	debug    bool // log every decision: the logger had debug enabled at New
 	holdTTL  time.Duration
 
-	byName   map[string]*planEntry
-	plans    []Plan // as given to New
-	defaults *planEntry
+	table     atomic.Pointer[planTable] // New's plans, or SetPlans's
+	resolver  PlanResolver              // nil: none
+	shadowAll bool                      // WithShadow
+	others    otherPlans                // AllowPlans's plans not in the table
+	fleet     *fleet                    // WithFleet; nil: none
 
 	epoch       time.Time // the Limiter's clock, and its denial cache's, counts from here
 	stats       counters
 	outage      outage
 	lastSuccess atomic.Int64 // the last store call that succeeded, on the Limiter's clock
-}
-
-// planEntry is a plan as a Limiter looks it up by name.
-type planEntry struct {
-	one    []Plan       // the plan alone, so that a decision on one plan builds no slice
-	counts *planStripes // its decisions, for Stats
 }
 
 var _ RateLimiter = (*Limiter)(nil)
@@ -88,25 +84,14 @@ func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
 	if err := wiringError(store); err != nil {
 		return nil, err
 	}
-	if len(plans) == 0 {
-		return nil, fmt.Errorf("%w: no plans", ErrInvalidPlan)
-	}
-	l := &Limiter{store: store, byName: make(map[string]*planEntry, len(plans)), stats: newCounters(len(plans)), epoch: time.Now()}
-	for i, p := range plans {
-		if err := p.validate(); err != nil {
-			return nil, err
-		}
-		if _, dup := l.byName[p.Name]; dup {
-			return nil, fmt.Errorf("%w: plan name %q is given twice", ErrInvalidPlan, p.Name)
-		}
-		l.byName[p.Name] = &planEntry{one: []Plan{p}, counts: &l.stats.plans[i]}
-		l.plans = append(l.plans, p)
-	}
-	l.defaults = l.byName[plans[0].Name]
-
+	l := &Limiter{store: store, stats: newCounters(), epoch: time.Now()}
 	c := config{log: slog.Default(), holdTTL: defaultHoldTTL}
 	for _, o := range opts {
 		o(&c)
+	}
+	l.resolver, l.shadowAll = c.resolver, c.shadow
+	if err := l.SetPlans(plans); err != nil {
+		return nil, err
 	}
 	if !c.breaker.Valid() {
 		return nil, fmt.Errorf("%w: breaker settings out of range", ErrInvalidOption)
@@ -140,6 +125,14 @@ func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
 			l.fallback = NewMemoryStore()
 		}
 	}
+	if c.fleet != nil {
+		f, err := newFleet(store, *c.fleet)
+		if err != nil {
+			return nil, err
+		}
+		l.fleet = f
+		go f.run()
+	}
 	return l, nil
 }
 
@@ -157,9 +150,10 @@ func wiringError(s Store) error {
 // denial cache's reads the same.
 func (l *Limiter) now() int64 { return int64(time.Since(l.epoch)) }
 
-// Plan returns the plan named name, and whether there is one.
+// Plan returns the plan named name in the current table (New, SetPlans),
+// and whether there is one; shadowed if WithShadow is set.
 func (l *Limiter) Plan(name string) (Plan, bool) {
-	e, ok := l.byName[name]
+	e, ok := l.table.Load().byName[name]
 	if !ok {
 		return Plan{}, false
 	}
@@ -202,10 +196,11 @@ func (l *Limiter) Reset(ctx context.Context, key string, names ...string) error 
 	if err := checkKey(key); err != nil {
 		return err
 	}
-	plans := l.plans
+	t := l.table.Load()
+	plans := t.plans
 	if len(names) > 0 {
 		var err error
-		if plans, _, err = l.resolve(names); err != nil {
+		if plans, _, err = t.resolve(names); err != nil {
 			return err
 		}
 	}

@@ -57,6 +57,7 @@ type memBucket struct {
 	plan Plan
 	TokenBucket
 	win *window
+	ver bucketVersion // of versioned plans (Plan.Version)
 }
 
 // find returns the stored state of plan p's name, or nil. e may be nil: a
@@ -76,7 +77,7 @@ func (e *memEntry) find(p *Plan) *memBucket {
 // there is none.
 func (e *memEntry) bucket(p *Plan, now int64) TokenBucket {
 	if b := e.find(p); b != nil && b.win == nil {
-		return b.TokenBucket
+		return b.ver.inherit(b.TokenBucket, p, now)
 	}
 	return fullBucket(*p, now)
 }
@@ -109,16 +110,22 @@ func (e *memEntry) store(p *Plan, b TokenBucket) {
 	for i := range e.buckets {
 		switch eb := &e.buckets[i]; {
 		case eb.plan.Name != p.Name:
-		case eb.win != nil || eb.plan.Capacity != p.Capacity || eb.plan.Rate != p.Rate:
+		case eb.win != nil:
+			*eb = memBucket{plan: *p, TokenBucket: b, ver: bucketVersion{}.written(p)}
+			return
+		case eb.plan.Capacity != p.Capacity || eb.plan.Rate != p.Rate:
 			// Another Limiter with other plans of that name shares the store.
-			*eb = memBucket{plan: *p, TokenBucket: b}
+			*eb = memBucket{plan: *p, TokenBucket: b, ver: eb.ver.written(p)}
 			return
 		default: // no pointer written, no write barrier
 			eb.TokenBucket = b
+			if p.Version != 0 {
+				eb.ver = eb.ver.written(p)
+			}
 			return
 		}
 	}
-	e.buckets = append(e.buckets, memBucket{plan: *p, TokenBucket: b})
+	e.buckets = append(e.buckets, memBucket{plan: *p, TokenBucket: b, ver: bucketVersion{}.written(p)})
 }
 
 // storeWindow returns plan p's window to write in: new if there is none,
@@ -266,13 +273,15 @@ func (m *MemoryStore) takeInto(r *Result, key string, cost int64, plans []Plan) 
 	for i := range plans {
 		buckets = append(buckets, e.bucket(&plans[i], now))
 	}
-	allowed := takeAll(plans, buckets, now, cost)
+	allowed, wd := takeAll(plans, buckets, now, cost)
 	if allowed && cost > 0 {
 		if e == nil {
 			e = s.entry(key, len(plans), m.perCap, now)
 		}
 		for i := range plans {
-			e.store(&plans[i], buckets[i])
+			if wd&(1<<i) == 0 { // a shadowed plan that would deny is left as it was
+				e.store(&plans[i], buckets[i])
+			}
 		}
 	} else {
 		// A denial or a read leaves the buckets as they were.
@@ -281,7 +290,7 @@ func (m *MemoryStore) takeInto(r *Result, key string, cost int64, plans []Plan) 
 		}
 	}
 	s.mu.Unlock()
-	r.describe(plans, buckets, nil, now, cost, allowed)
+	r.describe(plans, buckets, nil, now, cost, allowed, wd)
 }
 
 // lock locks the shard of key and returns it, the key's entry (nil if
@@ -331,13 +340,14 @@ func (m *MemoryStore) takeWindows(r *Result, key string, cost int64, plans []Pla
 			buckets[i] = e.bucket(p, now)
 		}
 	}
-	allowed := chain(plans, buckets, windows, now, cost, u)
+	allowed, wd := chain(plans, buckets, windows, now, cost, u)
 	taken := allowed && cost > 0
 	if (taken || suppressed && cost > 0) && e == nil {
 		e = s.entry(key, len(plans), m.perCap, now)
 	}
 	if taken || suppressed && cost > 0 {
 		for i := range plans {
+			taken := taken && wd&(1<<i) == 0 // a shadowed plan that would deny takes nothing
 			switch p := &plans[i]; {
 			case !p.isWindow():
 				if taken {
@@ -357,14 +367,14 @@ func (m *MemoryStore) takeWindows(r *Result, key string, cost int64, plans []Pla
 		switch p := &plans[i]; {
 		case p.isWindow():
 			// Windows change in place: they are described under the lock.
-			states[i] = describeWindow(p, windows[i], now, cost, allowed)
+			states[i] = describeWindow(p, windows[i], now, cost, allowed && wd&(1<<i) == 0)
 		case !taken:
 			// A denial or a read leaves the buckets as they were.
 			buckets[i] = e.bucket(p, now)
 		}
 	}
 	s.mu.Unlock()
-	r.describe(plans, buckets, states, now, cost, allowed)
+	r.describe(plans, buckets, states, now, cost, allowed, wd)
 }
 
 // describeWindow returns what a Result reports of window w of plan p after

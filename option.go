@@ -34,6 +34,9 @@ type config struct {
 	log        *slog.Logger
 	denialKeys *int // nil: the default
 	holdTTL    time.Duration
+	resolver   PlanResolver
+	shadow     bool
+	fleet      *FleetSettings // nil: no fleet
 }
 
 // defaultDenialCacheKeys is the default bound of WithDenialCache.

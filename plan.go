@@ -67,6 +67,25 @@ type Plan struct {
 	// token bucket. Suppressed plans write on every request, refusals
 	// included, so the denial cache never answers for them.
 	Suppress float64
+	// Shadow puts the plan in dry run: it is decided, and its bucket
+	// drained, exactly as if it were enforced, but it never denies. A
+	// request it lacks the tokens for leaves its bucket as enforcement
+	// would, so that its bucket always holds what the enforced plan would
+	// hold; it is reported as PlanResult.WouldDeny, Result.ShadowDenied
+	// and PlanStats.ShadowDenied. A shadowed plan may be at most 52nd in
+	// a chain. The default, false, enforces the plan.
+	Shadow bool
+	// Version, when not 0, fences a change of this token bucket plan:
+	// the first decision by a plan of a higher version than the bucket's
+	// applies Inherit to its tokens, once, and stores the version with
+	// the bucket (ADR 22), so that instances of old and new versions
+	// running side by side never apply it twice. The default, 0, stores
+	// nothing more and keeps the tokens, clamped (InheritAsIs). It must
+	// be 0 for a window plan.
+	Version uint32
+	// Inherit is what a higher Version does to the bucket's tokens. The
+	// default is InheritAsIs; any other needs a Version.
+	Inherit Inheritance
 }
 
 // Per returns the rate, in tokens per second, of n tokens every d. For
@@ -98,6 +117,9 @@ func (p Plan) validate() error {
 func (p Plan) validateNumbers() error {
 	if p.Capacity < 1 || p.Capacity > maxCapacity {
 		return fmt.Errorf("%w: capacity must be 1 to %d, got %d", ErrInvalidPlan, maxCapacity, p.Capacity)
+	}
+	if err := p.validateVersion(); err != nil {
+		return err
 	}
 	if p.Window != 0 {
 		return p.validateWindow()

@@ -105,11 +105,11 @@ func (s *RedisStore) run(ctx context.Context, keys []string, args []any, cost in
 	if len(plans) > len(bstack) {
 		buckets, windows = make([]TokenBucket, len(plans)), make([]planState, len(plans))
 	}
-	allowed, now, err := parseReply(buckets, windows, reply, plans, cost)
+	allowed, now, wd, err := parseReply(buckets, windows, reply, plans, cost)
 	if err != nil {
 		return Result{}, err
 	}
-	return newResult(plans, buckets, windows, now, cost, allowed), nil
+	return newResult(plans, buckets, windows, now, cost, allowed, wd), nil
 }
 
 // args returns the script's ARGV for a decision (see scripts/limit.lua):
@@ -117,11 +117,11 @@ func (s *RedisStore) run(ctx context.Context, keys []string, args []any, cost in
 // windows, the cost, a random number drawn if a plan is suppressed, and
 // four numbers per plan.
 func (s *RedisStore) args(cost int64, plans []Plan) []any {
-	if !windowIn(plans) {
+	if !windowIn(plans) && !versionedIn(plans) {
 		args := make([]any, 1+2*len(plans))
 		args[0] = cost
 		for i := range plans {
-			args[1+2*i], args[2+2*i] = plans[i].Capacity, formatRate(plans[i].Rate)
+			args[1+2*i], args[2+2*i] = capacityArg(&plans[i]), formatRate(plans[i].Rate)
 		}
 		return args
 	}
@@ -134,11 +134,11 @@ func (s *RedisStore) args(cost int64, plans []Plan) []any {
 		p, a := &plans[i], args[2+4*i:6+4*i]
 		switch {
 		case !p.isWindow():
-			a[0], a[1], a[2], a[3] = p.Capacity, formatRate(p.Rate), 0, 0
+			a[0], a[1], a[2], a[3] = capacityArg(p), formatRate(p.Rate), 0, versionArg(p)
 		case p.Suppress != 0:
-			a[0], a[1], a[2], a[3] = p.Capacity, p.width(), p.slots(), p.hardLimit()
+			a[0], a[1], a[2], a[3] = capacityArg(p), p.width(), p.slots(), p.hardLimit()
 		default:
-			a[0], a[1], a[2], a[3] = p.Capacity, p.width(), p.slots(), 0
+			a[0], a[1], a[2], a[3] = capacityArg(p), p.width(), p.slots(), 0
 		}
 	}
 	return args
@@ -175,16 +175,17 @@ var maxWait = 2 * MaxRefillPeriod.Microseconds()
 // window plan i in windows[i]. A stamp after now (Redis TIME stepped back)
 // or tokens above a capacity that shrank are for Refill to judge, as the
 // next decision will.
-func parseReply(buckets []TokenBucket, windows []planState, reply any, plans []Plan, cost int64) (allowed bool, now int64, err error) {
+func parseReply(buckets []TokenBucket, windows []planState, reply any, plans []Plan, cost int64) (allowed bool, now int64, wd uint64, err error) {
 	var stack [2 + 4*4]int64
 	vals, err := redisscript.Ints(stack[:0], reply, replyLen(plans))
 	if err != nil {
-		return false, 0, err
+		return false, 0, 0, err
 	}
-	if vals[0] > 1 {
-		return false, 0, fmt.Errorf("%w: allowed flag is %d", ErrBadReply, vals[0])
+	// The allowed bit, then a bit per shadowed plan that would deny.
+	if wd = uint64(vals[0]) >> 1; vals[0] < 0 || wd&^shadowMask(plans) != 0 {
+		return false, 0, 0, fmt.Errorf("%w: allowed flag is %d", ErrBadReply, vals[0])
 	}
-	allowed, now = vals[0] == 1, vals[1]
+	allowed, now = vals[0]&1 == 1, vals[1]
 	vals = vals[2:]
 	for i := range plans {
 		p := &plans[i]
@@ -195,12 +196,12 @@ func parseReply(buckets []TokenBucket, windows []planState, reply any, plans []P
 		}
 		admitted, offered, ready, reset := vals[0], vals[1], vals[2], vals[3]
 		if ready < now || reset < now || ready-now > maxWait || reset-now > maxWait {
-			return false, 0, fmt.Errorf("%w: a window's wait is out of range", ErrBadReply)
+			return false, 0, 0, fmt.Errorf("%w: a window's wait is out of range", ErrBadReply)
 		}
-		windows[i] = windowState(p, admitted, offered, ready, reset, now, cost, allowed)
+		windows[i] = windowState(p, admitted, offered, ready, reset, now, cost, allowed && wd&(1<<i) == 0)
 		vals = vals[4:]
 	}
-	return allowed, now, nil
+	return allowed, now, wd, nil
 }
 
 // Reset implements Store: it deletes the buckets, which then read as full.

@@ -228,7 +228,7 @@ func TestParseReply(t *testing.T) {
 	}
 	for _, tt := range windowTests {
 		t.Run(tt.name, func(t *testing.T) {
-			_, _, err := parseReply(make([]TokenBucket, 1), make([]planState, 1), tt.reply, []Plan{win}, 1)
+			_, _, _, err := parseReply(make([]TokenBucket, 1), make([]planState, 1), tt.reply, []Plan{win}, 1)
 			if tt.ok {
 				assert.NoError(t, err)
 			} else {
@@ -238,7 +238,7 @@ func TestParseReply(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			_, _, err := parseReply(make([]TokenBucket, 1), make([]planState, 1), tt.reply, plans, 1)
+			_, _, _, err := parseReply(make([]TokenBucket, 1), make([]planState, 1), tt.reply, plans, 1)
 			if tt.ok {
 				assert.NoError(t, err)
 			} else {
@@ -398,7 +398,7 @@ func FuzzParseReply(f *testing.F) {
 		cost := int64(r.byte() % 3)
 		reply := r.value(plans, 0)
 		buckets, windows := make([]TokenBucket, len(plans)), make([]planState, len(plans))
-		allowed, now, err := parseReply(buckets, windows, reply, plans, cost)
+		allowed, now, _, err := parseReply(buckets, windows, reply, plans, cost)
 		if !wellFormed(reply, plans) {
 			if !errors.Is(err, ErrBadReply) {
 				t.Fatalf("reply %#v for %d plans: err %v, want ErrBadReply", reply, len(plans), err)
@@ -628,12 +628,12 @@ func runAgreement(t *testing.T, steps []agreementOp) {
 			bplans, buckets = append(bplans, p), append(buckets, b)
 		}
 		stored := slices.Clone(buckets) // what a denial or a read leaves
-		allowed := takeAll(bplans, buckets, now, s.cost)
+		allowed, _ := takeAll(bplans, buckets, now, s.cost)
 		if len(bplans) == len(s.plans) {
 			if allowed && s.cost > 0 {
 				stored = buckets
 			}
-			want := newResult(s.plans, stored, make([]planState, len(s.plans)), now, s.cost, allowed)
+			want := newResult(s.plans, stored, make([]planState, len(s.plans)), now, s.cost, allowed, 0)
 			assert.Equal(t, want, got, "step %d: Lua and TokenBucket disagree", i)
 		} else if got.Allowed && s.cost > 0 {
 			assert.True(t, allowed, "step %d: allowed, though a bucket lacks the tokens", i)
@@ -862,10 +862,10 @@ func TestLuaAgreesWithGoOnRealRedis(t *testing.T) {
 		reply, err := c.Eval(ctx, scripts.Limit, keys, args...).Result()
 		require.NoError(t, err)
 		got := make([]TokenBucket, 1)
-		allowed, now, err := parseReply(got, make([]planState, 1), reply, []Plan{p}, cost)
+		allowed, now, _, err := parseReply(got, make([]planState, 1), reply, []Plan{p}, cost)
 		require.NoError(t, err)
 		want := []TokenBucket{planted}
-		wantAllowed := takeAll([]Plan{p}, want, now, cost)
+		wantAllowed, _ := takeAll([]Plan{p}, want, now, cost)
 		assert.Equal(t, wantAllowed, allowed, "case %d", i)
 		written := planted // denials and reads write nothing
 		if allowed && cost > 0 {

@@ -34,6 +34,7 @@ type Reservation struct {
 type hold struct {
 	ttl   time.Duration
 	plans []Plan
+	skip  uint64 // bit i: the reservation took nothing from plan i (a shadowed plan that would deny)
 
 	store   Store  // the store that granted it; nil when none did (FailOpen)
 	id      string // a RedisStore's name for it
@@ -100,8 +101,27 @@ func (l *Limiter) Reserve(ctx context.Context, key string, n int64, plans ...str
 	}
 	if r.result.Allowed {
 		l.stats.reservations.held.Add(1)
+		r.hold.skip = untaken(&r.result)
 	}
 	return r, nil
+}
+
+// untaken returns the plans an allowed decision took nothing from, as bit
+// i for plan i: the shadowed plans that would have denied.
+func untaken(r *Result) uint64 {
+	if r.chain == nil {
+		if r.ShadowDenied {
+			return 1
+		}
+		return 0
+	}
+	var skip uint64
+	for i, pr := range r.chain {
+		if pr.WouldDeny {
+			skip |= 1 << i
+		}
+	}
+	return skip
 }
 
 // canHold reports whether a store and its fallback (nil if none) can hold
@@ -224,7 +244,7 @@ func (l *Limiter) settle(ctx context.Context, r *Reservation, actual int64) (st 
 	case nil: // granted by FailOpen: nothing was held
 		return Settlement{Result: r.result}, nil
 	case *MemoryStore:
-		st, status = s.settle(r.key, h.plans, r.n, actual, h.expires)
+		st, status = s.settle(r.key, h.plans, h.skip, r.n, actual, h.expires)
 		st.Source = r.result.Source
 	case *RedisStore:
 		if st, status, err = l.settleOnRedis(ctx, s, r, actual); err != nil {
@@ -273,7 +293,7 @@ func (l *Limiter) settleOnRedis(ctx context.Context, s *RedisStore, r *Reservati
 	}
 	// The fallback store holds no hold of Redis's: it charges the excess
 	// as for a hold gone, and the refund is dropped.
-	st, _ = l.fallback.(*MemoryStore).settle(r.key, plans, r.n, actual, 0)
+	st, _ = l.fallback.(*MemoryStore).settle(r.key, plans, r.hold.skip, r.n, actual, 0)
 	st.Source = SourceFallback
 	return st, holdLive, nil
 }

@@ -682,3 +682,31 @@ func BenchmarkReservation(b *testing.B) {
 		})
 	}
 }
+
+// TestReserveWithShadowedAndVersionedPlans reserves on a chain with a
+// shadowed plan that would deny and a plan with a version: settling
+// leaves the shadowed plan's bucket as enforcement would have (it took
+// nothing), and the versioned bucket keeps its version, so its
+// inheritance is not applied again.
+func TestReserveWithShadowedAndVersionedPlans(t *testing.T) {
+	ctx := context.Background()
+	plans := []Plan{
+		{Name: "tpm", Capacity: 1000, Rate: Per(1000, time.Minute), Version: 2, Inherit: InheritReset},
+		{Name: "next", Capacity: 800, Rate: Per(800, time.Hour), Shadow: true},
+	}
+	eachStore(t, plans, func(t *testing.T, l clockedLimiter) {
+		_, err := l.AllowN(ctx, "k", 500, "next")
+		require.NoError(t, err)
+		r, err := l.Reserve(ctx, "k", 600, "tpm", "next")
+		require.NoError(t, err)
+		require.True(t, r.OK(), "a shadowed plan never denies")
+		require.True(t, r.Result().PlanResults()[1].WouldDeny)
+		st, err := r.Settle(ctx, 700)
+		require.NoError(t, err)
+		assert.Equal(t, int64(300), st.PlanResults()[0].Remaining, "the versioned plan, charged 100 more, not reset")
+		assert.Equal(t, int64(300), st.PlanResults()[1].Remaining, "the shadowed plan took nothing and is charged nothing")
+		p, err := l.Peek(ctx, "k", "tpm")
+		require.NoError(t, err)
+		assert.Equal(t, int64(300), p.Remaining, "the version was kept: no second reset")
+	})
+}

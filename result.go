@@ -23,7 +23,7 @@ const (
 	numSources = iota // the number of Sources
 )
 
-// String returns "store", "fallback", "fail-open" or "cache".
+// String returns "store", "fallback", "fail-open", "cache" or "exempt".
 func (s Source) String() string {
 	switch s {
 	case SourceStore:
@@ -34,6 +34,8 @@ func (s Source) String() string {
 		return "fail-open"
 	case SourceCache:
 		return "cache"
+	case SourceExempt:
+		return "exempt"
 	}
 	return "unknown"
 }
@@ -57,12 +59,24 @@ type PlanResult struct {
 	// the plan refused the request, 0 to 1, for example 0.25: 0 up to its
 	// soft limit, 1 past its hard limit. It is 0 for other plans.
 	Suppression float64
+	// Rate and Window are those of the plan as applied, which a
+	// PlanResolver or AllowPlans may have chosen for the key, for example
+	// 10 tokens per second, or a Window of 1m; what Limit is to Capacity.
+	Rate   float64
+	Window time.Duration
+	// Shadow reports that the plan was shadowed (Plan.Shadow, WithShadow):
+	// decided, and its bucket drained, as if enforced, but never denying.
+	Shadow bool
+	// WouldDeny reports that the shadowed plan lacked the tokens, so that
+	// enforced it would have denied the request; RetryAfter is then the
+	// wait it would have imposed, and its bucket was left as it was.
+	WouldDeny bool
 }
 
 // Result is the outcome of one decision. Its top-level fields describe the
 // binding plan: when denied, the plan that makes the caller wait longest;
 // when allowed, the plan with the fewest tokens left (the first such plan on
-// a tie).
+// a tie). Shadowed plans bind only when every plan is shadowed.
 type Result struct {
 	// Allowed reports whether the tokens were taken. For a read (Peek,
 	// or a Store's Take of cost 0), which takes nothing, it reports
@@ -74,7 +88,8 @@ type Result struct {
 	// Remaining is the number of whole tokens left in the binding plan's
 	// bucket, for example 19.
 	Remaining int64
-	// RetryAfter is 0 when allowed; otherwise the wait until this same
+	// RetryAfter is 0 when allowed, unless the binding plan is shadowed
+	// and would have denied; otherwise the wait until this same
 	// request (for a read, a request for one token) would pass if nobody
 	// else took tokens, for example 250ms. For a suppressed plan it is the
 	// wait until the request would pass for certain, below the soft limit:
@@ -95,6 +110,15 @@ type Result struct {
 	// probability, 0 to 1, that a suppressed plan refused the request, for
 	// example 0.5 when the load offered is twice the soft limit.
 	Suppression float64
+	// Rate and Window are the binding plan's, as applied (see PlanResult).
+	Rate   float64
+	Window time.Duration
+	// ShadowDenied reports that a shadowed plan would have denied the
+	// request had it been enforced (PlanResult.WouldDeny tells which).
+	// Allowed is then decided by the enforced plans alone.
+	ShadowDenied bool
+
+	shadow bool // the binding plan is shadowed
 
 	// chain holds one PlanResult per plan when more than one plan was
 	// asked; for a single plan it is nil, so that the common decision
@@ -110,7 +134,8 @@ func (r Result) PlanResults() []PlanResult {
 	if r.chain != nil {
 		return r.chain
 	}
-	return []PlanResult{{Plan: r.Plan, Limit: r.Limit, Remaining: r.Remaining, RetryAfter: r.RetryAfter, ResetAfter: r.ResetAfter, Suppression: r.Suppression}}
+	return []PlanResult{{Plan: r.Plan, Limit: r.Limit, Remaining: r.Remaining, RetryAfter: r.RetryAfter, ResetAfter: r.ResetAfter,
+		Suppression: r.Suppression, Rate: r.Rate, Window: r.Window, Shadow: r.shadow, WouldDeny: r.ShadowDenied}}
 }
 
 // planState is what a Result tells of one plan after a decision.
@@ -124,45 +149,60 @@ type planState struct {
 // newResult describes a decision on plans from their state after it:
 // buckets[i] is the stored bucket of bucket plan i, and windows[i] what
 // windowState tells of window plan i (windows may be nil when no plan is
-// a window). Both stores build their results
-// here, so they agree field by field.
-func newResult(plans []Plan, buckets []TokenBucket, windows []planState, now, cost int64, allowed bool) Result {
+// a window); bit i of wd is set when shadowed plan i would have denied.
+// Both stores build their results here, so they agree field by field.
+func newResult(plans []Plan, buckets []TokenBucket, windows []planState, now, cost int64, allowed bool, wd uint64) Result {
 	var r Result
-	r.describe(plans, buckets, windows, now, cost, allowed)
+	r.describe(plans, buckets, windows, now, cost, allowed, wd)
 	return r
 }
 
 // describe is newResult into *r, which it overwrites whole: the memory
 // store's hot path builds its Result in place this way. A read (cost 0)
 // is described as the question whether one token would pass now.
-func (r *Result) describe(plans []Plan, buckets []TokenBucket, windows []planState, now, cost int64, allowed bool) {
+func (r *Result) describe(plans []Plan, buckets []TokenBucket, windows []planState, now, cost int64, allowed bool, wd uint64) {
 	if len(plans) == 1 { // the common case, and hot
 		p := &plans[0]
-		*r = Result{Plan: p.Name, Limit: p.Capacity}
+		*r = Result{Plan: p.Name, Limit: p.Capacity, Rate: p.Rate, Window: p.Window, shadow: p.Shadow}
 		if p.isWindow() {
 			st := &windows[0]
 			r.Remaining, r.RetryAfter, r.ResetAfter = st.remaining, st.retryAfter, st.resetAfter
 			r.Suppressed, r.Suppression = st.drawn, st.suppression
 		} else {
-			r.Remaining, r.RetryAfter, r.ResetAfter = bucketState(p, buckets[0], now, cost, allowed)
+			r.Remaining, r.RetryAfter, r.ResetAfter = bucketState(p, buckets[0], now, cost, allowed && wd == 0)
 		}
-		r.Allowed = allowed && (cost > 0 || r.RetryAfter == 0)
+		r.ShadowDenied = p.Shadow && (wd != 0 || cost <= 0 && r.RetryAfter > 0)
+		r.Allowed = allowed && (cost > 0 || r.RetryAfter == 0 || p.Shadow)
 		return
 	}
 	*r = Result{chain: make([]PlanResult, len(plans))}
+	enforced := false // some plan is enforced
 	for i := range plans {
 		p := &plans[i]
-		st := stateOf(p, i, buckets, windows, now, cost, allowed)
+		denied := i < 64 && wd&(1<<i) != 0
+		st := stateOf(p, i, buckets, windows, now, cost, allowed && !denied)
 		r.chain[i] = PlanResult{Plan: p.Name, Limit: p.Capacity, Remaining: st.remaining,
-			RetryAfter: st.retryAfter, ResetAfter: st.resetAfter, Suppression: st.suppression}
-		if cost <= 0 && st.retryAfter > 0 {
+			RetryAfter: st.retryAfter, ResetAfter: st.resetAfter, Suppression: st.suppression,
+			Rate: p.Rate, Window: p.Window, Shadow: p.Shadow, WouldDeny: p.Shadow && (denied || cost <= 0 && st.retryAfter > 0)}
+		switch {
+		case p.Shadow:
+			r.ShadowDenied = r.ShadowDenied || r.chain[i].WouldDeny
+		case cost <= 0 && st.retryAfter > 0:
 			allowed = false
 		}
+		enforced = enforced || !p.Shadow
 		r.Suppressed = r.Suppressed || st.drawn
 		r.Suppression = max(r.Suppression, st.suppression)
 	}
-	bind := 0
+	bind := -1
 	for i, pr := range r.chain {
+		if enforced && pr.Shadow {
+			continue
+		}
+		if bind < 0 {
+			bind = i
+			continue
+		}
 		b := &r.chain[bind]
 		if allowed && pr.Remaining < b.Remaining || !allowed && pr.RetryAfter > b.RetryAfter {
 			bind = i
@@ -171,6 +211,7 @@ func (r *Result) describe(plans []Plan, buckets []TokenBucket, windows []planSta
 	b := r.chain[bind]
 	r.Allowed = allowed
 	r.Plan, r.Limit, r.Remaining, r.RetryAfter, r.ResetAfter = b.Plan, b.Limit, b.Remaining, b.RetryAfter, b.ResetAfter
+	r.Rate, r.Window, r.shadow = b.Rate, b.Window, b.Shadow
 }
 
 // stateOf returns what a Result reports of plan p, the i-th: the
@@ -227,7 +268,7 @@ func failOpenResult(plans []Plan) Result {
 		buckets[i] = fullBucket(p, 0)
 		windows[i].remaining = p.Capacity
 	}
-	r := newResult(plans, buckets, windows, 0, 0, true)
+	r := newResult(plans, buckets, windows, 0, 0, true, 0)
 	r.Source = SourceFailOpen
 	return r
 }

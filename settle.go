@@ -14,7 +14,7 @@ import (
 // as status says. lost is the largest charge, in micro-tokens, that a
 // bucket could not take.
 func settlement(plans []Plan, buckets []TokenBucket, now, n, actual, lost int64, status settleStatus) Settlement {
-	st := Settlement{Result: newResult(plans, buckets, nil, now, 0, true)}
+	st := Settlement{Result: newResult(plans, buckets, nil, now, 0, true, 0)}
 	switch {
 	case status == holdLive && actual < n:
 		st.Refunded = n - actual
@@ -45,9 +45,10 @@ func (m *MemoryStore) holdInto(r *Result, key string, cost int64, plans []Plan, 
 
 // settle settles a reservation of n tokens on plans for key, of which
 // actual were used, with a hold that expires at expires (µs on the
-// store's clock; 0 for one held elsewhere, which reads as gone). The hold
+// store's clock; 0 for one held elsewhere, which reads as gone). Bit i of
+// skip leaves plan i alone: the reservation took nothing from it. The hold
 // itself is the Reservation, in this process, which settles only once.
-func (m *MemoryStore) settle(key string, plans []Plan, n, actual, expires int64) (Settlement, settleStatus) {
+func (m *MemoryStore) settle(key string, plans []Plan, skip uint64, n, actual, expires int64) (Settlement, settleStatus) {
 	var buf [4]TokenBucket
 	buckets := buf[:0]
 	s, e, now := m.lock(key)
@@ -63,7 +64,7 @@ func (m *MemoryStore) settle(key string, plans []Plan, n, actual, expires int64)
 	for i := range plans {
 		p := &plans[i]
 		b := e.bucket(p, now)
-		if delta != 0 {
+		if delta != 0 && skip&(1<<i) == 0 {
 			var u int64
 			b, u = b.adjust(*p, now, delta)
 			e.store(p, b)
@@ -106,10 +107,10 @@ func (s *RedisStore) keys(key string, plans []Plan, extra ...string) []string {
 // settle runs scripts/settle.lua for the hold h of n tokens on plans for
 // key, of which actual were used.
 func (s *RedisStore) settle(ctx context.Context, key string, plans []Plan, h *hold, n, actual int64) (Settlement, settleStatus, error) {
-	args := make([]any, 3, 3+2*len(plans))
-	args[0], args[1], args[2] = n, actual, h.ttl.Milliseconds()
+	args := make([]any, 4, 4+3*len(plans))
+	args[0], args[1], args[2], args[3] = n, actual, h.ttl.Milliseconds(), h.skip
 	for i := range plans {
-		args = append(args, plans[i].Capacity, formatRate(plans[i].Rate))
+		args = append(args, plans[i].Capacity, formatRate(plans[i].Rate), versionArg(&plans[i]))
 	}
 	reply, err := s.settleScript.Run(ctx, s.client, s.keys(key, plans, "~"+h.id), args...)
 	if err != nil {

@@ -57,7 +57,7 @@ func FuzzHold(f *testing.F) {
 					continue
 				}
 				p.settled = true
-				mst, mstatus := ms.settle("k", plans, p.n, x, p.mem.expires)
+				mst, mstatus := ms.settle("k", plans, 0, p.n, x, p.mem.expires)
 				rst, rstatus, err := rs.settle(ctx, "k", plans, &p.red, p.n, x)
 				require.NoError(t, err)
 				require.Equal(t, mstatus, rstatus, "op %d: settle %d of %d", i/3, x, p.n)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -60,6 +61,10 @@ type Stats struct {
 	// ScriptLoads is the number of times a RedisStore sent its scripts'
 	// source after Redis answered NOSCRIPT; 0 for other stores.
 	ScriptLoads int64
+	// FleetSize is the number of instances alive that the last heartbeat
+	// counted (WithFleet): the fallback enforces 1/FleetSize of each plan
+	// during an outage. 0 without WithFleet or before the first heartbeat.
+	FleetSize int64
 
 	// Reservations counts reservations and their settlements.
 	Reservations ReservationStats
@@ -110,8 +115,27 @@ type PlanStats struct {
 	// Plan is the plan's name.
 	Plan string
 	// Allowed and Denied count decisions by Source: Allowed[SourceStore]
-	// is the number the store allowed.
+	// is the number the store allowed. Exempt decisions (ErrExempt) are
+	// not counted.
 	Allowed, Denied [numSources]uint64
+	// ShadowDenied counts the decisions that this plan, shadowed, would
+	// have denied had it been enforced (Plan.Shadow, WithShadow), whichever
+	// plan bound them.
+	ShadowDenied uint64
+}
+
+// stats sums the counters of the plan named name.
+func (pc *planCount) stats(name string) PlanStats {
+	ps := PlanStats{Plan: name}
+	for st := range stripes {
+		c := &pc.decisions[st]
+		for src := range numSources {
+			ps.Denied[src] += c[0][src].Load()
+			ps.Allowed[src] += c[1][src].Load()
+		}
+		ps.ShadowDenied += pc.shadow[st].n.Load()
+	}
+	return ps
 }
 
 // latencyBounds are Stats.LatencyBounds.
@@ -150,15 +174,52 @@ func (p *planStripes) count(r *Result) {
 	}
 }
 
+// planCount is what a Limiter counts of one plan name.
+type planCount struct {
+	decisions planStripes
+	shadow    [stripes]struct {
+		n atomic.Uint64
+		_ [56]byte // the next stripe's counter on another cache line
+	}
+}
+
 // counters are what a Limiter counts for Stats. Each counter a decision
 // touches has a copy per stripe, so that cores rarely write one cache line.
 type counters struct {
-	plans        []planStripes // by plan, in the order given to New
 	calls        []storeCounters
 	reservations reservationCounters
 
 	mu     sync.Mutex
 	errors map[string]uint64
+	plans  map[string]*planCount // by plan name, kept across SetPlans
+}
+
+// plan returns the counters of the plan named name, new if it has none.
+func (c *counters) plan(name string) *planCount {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	pc, ok := c.plans[name]
+	if !ok {
+		pc = new(planCount)
+		c.plans[name] = pc
+	}
+	return pc
+}
+
+// countShadow counts, for each shadowed plan of the decision in *r that
+// would have denied, a would-be denial under that plan's name. entry is
+// the plan's for a decision on one plan, and nil for a chain.
+func (l *Limiter) countShadow(r *Result, entry *planEntry, t *planTable) {
+	s := stripe(r)
+	if entry != nil {
+		entry.counts.shadow[s].n.Add(1)
+		return
+	}
+	for _, pr := range r.chain {
+		if e := l.entryOf(t, pr.Plan); pr.WouldDeny && e != nil {
+			e.counts.shadow[s].n.Add(1)
+		}
+	}
 }
 
 // storeCounters are one stripe of the store calls' counters.
@@ -168,11 +229,11 @@ type storeCounters struct {
 	_       [64]byte // the next stripe's counters on other cache lines
 }
 
-func newCounters(plans int) counters {
+func newCounters() counters {
 	return counters{
-		plans:  make([]planStripes, plans),
 		calls:  make([]storeCounters, stripes),
 		errors: make(map[string]uint64),
+		plans:  make(map[string]*planCount),
 	}
 }
 
@@ -226,9 +287,12 @@ func errorClass(err error) string {
 // Stats returns a snapshot of what the Limiter has done since New. It is
 // safe to call while the Limiter decides; each counter is read once, so
 // counters read a moment apart may disagree by the decisions in between.
+// Plans lists the plans of the current table (New, SetPlans) in order,
+// then, by name, other plans that decided: AllowPlans's.
 func (l *Limiter) Stats() Stats {
+	t := l.table.Load()
 	s := Stats{
-		Plans:         make([]PlanStats, len(l.plans)),
+		Plans:         make([]PlanStats, 0, len(t.plans)),
 		StoreLatency:  make([]uint64, len(latencyBounds)+1),
 		LatencyBounds: append([]time.Duration(nil), latencyBounds[:]...), // the caller's to change
 		StoreErrors:   make(map[string]uint64),
@@ -243,22 +307,24 @@ func (l *Limiter) Stats() Stats {
 			s.StoreCalls += n
 		}
 	}
-	for i, p := range l.plans {
-		ps := &s.Plans[i]
-		ps.Plan = p.Name
-		for st := range stripes {
-			pc := &l.stats.plans[i][st]
-			for src := range numSources {
-				ps.Denied[src] += pc[0][src].Load()
-				ps.Allowed[src] += pc[1][src].Load()
-			}
-		}
+	for _, p := range t.plans {
+		s.Plans = append(s.Plans, t.byName[p.Name].counts.stats(p.Name))
 	}
 	l.stats.mu.Lock()
 	for k, v := range l.stats.errors {
 		s.StoreErrors[k] = v
 	}
+	var others []string
+	for name := range l.stats.plans {
+		if t.byName[name] == nil {
+			others = append(others, name)
+		}
+	}
 	l.stats.mu.Unlock()
+	slices.Sort(others)
+	for _, name := range others {
+		s.Plans = append(s.Plans, l.stats.plan(name).stats(name))
+	}
 	if h := l.health; h != nil {
 		s.Breaker = h.state()
 		s.BreakerOpened = h.entered(breaker.Open)
@@ -267,6 +333,9 @@ func (l *Limiter) Stats() Stats {
 	}
 	if rs, ok := l.store.(*RedisStore); ok {
 		s.ScriptLoads = rs.ScriptLoads()
+	}
+	if l.fleet != nil {
+		s.FleetSize = l.fleet.size.Load()
 	}
 	s.Reservations = l.stats.reservations.snapshot()
 	return s

@@ -70,5 +70,8 @@ func checkTake(key string, cost int64, plans []Plan) error {
 			return err
 		}
 	}
+	if err := checkShadow(plans); err != nil {
+		return err
+	}
 	return checkCost(cost, 0, plans)
 }

@@ -26,7 +26,7 @@ import (
 // takeWindow decides cost on window plan p alone, as the stores do, and
 // writes what they would write.
 func takeWindow(w *window, p Plan, now, cost int64, u uint64) bool {
-	ok := chain([]Plan{p}, make([]TokenBucket, 1), []*window{w}, now, cost, u)
+	ok, _ := chain([]Plan{p}, make([]TokenBucket, 1), []*window{w}, now, cost, u)
 	if cost > 0 && (ok || p.Suppress != 0) {
 		admitted := int64(0)
 		if ok {
@@ -358,7 +358,7 @@ func TestWindowChildProcess(t *testing.T) {
 				cost := int64(1 + (i+w)%3)
 				reply, err := s.script.Run(context.Background(), c, keys, s.args(cost, windowProof)...)
 				require.NoError(t, err)
-				allowed, now, err := parseReply(make([]TokenBucket, 2), make([]planState, 2), reply, windowProof, cost)
+				allowed, now, _, err := parseReply(make([]TokenBucket, 2), make([]planState, 2), reply, windowProof, cost)
 				require.NoError(t, err)
 				mu.Lock()
 				events = append(events, windowEvent{now, cost, allowed})

@@ -492,9 +492,9 @@ func (s *server) deniedMetadata(res *tollgate.Result) metadata.MD {
 }
 
 func (s *server) appendFields(f *fields, res *tollgate.Result) {
-	f.buf = ratefields.AppendPolicy(f.buf, res, s.planner)
+	f.buf = ratefields.AppendPolicy(f.buf, res, s.planner, false)
 	f.end(mdPolicy)
-	f.buf = ratefields.AppendRateLimit(f.buf, res, s.planner)
+	f.buf = ratefields.AppendRateLimit(f.buf, res, s.planner, false)
 	f.end(mdRateLimit)
 	if s.metadata == MetadataBoth {
 		f.buf = ratefields.AppendLimit(f.buf, res)

@@ -93,16 +93,29 @@ var fieldNames = [numFields]string{
 // planner describes plans by name. *tollgate.Limiter implements it.
 type planner = ratefields.Planner
 
+// WithShadowHeaders has the rate limit fields describe shadowed plans
+// (tollgate.Plan.Shadow, tollgate.WithShadow) too, as if they were
+// enforced, so that clients see a limit before it is enforced. Shadowed
+// plans never cause a 429 or Retry-After. The default leaves them out: the
+// IETF fields list the enforced plans only, and when every plan is
+// shadowed no rate limit field is written.
+func WithShadowHeaders() Option {
+	return func(m *middleware) { m.shadowHeaders = true }
+}
+
 // setFields sets the fields of mode for res on h, and Retry-After if res
-// is a denial. p may be nil. The values come from package ratefields,
-// which the gRPC interceptors share.
-func setFields(h http.Header, res *tollgate.Result, mode HeaderMode, p planner) {
+// is a denial; shadowed plans only if shadow is set. p may be nil. The
+// values come from package ratefields, which the gRPC interceptors share.
+func setFields(h http.Header, res *tollgate.Result, mode HeaderMode, p planner, shadow bool) {
 	var buf [256]byte
 	f := fields{buf: buf[:0]}
+	if !shadow && allShadowed(res) {
+		mode = HeadersNone
+	}
 	if mode == HeadersBoth || mode == HeadersIETF {
-		f.buf = ratefields.AppendPolicy(f.buf, res, p)
+		f.buf = ratefields.AppendPolicy(f.buf, res, p, shadow)
 		f.end(fieldPolicy)
-		f.buf = ratefields.AppendRateLimit(f.buf, res, p)
+		f.buf = ratefields.AppendRateLimit(f.buf, res, p, shadow)
 		f.end(fieldRateLimit)
 	}
 	if mode == HeadersBoth || mode == HeadersLegacy {
@@ -152,4 +165,15 @@ func (f *fields) setOn(h http.Header) {
 		h[fieldNames[f.ids[i]]] = values[i : i+1 : i+1]
 		start = f.ends[i]
 	}
+}
+
+// allShadowed reports whether every plan of res is shadowed: then the
+// binding plan, which the legacy fields describe, is a shadowed one.
+func allShadowed(res *tollgate.Result) bool {
+	for _, pr := range res.PlanResults() {
+		if !pr.Shadow {
+			return false
+		}
+	}
+	return true
 }

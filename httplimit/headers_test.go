@@ -1,6 +1,7 @@
 package httplimit
 
 import (
+	"context"
 	"fmt"
 	"net/http"
 	"net/http/httptest"
@@ -208,4 +209,41 @@ func TestFieldsOfTheREADME(t *testing.T) {
 			"X-RateLimit-Limit": "20", "X-RateLimit-Remaining": "0", "X-RateLimit-Reset": "2", "Retry-After": "1",
 		}, rateLimitFields(w))
 	})
+}
+
+// WithShadowHeaders shows the shadowed plans as if enforced; without it,
+// a Limiter whose plans are all shadowed writes no rate limit field.
+func TestShadowHeaders(t *testing.T) {
+	l, err := tollgate.New(tollgate.NewMemoryStore(), []tollgate.Plan{{Name: "next", Capacity: 1, Rate: 0.5}}, tollgate.WithShadow())
+	require.NoError(t, err)
+	serve := func(opts ...Option) http.Header {
+		req := httptest.NewRequest(http.MethodGet, "/", nil)
+		req.Header.Set("K", "k")
+		rec := httptest.NewRecorder()
+		Middleware(l, ByHeader("K"), opts...)(http.HandlerFunc(func(http.ResponseWriter, *http.Request) {})).ServeHTTP(rec, req)
+		require.Equal(t, http.StatusOK, rec.Code, "never 429 because of shadow")
+		return rec.Header()
+	}
+	h := serve()
+	assert.Empty(t, h.Get("RateLimit-Policy"))
+	assert.Empty(t, h.Get("X-RateLimit-Limit"))
+	h = serve(WithShadowHeaders())
+	assert.Equal(t, `"next";q=1;w=2`, h.Get("RateLimit-Policy"))
+	assert.Equal(t, `"next";r=0;t=2`, h.Get("RateLimit"), "the second request: the bucket a denial would leave")
+	assert.Equal(t, "1", h.Get("X-RateLimit-Limit"))
+	assert.Empty(t, h.Get("Retry-After"))
+}
+
+// An exempt key gets no rate limit fields: it has no limits.
+func TestExemptKeyHasNoFields(t *testing.T) {
+	l, err := tollgate.New(tollgate.NewMemoryStore(), testPlans, tollgate.WithPlanResolver(func(context.Context, string, tollgate.Plan) (tollgate.Plan, error) {
+		return tollgate.Plan{}, tollgate.ErrExempt
+	}))
+	require.NoError(t, err)
+	req := httptest.NewRequest(http.MethodGet, "/", nil)
+	req.Header.Set("K", "k")
+	rec := httptest.NewRecorder()
+	Middleware(l, ByHeader("K"))(http.HandlerFunc(func(http.ResponseWriter, *http.Request) {})).ServeHTTP(rec, req)
+	assert.Equal(t, http.StatusOK, rec.Code)
+	assert.Empty(t, rec.Header().Get("RateLimit-Policy"))
 }

@@ -165,6 +165,9 @@ type middleware struct {
 	keyError func(http.ResponseWriter, *http.Request, error)
 	onError  func(http.ResponseWriter, *http.Request, error)
 	final    func(*http.Request, Response) int64 // WithSettle's; nil: AllowN
+
+	shadowHeaders bool // WithShadowHeaders
+	inContext     bool // WithResultInContext
 }
 
 func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Handler) {
@@ -198,7 +201,12 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		m.onError(w, r, err)
 		return
 	}
-	setFields(w.Header(), &res, m.headers, m.planner)
+	if res.Source != tollgate.SourceExempt { // an exempt key has no limits to tell
+		setFields(w.Header(), &res, m.headers, m.planner, m.shadowHeaders)
+	}
+	if m.inContext {
+		r = r.WithContext(context.WithValue(r.Context(), resultKey{}, res))
+	}
 	if !res.Allowed {
 		m.denied(w, r, res)
 		return

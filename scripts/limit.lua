@@ -13,12 +13,16 @@
 -- KEYS[i]        the state of plan i; every key shares one hash slot
 -- ARGV[1]        cost in tokens; 0 reads without taking or writing, and
 --                -n reads as if asked for n tokens (PeekN)
+-- A capacity below 0 shadows its plan (ADR 23): the plan is decided with
+-- capacity -c and drained if it fits, but never denies; a plan that lacks
+-- the tokens is left as it was.
 -- Then, for a chain of buckets alone (#ARGV = 1 + 2 #KEYS), which the
 -- arguments of windows would slow by 13-23% (ADR 16):
 -- ARGV[2i..2i+1] plan i: capacity in tokens, rate in tokens per second
 --                (= micro-tokens per µs)
--- A reservation's hold (Limiter.Reserve) adds, to a chain of buckets
--- alone (#ARGV = 2 #KEYS):
+-- A reservation's hold (Limiter.Reserve), on buckets only, adds one key
+-- and one argument to either layout (#ARGV = 2 #KEYS, or 4 #KEYS - 1 for
+-- the wide one, which no layout without a hold has for two keys or more):
 -- KEYS[#KEYS]    the hold, set to the cost taken if allowed (see
 --                settle.lua)
 -- ARGV[#ARGV]    the hold's time to live in ms
@@ -27,11 +31,14 @@
 --                for suppressed plans (Lua's math.random is reseeded on
 --                every call before Redis 7)
 -- ARGV[4i-1..4i+2] plan i: capacity in tokens, then
---   a bucket:    rate in tokens per second, 0, 0
+--   a bucket:    rate in tokens per second, 0, and 0 or, for a plan with
+--                a version (ADR 22), version × 4 + inheritance (1
+--                proportional, 2 reset, 3 additive, 0 as-is)
 --   a window:    sub-window width g in µs, the number k of sub-windows,
 --                and the hard limit in tokens if suppressed, else 0
 --
--- Reply: {allowed (1 or 0), now (µs, from TIME), then per plan:
+-- Reply: {allowed (1 or 0) + 2 × (the sum of 2^(i-1) over the shadowed
+-- plans i that would deny), now (µs, from TIME), then per plan:
 --   a bucket:  tokens, stamp: the bucket as stored after the decision,
 --              drained if allowed, as read if not (a missing or foreign
 --              bucket reads as full at now);
@@ -41,7 +48,11 @@
 --              decision (now if nothing does)}
 --
 -- Bucket: a hash {t = micro-tokens, ts = stamp in µs, v = 1}, written only
--- when tokens are taken, expiring when it would be full again.
+-- when tokens are taken, expiring when it would be full again. Plans with
+-- a version also keep pv, the highest version that wrote it, never
+-- lowered, and c, the capacity of the last such write: a plan of a
+-- higher version than pv applies its inheritance once, from capacity c
+-- (or its own, if none), as plan_version.go does.
 --
 -- Window: a hash {v = 'w' or 's' (suppressed) .. g .. '/' .. k,
 -- <i> = tokens admitted in sub-window i = floor(µs / g),
@@ -59,14 +70,18 @@ local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
 local cost = tonumber(ARGV[1])
 local need = cost * 1000000
--- A hold adds one key and one argument to a chain of buckets alone.
-local held = #ARGV == 2 * #KEYS
+-- A hold adds one key and one argument to either layout (see above); a
+-- hold has at least one plan beside it, and one bucket alone without a
+-- hold has 3 arguments, which is 4 #KEYS - 1 too.
+local held = #ARGV == 2 * #KEYS or #KEYS > 1 and #ARGV == 4 * #KEYS - 1
 local plans = held and #KEYS - 1 or #KEYS
-local wide = not held and #ARGV ~= 1 + 2 * #KEYS -- the layout with windows
+local wide = #ARGV ~= 1 + 2 * plans + (held and 1 or 0) -- the layout with windows
 local u = wide and tonumber(ARGV[2]) or 0
 local reply = {1, now} -- bucket plans: the state as read, until allowed
+local wd, sd = 0, nil -- shadowed plans that would deny: bits, and by plan
 local after = {} -- bucket plans: the state refilled to now
 local foreign -- plans whose key holds data not ours, replaced on write
+local pvs -- versioned bucket plans: the version the bucket had
 -- Window plans, by plan: the current sub-window (b), the counts (adm,
 -- off), the newest sub-window (newest), the newest with an admitted count
 -- (last), stale fields to delete (stale), and the fields read (xs).
@@ -76,19 +91,34 @@ local carry -- window plans whose key held a window of another shape: its counts
 for i = 1, plans do
   local a = wide and 4 * i - 1 or 2 * i -- plan i's first argument
   local cap = tonumber(ARGV[a])
+  local shadow = cap < 0
+  if shadow then cap = -cap end
   local k = wide and tonumber(ARGV[a + 2]) or 0
   if k == 0 then
     -- A bucket: refill, exactly as bucket.go does it.
     local full, rate = cap * 1000000, tonumber(ARGV[a + 1])
-    local t, ts, f = readBucket(KEYS[i], full, now)
+    local vs = wide and tonumber(ARGV[a + 3]) or 0
+    local t, ts, f, pv, oc = readBucket(KEYS[i], full, now, vs > 0)
     if f then
       foreign = foreign or {}
       foreign[i] = true
     end
+    if vs > 0 then
+      pvs = pvs or {}
+      pvs[i] = pv
+      t, ts = inherit(t, ts, full, now, vs, pv, oc)
+    end
     reply[2 * i + 1], reply[2 * i + 2] = t, ts
     t, ts = refill(t, ts, full, rate, now)
     after[2 * i - 1], after[2 * i] = t, ts
-    if t < need then reply[1] = 0 end
+    if t < need then
+      if shadow then
+        sd = sd or {}
+        sd[i], wd = true, wd + 2 ^ (i - 1)
+      else
+        reply[1] = 0
+      end
+    end
   else
     -- A window: read it and count it, as window.go does.
     if b == nil then
@@ -175,7 +205,14 @@ for i = 1, plans do
       else
         f = 1 - cap / (no + cost) * ((hard - na - cost + 1) / (hard - cap))
       end
-      if u < f * max53 then reply[1] = 0 end
+      if u < f * max53 then
+        if shadow then
+          sd = sd or {}
+          sd[i], wd = true, wd + 2 ^ (i - 1)
+        else
+          reply[1] = 0
+        end
+      end
     end
   end
 end
@@ -189,19 +226,19 @@ for i = 1, plans do
   local a = wide and 4 * i - 1 or 2 * i
   local k = wide and tonumber(ARGV[a + 2]) or 0
   if k == 0 then -- a bucket
-    if allowed and need > 0 then
+    if allowed and need > 0 and not (sd and sd[i]) then
       local t, ts = after[2 * i - 1] - need, after[2 * i]
       out[n + 1], out[n + 2] = t, ts
-      writeBucket(KEYS[i], t, ts, tonumber(ARGV[a]) * 1000000, tonumber(ARGV[a + 1]), now,
-        foreign and foreign[i])
+      writeBucket(KEYS[i], t, ts, math.abs(tonumber(ARGV[a])) * 1000000, tonumber(ARGV[a + 1]), now,
+        foreign and foreign[i], pvs and pvs[i] and math.max(floor(tonumber(ARGV[a + 3]) / 4), pvs[i]))
     else
       out[n + 1], out[n + 2] = reply[2 * i + 1], reply[2 * i + 2]
     end
     n = n + 2
   else -- a window
-    local cap, g, hard = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 3])
+    local cap, g, hard = math.abs(tonumber(ARGV[a])), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 3])
     local bi = b[i]
-    local take = allowed and cost > 0
+    local take = allowed and cost > 0 and not (sd and sd[i])
     local ready = now
     if not take then
       -- The oldest sub-windows leave first, as window.readyAt computes.
@@ -259,4 +296,5 @@ end
 if held and allowed and need > 0 then
   redis.call('SET', KEYS[#KEYS], cost, 'PX', ARGV[#ARGV])
 end
+out[1] = out[1] + 2 * wd
 return out

@@ -31,3 +31,9 @@ var Settle = bucket + settle
 //
 //go:embed circuit_breaker.lua
 var CircuitBreaker string
+
+// Fleet records one heartbeat of a Limiter's instance and counts the
+// instances alive, for the fallback's share during an outage.
+//
+//go:embed fleet.lua
+var Fleet string

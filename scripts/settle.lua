@@ -14,7 +14,12 @@
 -- ARGV[1]          n, the tokens the reservation took
 -- ARGV[2]          actual, the tokens used
 -- ARGV[3]          the tombstone's time to live in ms
--- ARGV[2i+2..2i+3] plan i: capacity in tokens, rate in tokens per second
+-- ARGV[4]          the sum of 2^(i-1) over the plans i the reservation
+--                  did not take from: shadowed plans that would have
+--                  denied, which settling leaves alone
+-- ARGV[3i+2..3i+4] plan i: capacity in tokens, rate in tokens per second,
+--                  and 0 or, for a plan with a version, version × 4 +
+--                  inheritance, as limit.lua takes them
 --
 -- Reply: {status, now (µs, from TIME), then per plan tokens, stamp (the
 -- bucket as stored after settling), then the largest charge, in
@@ -50,13 +55,18 @@ end
 
 local reply = {status, now}
 local lost = 0
+local skip = tonumber(ARGV[4])
 for i = 1, #KEYS - 1 do
-  local full, rate = tonumber(ARGV[2 * i + 2]) * 1000000, tonumber(ARGV[2 * i + 3])
-  local t, ts, foreign = readBucket(KEYS[i], full, now)
-  if delta ~= 0 then
+  local a = 3 * i + 2
+  local full, rate, vs = tonumber(ARGV[a]) * 1000000, tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+  local t, ts, foreign, pv, oc = readBucket(KEYS[i], full, now, vs > 0)
+  if vs > 0 then
+    t, ts = inherit(t, ts, full, now, vs, pv, oc)
+  end
+  if delta ~= 0 and math.floor(skip / 2 ^ (i - 1)) % 2 == 0 then
     local u
     t, ts, u = adjust(t, ts, full, rate, now, delta)
-    writeBucket(KEYS[i], t, ts, full, rate, now, foreign)
+    writeBucket(KEYS[i], t, ts, full, rate, now, foreign, vs > 0 and math.max(math.floor(vs / 4), pv) or nil)
     lost = math.max(lost, u)
   end
   reply[2 * i + 1], reply[2 * i + 2] = t, ts

@@ -23,7 +23,8 @@
 //     client to hold back longer than Retry-After, which the draft forbids
 //     (section 6).
 //
-// w and t need the plan's Rate, which only a Planner tells; without one
+// w and t need the plan's Rate or Window, which a Result of a
+// tollgate.Limiter tells, as applied, or else a Planner; without either
 // they are left out. The optional parameter pk (partition key) is left out
 // because keys may be personal data, and qu because the default unit,
 // requests, is right unless a cost function charges more.
@@ -45,12 +46,18 @@ type Planner interface {
 }
 
 // AppendPolicy appends the value of the RateLimit-Policy field for res,
-// such as `"gold";q=20;w=10, "daily";q=10000;w=86400`. p may be nil.
-func AppendPolicy(b []byte, res *tollgate.Result, p Planner) []byte {
-	for i, pr := range res.PlanResults() {
-		b = appendItem(b, i, pr.Plan)
+// such as `"gold";q=20;w=10, "daily";q=10000;w=86400`, with shadowed
+// plans (tollgate.Plan.Shadow) only if shadow is set. p may be nil.
+func AppendPolicy(b []byte, res *tollgate.Result, p Planner, shadow bool) []byte {
+	n := 0
+	for _, pr := range res.PlanResults() {
+		if pr.Shadow && !shadow {
+			continue
+		}
+		b = appendItem(b, n, pr.Plan)
+		n++
 		b = appendParam(b, ";q=", pr.Limit)
-		if plan, ok := describe(p, pr.Plan); ok {
+		if plan, ok := describe(p, pr); ok {
 			b = appendParam(b, ";w=", AtLeastOne(window(plan)))
 		}
 	}
@@ -58,12 +65,18 @@ func AppendPolicy(b []byte, res *tollgate.Result, p Planner) []byte {
 }
 
 // AppendRateLimit appends the value of the RateLimit field for res, such
-// as `"gold";r=19;t=1, "daily";r=9999;t=9`. p may be nil.
-func AppendRateLimit(b []byte, res *tollgate.Result, p Planner) []byte {
-	for i, pr := range res.PlanResults() {
-		b = appendItem(b, i, pr.Plan)
+// as `"gold";r=19;t=1, "daily";r=9999;t=9`, with shadowed plans only if
+// shadow is set. p may be nil.
+func AppendRateLimit(b []byte, res *tollgate.Result, p Planner, shadow bool) []byte {
+	n := 0
+	for _, pr := range res.PlanResults() {
+		if pr.Shadow && !shadow {
+			continue
+		}
+		b = appendItem(b, n, pr.Plan)
+		n++
 		b = appendParam(b, ";r=", pr.Remaining)
-		if plan, ok := describe(p, pr.Plan); ok {
+		if plan, ok := describe(p, pr); ok {
 			b = appendParam(b, ";t=", AtLeastOne(nextToken(pr, plan)))
 		}
 	}
@@ -95,12 +108,18 @@ func AppendRetryAfter(b []byte, res *tollgate.Result) []byte {
 	return strconv.AppendInt(b, AtLeastOne(res.RetryAfter), 10)
 }
 
-// describe returns the plan named name, if p knows it.
-func describe(p Planner, name string) (tollgate.Plan, bool) {
-	if p == nil {
+// describe returns the plan of pr as it was applied: from pr itself when
+// it tells its Rate or Window, as a tollgate.Limiter's results do, which
+// may differ from the table's plan of that name (a resolver's tier);
+// otherwise from p, if p knows it.
+func describe(p Planner, pr tollgate.PlanResult) (tollgate.Plan, bool) {
+	switch {
+	case pr.Rate > 0 || pr.Window > 0:
+		return tollgate.Plan{Name: pr.Plan, Capacity: pr.Limit, Rate: pr.Rate, Window: pr.Window}, true
+	case p == nil:
 		return tollgate.Plan{}, false
 	}
-	return p.Plan(name)
+	return p.Plan(pr.Plan)
 }
 
 // appendItem appends the i-th List member's separator and its bare item,

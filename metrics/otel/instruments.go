@@ -26,6 +26,8 @@
 //	tollgate.script.loads                     Int64ObservableCounter, {load}
 //	tollgate.reservations{event}              Int64ObservableCounter, {reservation}
 //	tollgate.reservation.tokens{kind}         Int64ObservableCounter, {token}
+//	tollgate.shadow.denials{plan}             Int64ObservableCounter, {decision}
+//	tollgate.fleet.size                       Int64ObservableGauge, {instance}
 //
 // decision is allowed or denied; source is store, fallback, fail-open or
 // cache (a denial the Limiter remembered); to is closed, open or
@@ -111,10 +113,12 @@ type instruments struct {
 	scriptLoads metric.Int64ObservableCounter
 	holds       metric.Int64ObservableCounter
 	holdTokens  metric.Int64ObservableCounter
+	shadow      metric.Int64ObservableCounter
+	fleetSize   metric.Int64ObservableGauge
 
 	attrs         []attribute.KeyValue
 	base          []metric.ObserveOption
-	plans         [][2][][]metric.ObserveOption // [plan][denied, allowed][source]
+	plans         map[string]planPoints // by plan name, as Register saw them
 	classes       map[string][]metric.ObserveOption
 	transitionsTo [3][]metric.ObserveOption // closed, open, half-open
 	holdEvents    [3][]metric.ObserveOption // held, settled, expired
@@ -164,14 +168,20 @@ func Register(lim *tollgate.Limiter, mp metric.MeterProvider, opts ...Option) (m
 	err = errors.Join(err, e)
 	in.holdTokens, e = m.Int64ObservableCounter("tollgate.reservation.tokens", metric.WithUnit("{token}"),
 		metric.WithDescription("Tokens settled, by kind: refunded, charged (used beyond a reservation), uncharged (not taken because a bucket's debt would pass one capacity)."))
+	in.shadow, e = m.Int64ObservableCounter("tollgate.shadow.denials", metric.WithUnit("{decision}"),
+		metric.WithDescription("Decisions that a shadowed plan would have denied had it been enforced, by that plan."))
+	err = errors.Join(err, e)
+	in.fleetSize, e = m.Int64ObservableGauge("tollgate.fleet.size", metric.WithUnit("{instance}"),
+		metric.WithDescription("Instances alive that the last heartbeat counted (WithFleet); 0 without one."))
 	err = errors.Join(err, e)
 	if err != nil {
 		return nil, err
 	}
 
 	in.base = []metric.ObserveOption{metric.WithAttributeSet(attribute.NewSet(c.attrs...))}
-	for _, p := range lim.Stats().Plans { // a Limiter's plans are fixed by New
-		in.plans = append(in.plans, in.planOpts(p))
+	in.plans = make(map[string]planPoints)
+	for _, p := range lim.Stats().Plans { // SetPlans may add others later
+		in.plans[p.Plan] = in.planOpts(p)
 	}
 	in.classes = make(map[string][]metric.ObserveOption, len(commonErrorClasses))
 	for _, class := range commonErrorClasses {
@@ -187,7 +197,7 @@ func Register(lim *tollgate.Limiter, mp metric.MeterProvider, opts ...Option) (m
 		in.holdKinds[i] = in.opts(attribute.String("kind", kind))
 	}
 	return m.RegisterCallback(in.observe, in.decisions, in.duration, in.calls, in.storeErrors,
-		in.fallback, in.breaker, in.transitions, in.scriptLoads, in.holds, in.holdTokens)
+		in.fallback, in.breaker, in.transitions, in.scriptLoads, in.holds, in.holdTokens, in.shadow, in.fleetSize)
 }
 
 // meter returns the meter of mp, nil meaning otel.GetMeterProvider(), and
@@ -215,17 +225,23 @@ func point(attrs []attribute.KeyValue, kv ...attribute.KeyValue) []metric.Observ
 	return []metric.ObserveOption{metric.WithAttributeSet(attribute.NewSet(all...))}
 }
 
-// planOpts returns the ObserveOptions of a plan's decisions, by
-// [denied, allowed][source].
-func (in *instruments) planOpts(p tollgate.PlanStats) [2][][]metric.ObserveOption {
-	var po [2][][]metric.ObserveOption
+// planPoints are the ObserveOptions of one plan's data points.
+type planPoints struct {
+	decisions [2][][]metric.ObserveOption // [denied, allowed][source]
+	shadow    []metric.ObserveOption
+}
+
+// planOpts returns the ObserveOptions of a plan's data points.
+func (in *instruments) planOpts(p tollgate.PlanStats) planPoints {
+	var pp planPoints
 	for a, decision := range []string{"denied", "allowed"} {
 		for src := range p.Allowed {
-			po[a] = append(po[a], in.opts(attribute.String("plan", p.Plan),
+			pp.decisions[a] = append(pp.decisions[a], in.opts(attribute.String("plan", p.Plan),
 				attribute.String("decision", decision), attribute.String("source", tollgate.Source(src).String())))
 		}
 	}
-	return po
+	pp.shadow = in.opts(attribute.String("plan", p.Plan))
+	return pp
 }
 
 // observe is the callback: it reads the Stats once and observes every
@@ -233,17 +249,16 @@ func (in *instruments) planOpts(p tollgate.PlanStats) [2][][]metric.ObserveOptio
 // it writes nothing shared.
 func (in *instruments) observe(_ context.Context, o metric.Observer) error {
 	s := in.lim.Stats()
-	for i, p := range s.Plans {
-		var po [2][][]metric.ObserveOption
-		if i < len(in.plans) {
-			po = in.plans[i]
-		} else { // never: New fixes a Limiter's plans; but a callback must not panic
-			po = in.planOpts(p)
+	for _, p := range s.Plans {
+		pp, ok := in.plans[p.Plan] // read only: safe from concurrent callbacks
+		if !ok {                   // a plan that SetPlans or AllowPlans added
+			pp = in.planOpts(p)
 		}
 		for src := range p.Allowed {
-			o.ObserveInt64(in.decisions, clamp(p.Denied[src]), po[0][src]...)
-			o.ObserveInt64(in.decisions, clamp(p.Allowed[src]), po[1][src]...)
+			o.ObserveInt64(in.decisions, clamp(p.Denied[src]), pp.decisions[0][src]...)
+			o.ObserveInt64(in.decisions, clamp(p.Allowed[src]), pp.decisions[1][src]...)
 		}
+		o.ObserveInt64(in.shadow, clamp(p.ShadowDenied), pp.shadow...)
 	}
 
 	o.ObserveFloat64(in.duration, s.StoreTime.Seconds(), in.base...)
@@ -278,6 +293,7 @@ func (in *instruments) observe(_ context.Context, o metric.Observer) error {
 	for i, v := range [3]uint64{rs.Refunded, rs.Charged, rs.Uncharged} {
 		o.ObserveInt64(in.holdTokens, clamp(v), in.holdKinds[i]...)
 	}
+	o.ObserveInt64(in.fleetSize, s.FleetSize, in.base...)
 	return nil
 }
 

@@ -458,6 +458,8 @@ func TestInstruments(t *testing.T) {
 		"tollgate.script.loads":        "int64 counter {load}",
 		"tollgate.reservations":        "int64 counter {reservation}",
 		"tollgate.reservation.tokens":  "int64 counter {token}",
+		"tollgate.shadow.denials":      "int64 counter {decision}",
+		"tollgate.fleet.size":          "int64 gauge {instance}",
 	}, got)
 }
 
@@ -476,6 +478,20 @@ func TestReservations(t *testing.T) {
 	assert.Equal(t, int64(1), r.value("tollgate.reservation.tokens", attribute.String("kind", "refunded")))
 	assert.Equal(t, int64(2), r.value("tollgate.reservation.tokens", attribute.String("kind", "charged")))
 	assert.Equal(t, int64(0), r.value("tollgate.reservation.tokens", attribute.String("kind", "uncharged")))
+}
+
+// Would-be denials are counted under the shadowed plan, also one that
+// SetPlans added after Register, with its own plan attribute.
+func TestShadowDenialsByPlan(t *testing.T) {
+	r, lim := newRegistered(t, tollgate.NewMemoryStore())
+	require.NoError(t, lim.SetPlans([]tollgate.Plan{{Name: "now", Capacity: 10, Rate: 1}, {Name: "next", Capacity: 1, Rate: 0.001, Shadow: true}}))
+	for range 3 {
+		_, err := lim.Allow(context.Background(), "alice", "now", "next")
+		require.NoError(t, err)
+	}
+	assert.Equal(t, int64(2), r.value("tollgate.shadow.denials", attribute.String("plan", "next")))
+	assert.Equal(t, int64(0), r.value("tollgate.shadow.denials", attribute.String("plan", "now")))
+	assert.Equal(t, int64(3), r.decisions("now", "allowed", "store"))
 }
 
 func TestNilProviderMeansGlobal(t *testing.T) {

@@ -23,6 +23,8 @@
 //	tollgate_script_loads_total                     counter
 //	tollgate_reservations_total{event}              counter
 //	tollgate_reservation_tokens_total{kind}         counter
+//	tollgate_shadow_denials_total{plan}             counter
+//	tollgate_fleet_size                             gauge
 //
 // decision is allowed or denied; source is store, fallback, fail-open or
 // cache (a denial the Limiter remembered); to is closed, open or
@@ -33,7 +35,10 @@
 // the first scrape, at 0, so that increase() sees the first denial or
 // fallback; so do the common error classes (timeout, network, canceled,
 // bad-reply, other), while a Redis class such as READONLY appears when it
-// first happens.
+// first happens. tollgate_shadow_denials_total counts the decisions a
+// shadowed plan would have denied (tollgate.PlanStats.ShadowDenied), every
+// plan from the first scrape; tollgate_fleet_size is the instances alive
+// that the last heartbeat counted (tollgate.WithFleet), 0 without one.
 //
 // The buckets of tollgate_store_duration_seconds are the Limiter's,
 // Stats.LatencyBounds (50µs to 1s), and cannot be changed: the Limiter
@@ -84,6 +89,8 @@ type Collector struct {
 	scriptLoads *prometheus.Desc
 	holds       *prometheus.Desc
 	holdTokens  *prometheus.Desc
+	shadow      *prometheus.Desc
+	fleetSize   *prometheus.Desc
 }
 
 var _ prometheus.Collector = (*Collector)(nil)
@@ -133,12 +140,18 @@ func New(lim *tollgate.Limiter, opts ...Option) *Collector {
 		holdTokens: prometheus.NewDesc("tollgate_reservation_tokens_total",
 			"Tokens settled, by kind: refunded, charged (used beyond a reservation), uncharged (not taken because a bucket's debt would pass one capacity).",
 			[]string{"kind"}, cl),
+		shadow: prometheus.NewDesc("tollgate_shadow_denials_total",
+			"Decisions that a shadowed plan would have denied had it been enforced, by that plan.",
+			[]string{"plan"}, cl),
+		fleetSize: prometheus.NewDesc("tollgate_fleet_size",
+			"Instances alive that the last heartbeat counted (WithFleet); 0 without one.",
+			nil, cl),
 	}
 }
 
 // Describe implements prometheus.Collector.
 func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.decisions, c.duration, c.storeErrors, c.fallback, c.breaker, c.transitions, c.scriptLoads, c.holds, c.holdTokens} {
+	for _, d := range []*prometheus.Desc{c.decisions, c.duration, c.storeErrors, c.fallback, c.breaker, c.transitions, c.scriptLoads, c.holds, c.holdTokens, c.shadow, c.fleetSize} {
 		ch <- d
 	}
 }
@@ -153,6 +166,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 			counter(ch, c.decisions, p.Allowed[src], p.Plan, "allowed", source)
 			counter(ch, c.decisions, p.Denied[src], p.Plan, "denied", source)
 		}
+		counter(ch, c.shadow, p.ShadowDenied, p.Plan)
 	}
 
 	// Prometheus's buckets are cumulative, the Limiter's are not.
@@ -189,6 +203,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	counter(ch, c.holdTokens, rs.Refunded, "refunded")
 	counter(ch, c.holdTokens, rs.Charged, "charged")
 	counter(ch, c.holdTokens, rs.Uncharged, "uncharged")
+	gauge(ch, c.fleetSize, float64(s.FleetSize))
 }
 
 func counter(ch chan<- prometheus.Metric, d *prometheus.Desc, v uint64, labels ...string) {

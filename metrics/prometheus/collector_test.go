@@ -534,8 +534,9 @@ func TestMetricNamesFollowConventions(t *testing.T) {
 	}
 	assert.Equal(t, []string{
 		"tollgate_breaker_state", "tollgate_breaker_transitions_total", "tollgate_decisions_total",
-		"tollgate_fallback_active", "tollgate_reservation_tokens_total", "tollgate_reservations_total",
-		"tollgate_script_loads_total", "tollgate_store_duration_seconds", "tollgate_store_errors_total",
+		"tollgate_fallback_active", "tollgate_fleet_size", "tollgate_reservation_tokens_total",
+		"tollgate_reservations_total", "tollgate_script_loads_total", "tollgate_shadow_denials_total",
+		"tollgate_store_duration_seconds", "tollgate_store_errors_total",
 	}, names, "the names dashboards use")
 }
 
@@ -619,4 +620,24 @@ func BenchmarkCollect(b *testing.B) {
 			}
 		}
 	})
+}
+
+// A shadowed plan's would-be denials are counted under its name.
+func TestShadowDenialsByPlan(t *testing.T) {
+	lim, err := tollgate.New(tollgate.NewMemoryStore(), []tollgate.Plan{
+		{Name: "now", Capacity: 10, Rate: 1},
+		{Name: "next", Capacity: 1, Rate: 0.001, Shadow: true},
+	})
+	require.NoError(t, err)
+	for range 3 {
+		_, err := lim.Allow(context.Background(), "alice", "now", "next")
+		require.NoError(t, err)
+	}
+	c := tgprom.New(lim)
+	assert.NoError(t, testutil.CollectAndCompare(c, strings.NewReader(`
+# HELP tollgate_shadow_denials_total Decisions that a shadowed plan would have denied had it been enforced, by that plan.
+# TYPE tollgate_shadow_denials_total counter
+tollgate_shadow_denials_total{plan="next"} 2
+tollgate_shadow_denials_total{plan="now"} 0
+`), "tollgate_shadow_denials_total"))
 }

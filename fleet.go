@@ -1,0 +1,175 @@
+package tollgate
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/tollgate-go/tollgate/internal/redisscript"
+	"github.com/tollgate-go/tollgate/scripts"
+)
+
+// FleetSettings configure WithFleet. Zero values mean the defaults.
+type FleetSettings struct {
+	// Interval is how often the instance records in Redis that it is
+	// alive: one script call per Interval, from a goroutine of its own,
+	// never from a decision. The default is 5s; at least 10ms.
+	Interval time.Duration
+	// TTL is how long an instance counts as alive after its last
+	// heartbeat: an instance that stopped is no longer counted after TTL.
+	// The default is 3 × Interval; at least Interval.
+	TTL time.Duration
+}
+
+// Defaults and bounds of FleetSettings, and the largest fleet counted.
+const (
+	defaultFleetInterval = 5 * time.Second
+	minFleetInterval     = 10 * time.Millisecond
+	maxFleetSize         = 65_536
+)
+
+// WithFleet makes the fallback of a Limiter on a RedisStore enforce this
+// instance's share of each plan during an outage, so that a fleet of N
+// instances admits about one plan's worth, not N. While Redis answers,
+// each instance records a heartbeat every Interval (a goroutine, which
+// Close stops) and reads how many instances are alive; while the store
+// fails, the Fallback policy's store decides on each plan with its
+// Capacity and Rate divided by the count last read (a window plan's
+// Capacity), the Capacity never below the cost of the decision, nor the
+// Rate below Capacity / MaxRefillPeriod.
+//
+// The fleet is the instances with the same Redis and key prefix. The
+// bound assumes the load balancer spreads each key's requests evenly;
+// an instance that gets more than its share is denied sooner, one that
+// gets less admits less (README, "Operating it"). Until the first
+// heartbeat succeeds, and without WithFleet, an instance counts itself
+// alone and its fallback enforces the whole plan. It is an
+// ErrInvalidOption on any store but a RedisStore, or with settings out
+// of range. The default is no fleet: no goroutine, no heartbeat.
+func WithFleet(s FleetSettings) Option {
+	return func(c *config) { c.fleet = &s }
+}
+
+// fleet is a Limiter's heartbeat and the fleet's size last seen. It is
+// safe for concurrent use.
+type fleet struct {
+	store    *RedisStore
+	key      string // the fleet's sorted set
+	id       string
+	interval time.Duration
+	ttl      time.Duration
+	script   *redisscript.Script
+	size     atomic.Int64 // instances alive last seen; 0 before the first heartbeat
+
+	stop    chan struct{}
+	done    chan struct{}
+	closing sync.Once
+}
+
+// fleetScript is the heartbeat script, shared by every fleet.
+var fleetScript = redisscript.New(scripts.Fleet)
+
+// newFleet checks s and returns the fleet of an instance on store, not
+// yet started.
+func newFleet(store Store, s FleetSettings) (*fleet, error) {
+	rs, ok := store.(*RedisStore)
+	if !ok {
+		return nil, fmt.Errorf("%w: WithFleet needs a RedisStore", ErrInvalidOption)
+	}
+	if s.Interval == 0 {
+		s.Interval = defaultFleetInterval
+	}
+	if s.TTL == 0 {
+		s.TTL = 3 * s.Interval
+	}
+	if s.Interval < minFleetInterval || s.TTL < s.Interval || s.TTL > MaxRefillPeriod {
+		return nil, fmt.Errorf("%w: fleet interval must be at least %v, and TTL at least the interval", ErrInvalidOption, minFleetInterval)
+	}
+	var id [8]byte
+	_, _ = rand.Read(id[:]) // never fails (crypto/rand)
+	return &fleet{
+		store: rs, id: hex.EncodeToString(id[:]), interval: s.Interval, ttl: s.TTL, script: fleetScript,
+		// '#' is in no plan name, so no bucket key is this one.
+		key:  rs.prefix + ":{fleet}:#instances",
+		stop: make(chan struct{}), done: make(chan struct{}),
+	}, nil
+}
+
+// run beats every interval until close, the first time at once.
+func (f *fleet) run() {
+	defer close(f.done)
+	t := time.NewTicker(f.interval)
+	defer t.Stop()
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), f.interval)
+		_ = f.beat(ctx) // a failed beat keeps the size last seen
+		cancel()
+		select {
+		case <-f.stop:
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// beat records that this instance is alive and reads the fleet's size.
+func (f *fleet) beat(ctx context.Context) error {
+	reply, err := f.script.Run(ctx, f.store.client, []string{f.key}, f.id, f.ttl.Microseconds())
+	if err != nil {
+		return err
+	}
+	n, ok := reply.(int64)
+	if !ok || n < 1 {
+		return fmt.Errorf("%w: fleet size", ErrBadReply)
+	}
+	f.size.Store(min(n, maxFleetSize))
+	return nil
+}
+
+// close stops the heartbeat and waits for it; later calls return at once.
+func (f *fleet) close() {
+	f.closing.Do(func() { close(f.stop) })
+	<-f.done
+}
+
+// share returns the plans an instance's fallback enforces: each plan's
+// share of a fleet of n instances, the Capacity at least cost; plans
+// themselves for an instance alone.
+func share(plans []Plan, n, cost int64) []Plan {
+	if n <= 1 {
+		return plans
+	}
+	shares := make([]Plan, len(plans))
+	for i, p := range plans {
+		p.Capacity = max(p.Capacity/n, cost, 1)
+		if !p.isWindow() {
+			p.Rate = max(p.Rate/float64(n), float64(p.Capacity)/MaxRefillPeriod.Seconds())
+		}
+		shares[i] = p
+	}
+	return shares
+}
+
+// fleetSize returns the instances alive last seen: 1 without WithFleet or
+// before the first heartbeat.
+func (l *Limiter) fleetSize() int64 {
+	if l.fleet == nil {
+		return 1
+	}
+	return max(l.fleet.size.Load(), 1)
+}
+
+// Close stops what the Limiter runs in the background: the heartbeat of
+// WithFleet. The Limiter still decides after Close, its fallback with the
+// fleet's size last seen. Close is idempotent and returns nil; a Limiter
+// without WithFleet needs no Close.
+func (l *Limiter) Close() error {
+	if l.fleet != nil {
+		l.fleet.close()
+	}
+	return nil
+}

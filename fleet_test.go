@@ -1,0 +1,151 @@
+package tollgate
+
+import (
+	"context"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/alicebob/miniredis/v2"
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// newFleetLimiter returns a Limiter with a fleet on the miniredis mr,
+// its heartbeat stopped at once: the tests beat by hand.
+func newFleetLimiter(t *testing.T, mr *miniredis.Miniredis, plans []Plan, opts ...Option) *Limiter {
+	t.Helper()
+	c := redis.NewClient(&redis.Options{Addr: mr.Addr(), MaxRetries: -1})
+	t.Cleanup(func() { _ = c.Close() })
+	l, err := New(NewRedisStore(c), plans, append([]Option{WithLogger(nil), WithFleet(FleetSettings{Interval: time.Hour})}, opts...)...)
+	require.NoError(t, err)
+	require.NoError(t, l.Close())
+	l.fleet.size.Store(0)
+	return l
+}
+
+// The heartbeat runs from New until Close, and Close waits for it.
+func TestFleetHeartbeatRunsUntilClose(t *testing.T) {
+	mr := miniredis.RunT(t)
+	c := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	defer func() { _ = c.Close() }()
+	l, err := New(NewRedisStore(c), testPlans, WithLogger(nil), WithFleet(FleetSettings{Interval: 10 * time.Millisecond}))
+	require.NoError(t, err)
+	for l.Stats().FleetSize == 0 { // the first heartbeat; the test's timeout bounds the wait
+		time.Sleep(time.Millisecond)
+	}
+	assert.Equal(t, int64(1), l.Stats().FleetSize)
+	require.NoError(t, l.Close())
+	select {
+	case <-l.fleet.done:
+	default:
+		t.Fatal("Close returned with the heartbeat still running")
+	}
+}
+
+func TestFleetNeedsARedisStoreAndSaneSettings(t *testing.T) {
+	_, err := New(NewMemoryStore(), testPlans, WithFleet(FleetSettings{}))
+	assert.ErrorIs(t, err, ErrInvalidOption)
+	c := redis.NewClient(&redis.Options{Addr: miniredis.RunT(t).Addr()})
+	defer func() { _ = c.Close() }()
+	for _, s := range []FleetSettings{
+		{Interval: time.Millisecond},
+		{Interval: time.Second, TTL: time.Millisecond},
+		{Interval: -time.Second},
+	} {
+		_, err := New(NewRedisStore(c), testPlans, WithFleet(s))
+		assert.ErrorIs(t, err, ErrInvalidOption, "%+v", s)
+	}
+}
+
+// Each heartbeat counts the instances alive; an instance stops counting
+// TTL after its last heartbeat. The heartbeats here are called directly,
+// so the test waits for no goroutine.
+func TestFleetCountsInstancesAlive(t *testing.T) {
+	ctx := context.Background()
+	mr := miniredis.RunT(t)
+	now := time.Unix(1_700_000_000, 0)
+	mr.SetTime(now)
+	var fleet []*Limiter
+	for range 3 {
+		fleet = append(fleet, newFleetLimiter(t, mr, testPlans))
+	}
+	for _, l := range fleet {
+		require.NoError(t, l.fleet.beat(ctx))
+	}
+	for _, l := range fleet {
+		require.NoError(t, l.fleet.beat(ctx))
+		assert.Equal(t, int64(3), l.Stats().FleetSize)
+	}
+	// The third stops; after TTL (3 hours here) it no longer counts.
+	require.NoError(t, fleet[2].Close())
+	require.NoError(t, fleet[2].Close(), "Close is idempotent")
+	now = now.Add(3*time.Hour + time.Second)
+	mr.SetTime(now)
+	require.NoError(t, fleet[0].fleet.beat(ctx))
+	require.NoError(t, fleet[1].fleet.beat(ctx))
+	assert.Equal(t, int64(2), fleet[1].Stats().FleetSize)
+	assert.Equal(t, 2, len(mustMembers(t, mr, fleet[0].fleet.key)))
+}
+
+func mustMembers(t *testing.T, mr *miniredis.Miniredis, key string) []string {
+	m, err := mr.ZMembers(key)
+	require.NoError(t, err)
+	return m
+}
+
+// A fleet's fallback enforces this instance's share: with 4 instances
+// alive, a quarter of the plan.
+func TestFallbackEnforcesTheInstancesShare(t *testing.T) {
+	ctx := context.Background()
+	mr := miniredis.RunT(t)
+	l := newFleetLimiter(t, mr, []Plan{{Name: "p", Capacity: 100, Rate: 0.001}})
+	l.fleet.size.Store(4)
+	mr.SetError("LOADING Redis is loading the dataset in memory") // every call fails
+	admitted := 0
+	for range 200 {
+		r, err := l.Allow(ctx, "k")
+		require.NoError(t, err)
+		require.Equal(t, SourceFallback, r.Source)
+		if r.Allowed {
+			admitted++
+		}
+		assert.Equal(t, int64(25), r.Limit, "the share applied is what the Result tells")
+	}
+	assert.Equal(t, 25, admitted)
+}
+
+func TestShare(t *testing.T) {
+	bucket := Plan{Name: "b", Capacity: 100, Rate: 40}
+	win := Plan{Name: "w", Capacity: 100, Window: time.Minute}
+	plans := []Plan{bucket, win}
+	assert.Same(t, &plans[0], &share(plans, 1, 1)[0], "alone: the plans themselves")
+	assert.Equal(t, []Plan{{Name: "b", Capacity: 25, Rate: 10}, {Name: "w", Capacity: 25, Window: time.Minute}}, share(plans, 4, 1))
+	assert.Equal(t, int64(7), share(plans, 1000, 7)[0].Capacity, "never below one decision's cost")
+	slow := Plan{Name: "s", Capacity: 1000, Rate: 1000 / MaxRefillPeriod.Seconds()}
+	got := share([]Plan{slow}, maxFleetSize, 20)[0]
+	assert.NoError(t, got.validate(), "the share is a valid plan")
+}
+
+// A heartbeat that gets a reply it cannot use keeps the size it had;
+// counts beyond the largest fleet are taken as the largest.
+func TestFleetBadReplies(t *testing.T) {
+	ctx := context.Background()
+	mr := miniredis.RunT(t)
+	l := newFleetLimiter(t, mr, testPlans)
+	l.fleet.size.Store(3)
+	mr.SetError("ERR broken")
+	assert.Error(t, l.fleet.beat(ctx))
+	assert.Equal(t, int64(3), l.fleetSize(), "the size last seen")
+	mr.SetError("")
+	for i := range maxFleetSize + 10 {
+		_, err := mr.ZAdd(l.fleet.key, float64(time.Now().UnixMicro()), strconv.Itoa(i))
+		require.NoError(t, err)
+	}
+	require.NoError(t, l.fleet.beat(ctx))
+	assert.Equal(t, int64(maxFleetSize), l.fleetSize())
+
+	alone := newFleetLimiter(t, miniredis.RunT(t), testPlans)
+	assert.Equal(t, int64(1), alone.fleetSize(), "before any heartbeat: alone")
+}

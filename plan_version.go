@@ -1,0 +1,116 @@
+package tollgate
+
+import (
+	"fmt"
+	"math"
+)
+
+// Inheritance says what a token bucket's tokens become when a plan of a
+// higher Plan.Version takes it over (ADR 22), as bucket4j's
+// TokensInheritanceStrategy does. Old and new are the capacities before
+// and after, in tokens.
+type Inheritance uint8
+
+const (
+	// InheritAsIs keeps the tokens, clamped to the new capacity: what
+	// every plan change does without a version. It is the default.
+	InheritAsIs Inheritance = iota
+	// InheritProportional keeps the bucket as full as it was: tokens ×
+	// new ÷ old, rounded down to a micro-token.
+	InheritProportional
+	// InheritReset fills the bucket to the new capacity.
+	InheritReset
+	// InheritAdditive keeps the tokens, clamped to the new capacity, and
+	// adds the capacity gained, max(0, new − old): an upgrade grants its
+	// extra burst at once.
+	InheritAdditive
+
+	numInheritances = iota
+)
+
+// String returns "as-is", "proportional", "reset" or "additive".
+func (h Inheritance) String() string {
+	switch h {
+	case InheritAsIs:
+		return "as-is"
+	case InheritProportional:
+		return "proportional"
+	case InheritReset:
+		return "reset"
+	case InheritAdditive:
+		return "additive"
+	}
+	return "unknown"
+}
+
+// validateVersion checks Version and Inherit: a strategy other than
+// as-is must be fenced by a version, or it would apply on every touch,
+// and windows have none.
+func (p Plan) validateVersion() error {
+	switch {
+	case p.Inherit >= numInheritances:
+		return fmt.Errorf("%w: unknown inheritance %d", ErrInvalidPlan, p.Inherit)
+	case p.Inherit != InheritAsIs && p.Version == 0:
+		return fmt.Errorf("%w: inheritance %s needs a version above 0, or it would apply on every decision", ErrInvalidPlan, p.Inherit)
+	case p.Version != 0 && p.isWindow():
+		return fmt.Errorf("%w: versions are for token buckets", ErrInvalidPlan)
+	}
+	return nil
+}
+
+// versionedIn reports whether any of plans has a version: such a chain
+// takes the script's wide argument layout, which has room for it.
+func versionedIn(plans []Plan) bool {
+	for i := range plans {
+		if plans[i].Version != 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// versionArg is plan p's version and inheritance as the script takes
+// them: version × 4 + inheritance, below 2^34.
+func versionArg(p *Plan) int64 {
+	return int64(p.Version)*4 + int64(p.Inherit)
+}
+
+// bucketVersion is what a bucket keeps of the versioned plans that wrote
+// it: the highest version (pv), never lowered, and the capacity of the
+// last versioned write (c, in tokens; 0 if none), as the script keeps
+// the hash fields pv and c.
+type bucketVersion struct {
+	pv uint32
+	c  int64
+}
+
+// written returns v after plan p wrote the bucket.
+func (v bucketVersion) written(p *Plan) bucketVersion {
+	if p.Version == 0 {
+		return v
+	}
+	return bucketVersion{pv: max(v.pv, p.Version), c: p.Capacity}
+}
+
+// inherit returns bucket b as plan p reads it: taken over by p.Inherit
+// if p's version is above the bucket's, else as it is. The capacity it
+// had is the last versioned write's, or p's own if none is known. The
+// script does the same arithmetic on the same doubles.
+func (v bucketVersion) inherit(b TokenBucket, p *Plan, now int64) TokenBucket {
+	if p.Version <= v.pv {
+		return b
+	}
+	full, old := p.Capacity*microTokens, p.Capacity*microTokens
+	if v.c > 0 {
+		old = v.c * microTokens
+	}
+	switch p.Inherit {
+	case InheritProportional:
+		b.Tokens = int64(math.Floor(float64(float64(b.Tokens)/float64(old)) * float64(full)))
+	case InheritReset:
+		return TokenBucket{Tokens: full, Stamp: now}
+	case InheritAdditive:
+		b.Tokens = min(b.Tokens, full) + max(0, full-old)
+	}
+	return b
+}

@@ -1,0 +1,251 @@
+package tollgate
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+)
+
+// PlanResolver chooses the plan that applies to key, given the plan p the
+// call named (as New or SetPlans gave it): for example the plan of the
+// key's customer tier, looked up in a cache. It returns p unchanged for
+// no override. It must keep p.Name, which names the bucket: a key that
+// changes tier keeps its bucket, its tokens kept on an upgrade and
+// clamped to the new Capacity on a downgrade. It returns an error wrapping
+// ErrExempt to exempt the key from p.
+//
+// A resolver runs on every decision, once per plan asked, after the key
+// is checked and before the store: it must be fast and safe for
+// concurrent use.
+type PlanResolver func(ctx context.Context, key string, p Plan) (Plan, error)
+
+// WithPlanResolver has r choose, per key, the plans that the plan names of
+// a call stand for (Allow, AllowN, Peek, Wait; not AllowPlans, whose
+// caller holds its plans). What r answers:
+//
+//   - a valid plan of the same name: it decides, in the bucket of that
+//     name. Its Shadow flag applies as it returns it (WithShadow still
+//     shadows every plan).
+//   - an invalid plan, or one of another name: the call returns
+//     ErrInvalidPlan.
+//   - an error wrapping ErrExempt: the plan is left out of the decision.
+//     When every plan is, the decision is allowed without the store, with
+//     Source SourceExempt, and Stats does not count it.
+//   - any other error, or a panic: the call returns ErrResolver, wrapping
+//     r's error (never a panic's value, which may quote the key), under
+//     every failure policy.
+//
+// The Limiter keeps up to 16 distinct plans per name that r returned,
+// validated and fingerprinted once, so a resolver that returns cached
+// plans adds no allocation. The default is no resolver.
+func WithPlanResolver(r PlanResolver) Option {
+	return func(c *config) { c.resolver = r }
+}
+
+// SourceExempt means a PlanResolver exempted the key from every plan asked
+// (ErrExempt): the request was allowed without any bucket.
+const SourceExempt Source = numSources
+
+var (
+	// ErrExempt is what a PlanResolver returns, wrapped or not, to exempt a
+	// key from a plan (see WithPlanResolver). A Limiter never returns it.
+	ErrExempt = errors.New("tollgate: exempt")
+
+	// ErrResolver means the PlanResolver failed (returned an error other
+	// than ErrExempt, or panicked), so the call decided nothing. It wraps
+	// the resolver's error.
+	ErrResolver = errors.New("tollgate: plan resolver failed")
+)
+
+// errPanicked is the cause of ErrResolver when the resolver panicked.
+var errPanicked = errors.New("resolver panicked")
+
+// resolveFor has the resolver choose key's plans. entry is the plan's
+// when plans holds one plan, and plans, for a chain, a slice of the
+// decision's own, which it overwrites. It returns ErrExempt if every plan
+// is exempt, with plans as they were.
+func (l *Limiter) resolveFor(ctx context.Context, t *planTable, key string, plans []Plan, entry *planEntry) ([]Plan, *planEntry, error) {
+	if entry != nil {
+		p, err := l.callResolver(ctx, key, entry.one[0])
+		if err != nil {
+			return plans, nil, err
+		}
+		if entry, err = l.variantOf(entry, p); err != nil {
+			return nil, nil, err
+		}
+		return entry.one, entry, nil
+	}
+	kept := plans[:0:len(plans)]
+	var last *planEntry // the entry of the last plan kept
+	for _, q := range plans {
+		p, err := l.callResolver(ctx, key, q)
+		if errors.Is(err, ErrExempt) {
+			continue
+		}
+		if err != nil {
+			return nil, nil, err
+		}
+		e, err := l.variantOf(t.byName[q.Name], p)
+		if err != nil {
+			return nil, nil, err
+		}
+		kept, last = append(kept, e.one[0]), e
+	}
+	switch len(kept) {
+	case 0:
+		return plans, nil, ErrExempt
+	case 1:
+		return last.one, last, nil
+	}
+	return kept, nil, nil
+}
+
+// callResolver calls the resolver for p, turning its errors and panics
+// into the errors WithPlanResolver documents.
+func (l *Limiter) callResolver(ctx context.Context, key string, p Plan) (q Plan, err error) {
+	defer func() {
+		if recover() != nil {
+			q, err = Plan{}, fmt.Errorf("%w: %w", ErrResolver, errPanicked)
+		}
+	}()
+	q, err = l.resolver(ctx, key, p)
+	switch {
+	case err == nil:
+		if q.Name != p.Name {
+			return Plan{}, fmt.Errorf("%w: the resolver renamed plan %q", ErrInvalidPlan, p.Name)
+		}
+		return q, nil
+	case errors.Is(err, ErrExempt):
+		return Plan{}, ErrExempt
+	}
+	return Plan{}, fmt.Errorf("%w: %w", ErrResolver, err)
+}
+
+// variantOf returns the entry of plan p, of e's name, shadowed if the
+// Limiter shadows every plan.
+func (l *Limiter) variantOf(e *planEntry, p Plan) (*planEntry, error) {
+	p.Shadow = p.Shadow || l.shadowAll
+	return e.variant(p)
+}
+
+// exemptResult is the decision on plans when the key is exempt from all.
+func exemptResult(plans []Plan) Result {
+	r := failOpenResult(plans)
+	r.Source = SourceExempt
+	return r
+}
+
+// AllowPlans takes cost tokens, at least 1, from the bucket of every plan
+// given for key, or from none of them if any plan lacks the tokens: it is
+// AllowN for a caller that holds its plans, such as the plan of the key's
+// customer tier. A plan's Name names its bucket, whether or not the
+// Limiter's table has a plan of that name: plans of one name with other
+// parameters share the bucket (see PlanResolver). The resolver is not
+// asked; WithShadow applies.
+//
+// Plans are checked as New checks them, on every call (ErrInvalidPlan);
+// the Limiter keeps up to 16 distinct plans per name, checked once, so
+// that repeating them costs no allocation. Stats counts their decisions
+// by name; names outside the table come after the table's plans.
+//
+// Errors are AllowN's, and ErrUnknownPlan when no plan is given.
+func (l *Limiter) AllowPlans(ctx context.Context, key string, cost int64, plans ...Plan) (r Result, err error) {
+	if len(plans) == 0 {
+		return r, fmt.Errorf("%w: no plan given", ErrUnknownPlan)
+	}
+	t := l.table.Load()
+	// The plans decided on are the Limiter's copies, never the caller's
+	// slice: it stays on the caller's stack.
+	var use []Plan
+	var entry *planEntry
+	if len(plans) == 1 {
+		if entry, err = l.entryFor(t, plans[0]); err != nil {
+			return r, err
+		}
+		use = entry.one
+	} else {
+		use = make([]Plan, len(plans))
+		for i, p := range plans {
+			e, err := l.entryFor(t, p)
+			if err != nil {
+				return r, err
+			}
+			for _, q := range use[:i] {
+				if q.Name == p.Name {
+					return r, fmt.Errorf("%w: plan %q is given twice in one call", ErrInvalidPlan, p.Name)
+				}
+			}
+			use[i] = e.one[0]
+		}
+	}
+	if err := checkKey(key); err != nil {
+		return r, err
+	}
+	err = l.decideOn(ctx, &r, t, key, cost, 1, use, entry, nil)
+	return r, err
+}
+
+// entryOf returns the entry of the plan named name: the table's, or one
+// AllowPlans made; nil if there is none.
+func (l *Limiter) entryOf(t *planTable, name string) *planEntry {
+	if e := t.byName[name]; e != nil {
+		return e
+	}
+	return l.others.get(name)
+}
+
+// entryFor returns the entry of plan p, given to AllowPlans: a variant
+// of the table's plan of its name, or of the plan of its name AllowPlans
+// was first given, which p is if it is the first.
+func (l *Limiter) entryFor(t *planTable, p Plan) (*planEntry, error) {
+	e := l.entryOf(t, p.Name)
+	if e == nil {
+		p.Shadow = p.Shadow || l.shadowAll
+		if err := p.validate(); err != nil {
+			return nil, err
+		}
+		e = l.others.add(p, l.stats.plan)
+	}
+	return l.variantOf(e, p)
+}
+
+// maxOtherPlans bounds the plan names outside the table that a Limiter
+// keeps entries and counters for: AllowPlans's names come from code, so
+// they are few. Beyond the bound, plans decide alike but are checked on
+// every call and counted nowhere.
+const maxOtherPlans = 1024
+
+// otherPlans are the entries of plans that AllowPlans was given and the
+// table does not hold, by name. It is safe for concurrent use.
+type otherPlans struct {
+	mu     sync.RWMutex
+	byName map[string]*planEntry
+}
+
+// get returns the entry of name, or nil.
+func (o *otherPlans) get(name string) *planEntry {
+	o.mu.RLock()
+	defer o.mu.RUnlock()
+	return o.byName[name]
+}
+
+// add returns the entry kept for p's name, new from p, which is valid, if
+// there is none; counts gives a new entry's counters. Beyond the bound it
+// returns an entry it does not keep, whose counts no Stats reads.
+func (o *otherPlans) add(p Plan, counts func(name string) *planCount) *planEntry {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if kept := o.byName[p.Name]; kept != nil {
+		return kept
+	}
+	if len(o.byName) >= maxOtherPlans {
+		return newEntry(p, new(planCount))
+	}
+	if o.byName == nil {
+		o.byName = make(map[string]*planEntry)
+	}
+	e := newEntry(p, counts(p.Name))
+	o.byName[p.Name] = e
+	return e
+}

@@ -1,0 +1,136 @@
+package tollgate
+
+import (
+	"fmt"
+	"strconv"
+	"sync/atomic"
+)
+
+// planTable is a Limiter's plans by name, replaced whole by SetPlans: a
+// decision loads it once, so it sees one table from start to end.
+type planTable struct {
+	byName   map[string]*planEntry
+	plans    []Plan // in the order given
+	defaults *planEntry
+}
+
+// planEntry is a plan as a Limiter looks it up: a plan of its table, a
+// resolver's variant of one, or a plan given to AllowPlans.
+type planEntry struct {
+	one    []Plan     // the plan alone, so that a decision on one plan builds no slice
+	fp     string     // its fingerprint: the denial cache's name for it
+	counts *planCount // its decisions, for Stats, shared by every plan of its name
+
+	// variants are the other plans of this name seen so far (resolver
+	// results, AllowPlans arguments), validated and fingerprinted once;
+	// at most maxVariants, copied on write.
+	variants atomic.Pointer[[]*planEntry]
+}
+
+// maxVariants bounds the variants kept per plan name. A resolver that
+// returns more distinct plans for one name costs an allocation and a
+// validation per decision beyond them, and still decides correctly.
+const maxVariants = 16
+
+// fingerprint names a plan for the denial cache by its name and every
+// parameter the decision depends on, so that a denial remembered under
+// one tier never answers for another (Envoy's local cache lacks this).
+func fingerprint(p Plan) string {
+	b := make([]byte, 0, 64)
+	b = append(b, p.Name...)
+	b = append(b, '#')
+	b = strconv.AppendInt(b, p.Capacity, 10)
+	b = append(b, '/')
+	b = strconv.AppendFloat(b, p.Rate, 'g', -1, 64)
+	b = append(b, '/')
+	b = strconv.AppendInt(b, int64(p.Window), 10)
+	b = append(b, '/')
+	b = strconv.AppendInt(b, int64(p.Slots), 10)
+	b = append(b, '/')
+	b = strconv.AppendFloat(b, p.Suppress, 'g', -1, 64)
+	b = append(b, '/')
+	b = strconv.AppendUint(b, uint64(versionArg(&p)), 10)
+	if p.Shadow {
+		b = append(b, "/s"...)
+	}
+	return string(b)
+}
+
+// newEntry returns the entry of a validated plan.
+func newEntry(p Plan, counts *planCount) *planEntry {
+	return &planEntry{one: []Plan{p}, fp: fingerprint(p), counts: counts}
+}
+
+// variant returns the entry of plan p, of e's name: e itself, a variant
+// seen before, or a new one, which it validates first.
+func (e *planEntry) variant(p Plan) (*planEntry, error) {
+	if p == e.one[0] {
+		return e, nil
+	}
+	vs := e.variants.Load()
+	if vs != nil {
+		for _, v := range *vs {
+			if p == v.one[0] {
+				return v, nil
+			}
+		}
+	}
+	if err := p.validate(); err != nil {
+		return nil, err
+	}
+	v := newEntry(p, e.counts)
+	if vs == nil || len(*vs) < maxVariants {
+		var next []*planEntry
+		if vs != nil {
+			next = append(next, *vs...)
+		}
+		next = append(next, v)
+		e.variants.CompareAndSwap(vs, &next) // a lost race only forgets v
+	}
+	return v, nil
+}
+
+// newTable validates plans as New and SetPlans take them, and builds their
+// table, every plan shadowed if shadow is set (WithShadow); counts returns
+// the counters of a plan name.
+func newTable(plans []Plan, shadow bool, counts func(name string) *planCount) (*planTable, error) {
+	if len(plans) == 0 {
+		return nil, fmt.Errorf("%w: no plans", ErrInvalidPlan)
+	}
+	t := &planTable{byName: make(map[string]*planEntry, len(plans))}
+	for _, p := range plans {
+		if err := p.validate(); err != nil {
+			return nil, err
+		}
+		p.Shadow = p.Shadow || shadow
+		if _, dup := t.byName[p.Name]; dup {
+			return nil, fmt.Errorf("%w: plan name %q is given twice", ErrInvalidPlan, p.Name)
+		}
+		t.byName[p.Name] = newEntry(p, counts(p.Name))
+		t.plans = append(t.plans, p)
+	}
+	t.defaults = t.byName[plans[0].Name]
+	return t, nil
+}
+
+// SetPlans replaces the Limiter's plans with plans, checked as New checks
+// them (ErrInvalidPlan): on an error the plans stay as they were. It is
+// safe while the Limiter decides: each decision uses the old table or the
+// new one, whole. A call that names no plan then uses plans[0].
+//
+// Buckets are kept by name: a plan whose Capacity grows keeps its tokens
+// and refills toward the new Capacity, one whose Capacity shrinks is
+// clamped to it at its next decision, and a changed Rate applies from the
+// next decision on. While instances with the old plans and the new run
+// side by side, a key's admissions stay within max(old, new) Capacity +
+// max(old, new) Rate × elapsed time (README, "Operating it"). Remembered
+// denials name the plan's parameters, so a raised limit admits at once.
+// Stats keeps counting each name, also one the table no longer holds.
+func (l *Limiter) SetPlans(plans []Plan) error {
+	t, err := newTable(plans, l.shadowAll, l.stats.plan)
+	if err != nil {
+		return err
+	}
+	l.table.Store(t)
+	return nil
+}

@@ -1,0 +1,144 @@
+package tollgate
+
+import (
+	"context"
+	"sync"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/tollgate-go/tollgate/internal/redistest"
+)
+
+func TestSetPlansReplacesTheTable(t *testing.T) {
+	ctx := context.Background()
+	l := newTestLimiter(t, NewMemoryStore())
+	require.NoError(t, l.SetPlans([]Plan{{Name: "silver", Capacity: 2, Rate: 1}, {Name: "gold", Capacity: 10, Rate: 1}}))
+	p, ok := l.Plan("gold")
+	require.True(t, ok)
+	assert.Equal(t, int64(10), p.Capacity)
+	_, ok = l.Plan("daily")
+	assert.False(t, ok)
+	_, err := l.Allow(ctx, "k", "daily")
+	assert.ErrorIs(t, err, ErrUnknownPlan)
+	r, err := l.Allow(ctx, "k")
+	require.NoError(t, err)
+	assert.Equal(t, "silver", r.Plan, "no plan named: the first plan given")
+
+	st := l.Stats()
+	require.Len(t, st.Plans, 3)
+	assert.Equal(t, []string{"silver", "gold", "daily"}, []string{st.Plans[0].Plan, st.Plans[1].Plan, st.Plans[2].Plan},
+		"the table's plans in order, then names it no longer holds")
+}
+
+func TestSetPlansRejectsBadTablesAndKeepsTheOld(t *testing.T) {
+	l := newTestLimiter(t, NewMemoryStore())
+	for name, plans := range map[string][]Plan{
+		"none":      nil,
+		"duplicate": {{Name: "a", Capacity: 1, Rate: 1}, {Name: "a", Capacity: 2, Rate: 1}},
+		"invalid":   {{Name: "a", Capacity: 1, Rate: 1}, {Name: "b", Capacity: 0, Rate: 1}},
+		"bad name":  {{Name: "a b", Capacity: 1, Rate: 1}},
+	} {
+		assert.ErrorIs(t, l.SetPlans(plans), ErrInvalidPlan, name)
+		p, ok := l.Plan("gold")
+		require.True(t, ok, name)
+		assert.Equal(t, testPlans[0], p, name)
+	}
+}
+
+// A raised limit admits at once, never masked by a denial remembered
+// under the old one.
+func TestSetPlansUpgradeIsNotMaskedByTheDenialCache(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		ctx := context.Background()
+		l := newTestLimiter(t, newCountingStore())
+		time.Sleep(time.Nanosecond) // off the instant of New: see testDenialCacheSparesTheStore
+		_, err := l.AllowN(ctx, "k", 4, "gold")
+		require.NoError(t, err)
+		time.Sleep(250 * time.Millisecond) // half a token at 2/s
+		r, err := l.Allow(ctx, "k", "gold")
+		require.NoError(t, err)
+		require.False(t, r.Allowed)
+		r, err = l.Allow(ctx, "k", "gold")
+		require.NoError(t, err)
+		require.Equal(t, SourceCache, r.Source)
+		require.NoError(t, l.SetPlans([]Plan{{Name: "gold", Capacity: 4, Rate: 20}, testPlans[1]}))
+		r, err = l.Allow(ctx, "k", "gold")
+		require.NoError(t, err)
+		assert.True(t, r.Allowed, "5 tokens accrued at the new rate")
+	})
+}
+
+// SetPlans races with decisions, Stats and Plan: run with -race.
+func TestSetPlansRacesWithAllow(t *testing.T) {
+	ctx := context.Background()
+	l := newTestLimiter(t, NewMemoryStore())
+	tables := [][]Plan{testPlans, {{Name: "gold", Capacity: 8, Rate: 4}, {Name: "daily", Capacity: 50, Rate: 1}}}
+	var wg sync.WaitGroup
+	for g := range 4 {
+		wg.Go(func() {
+			for range 500 {
+				_, err := l.Allow(ctx, "k", "gold", "daily")
+				assert.NoError(t, err)
+				_, err = l.Allow(ctx, "k")
+				assert.NoError(t, err)
+				_, _ = l.Plan("gold")
+				if g == 0 {
+					_ = l.Stats()
+				}
+			}
+		})
+	}
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	for i := 0; ; i++ {
+		select {
+		case <-done:
+		default:
+			require.NoError(t, l.SetPlans(tables[i%2]))
+			continue
+		}
+		break
+	}
+	st := l.Stats()
+	assert.Equal(t, "gold", st.Plans[0].Plan)
+	assert.Positive(t, st.Plans[0].Allowed[SourceStore])
+}
+
+// TestRollingDeployStaysWithinTheTransitionBound has two instances with
+// different plans of one name alternate on one key, as during a rolling
+// deploy, on a real Redis: admissions stay within max(old, new) capacity
+// + max(old, new) rate × elapsed, elapsed read from Redis TIME.
+func TestRollingDeployStaysWithinTheTransitionBound(t *testing.T) {
+	addr := redistest.Addr(t)
+	ctx := context.Background()
+	prefix := redistest.KeyPrefix()
+	old := Plan{Name: "api", Capacity: 200, Rate: 100}
+	next := Plan{Name: "api", Capacity: 100, Rate: 400}
+	var limiters [2]*Limiter
+	for i, p := range []Plan{old, next} {
+		l, err := New(NewRedisStore(redistest.NewClient(t, &redis.Options{Addr: addr}), WithKeyPrefix(prefix)), []Plan{p},
+			WithFailurePolicy(FailClosed), WithLogger(nil), WithDenialCache(0))
+		require.NoError(t, err)
+		limiters[i] = l
+	}
+	probe := redistest.NewClient(t, &redis.Options{Addr: addr})
+	start := redistest.Time(t, probe)
+	admitted := 0
+	for step := range 10_000 {
+		r, err := limiters[step%2].Allow(ctx, "k")
+		require.NoError(t, err)
+		if r.Allowed {
+			admitted++
+		}
+	}
+	end := redistest.Time(t, probe)
+	bound := float64(max(old.Capacity, next.Capacity)) + max(old.Rate, next.Rate)*float64(end-start)/1e6
+	t.Logf("admitted %d of 10000 in %.3f s; bound %.1f", admitted, float64(end-start)/1e6, bound)
+	assert.LessOrEqual(t, float64(admitted), bound)
+	assert.Less(t, admitted, 10_000, "the test must push past the limit")
+}

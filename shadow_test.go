@@ -1,0 +1,201 @@
+package tollgate
+
+import (
+	"context"
+	"math/rand/v2"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/tollgate-go/tollgate/internal/redistest"
+)
+
+// shadowed returns p in dry run.
+func shadowed(p Plan) Plan {
+	p.Shadow = true
+	return p
+}
+
+// TestShadowBucketEqualsEnforcedTwin feeds the same trace to a shadowed
+// plan and to its enforced twin, on the script (miniredis, its TIME set
+// per step) and on the MemoryStore (its clock set alike): the shadowed
+// plan allows everything, says "would deny" exactly where the twin
+// denies, reports what the twin reports, and keeps the same state. The
+// two stores agree on every Result.
+func TestShadowBucketEqualsEnforcedTwin(t *testing.T) {
+	ctx := context.Background()
+	for _, p := range []Plan{
+		{Name: "b", Capacity: 5, Rate: 2},
+		{Name: "w", Capacity: 5, Window: time.Second, Slots: 4},
+	} {
+		t.Run(p.Name, func(t *testing.T) {
+			rs, mr, setTime := newMiniredisStore(t)
+			now := t0
+			ms := newClockedMemoryStore(&now)
+			rng := rand.New(rand.NewPCG(1, 2))
+			denied := 0
+			for step := range 2000 {
+				now += rng.Int64N(400_000) // µs
+				setTime(now)
+				cost := 1 + rng.Int64N(2)
+				var results [2][2]Result // by store, shadowed then enforced
+				for i, s := range []Store{rs, ms} {
+					sh, err := s.Take(ctx, "shadow", cost, []Plan{shadowed(p)})
+					require.NoError(t, err)
+					en, err := s.Take(ctx, "twin", cost, []Plan{p})
+					require.NoError(t, err)
+					results[i] = [2]Result{sh, en}
+					require.True(t, sh.Allowed, "step %d: a shadowed plan never denies", step)
+					require.Equal(t, !en.Allowed, sh.ShadowDenied, "step %d: would deny exactly where the twin denies", step)
+					want := en.PlanResults()[0]
+					want.Shadow, want.WouldDeny = true, !en.Allowed
+					require.Equal(t, []PlanResult{want}, sh.PlanResults(), "step %d", step)
+				}
+				require.Equal(t, results[0], results[1], "step %d: the script and the MemoryStore agree", step)
+				if results[0][1].Allowed {
+					continue
+				}
+				denied++
+			}
+			assert.Greater(t, denied, 100, "the trace must push past the limit")
+			assert.Less(t, denied, 1900, "and admit too")
+			shadowState, twinState := hashOf(t, mr.Addr(), rs.Key("shadow", p.Name)), hashOf(t, mr.Addr(), rs.Key("twin", p.Name))
+			assert.Equal(t, twinState, shadowState, "the stored state is the twin's")
+		})
+	}
+}
+
+// In a chain, shadowed plans never deny and never bind while a plan is
+// enforced; the enforced plans decide, and the shadowed plan's bucket is
+// drained only when the request is allowed and it fits.
+func TestShadowInAChain(t *testing.T) {
+	ctx := context.Background()
+	for _, s := range []Store{NewMemoryStore(), func() Store { rs, _, _ := newMiniredisStore(t); return rs }()} {
+		enforced := Plan{Name: "e", Capacity: 3, Rate: 0.001}
+		shadow := Plan{Name: "s", Capacity: 1, Rate: 0.001, Shadow: true}
+		plans := []Plan{shadow, enforced}
+		var got []bool
+		for range 4 {
+			r, err := s.Take(ctx, "k", 1, plans)
+			require.NoError(t, err)
+			got = append(got, r.Allowed)
+			assert.Equal(t, "e", r.Plan, "the enforced plan binds")
+			prs := r.PlanResults()
+			assert.Equal(t, r.ShadowDenied, prs[0].WouldDeny)
+			assert.False(t, prs[1].WouldDeny)
+		}
+		assert.Equal(t, []bool{true, true, true, false}, got, "the enforced plan decides")
+		r, err := s.Take(ctx, "k", 0, plans)
+		require.NoError(t, err)
+		assert.Equal(t, int64(0), r.PlanResults()[0].Remaining, "the shadowed plan was drained once, when it fit")
+		assert.True(t, r.ShadowDenied, "a read tells that the shadowed plan would deny")
+		assert.False(t, r.Allowed, "the enforced plan is empty")
+	}
+}
+
+// WithShadow shadows every plan, including those of SetPlans and
+// AllowPlans: nothing is denied, every decision reaches the store, and
+// Stats counts the would-be denials per plan.
+func TestWithShadowNeverDenies(t *testing.T) {
+	ctx := context.Background()
+	s := newCountingStore()
+	l, err := New(s, testPlans, WithLogger(nil), WithShadow())
+	require.NoError(t, err)
+	for range 10 {
+		r, err := l.Allow(ctx, "k", "gold")
+		require.NoError(t, err)
+		require.True(t, r.Allowed)
+		require.Equal(t, SourceStore, r.Source, "no denial is remembered: every decision reaches the store")
+	}
+	assert.Equal(t, int64(10), s.calls.Load())
+	r, err := l.AllowPlans(ctx, "k", 1, Plan{Name: "other", Capacity: 1, Rate: 0.001})
+	require.NoError(t, err)
+	assert.True(t, r.Allowed)
+	_, err = l.AllowPlans(ctx, "k", 1, Plan{Name: "other", Capacity: 1, Rate: 0.001})
+	require.NoError(t, err)
+	require.NoError(t, l.SetPlans([]Plan{{Name: "gold", Capacity: 1, Rate: 0.001}}))
+	p, _ := l.Plan("gold")
+	assert.True(t, p.Shadow)
+
+	st := l.Stats()
+	assert.Equal(t, "gold", st.Plans[0].Plan)
+	assert.Equal(t, uint64(6), st.Plans[0].ShadowDenied, "10 asked of a bucket of 4")
+	assert.Equal(t, uint64(10), st.Plans[0].Allowed[SourceStore])
+	assert.Equal(t, "other", st.Plans[2].Plan)
+	assert.Equal(t, uint64(1), st.Plans[2].ShadowDenied)
+}
+
+// The script reports a shadowed plan's would-be denial as a bit next to
+// the allowed flag; a bit for an enforced plan is a bad reply.
+func TestShadowReplyBits(t *testing.T) {
+	plans := []Plan{{Name: "e", Capacity: 1, Rate: 1}, {Name: "s", Capacity: 1, Rate: 1, Shadow: true}}
+	buckets := make([]TokenBucket, 2)
+	allowed, _, wd, err := parseReply(buckets, nil, []any{int64(1 + 2*2), t0, int64(0), t0, int64(0), t0}, plans, 1)
+	require.NoError(t, err)
+	assert.True(t, allowed)
+	assert.Equal(t, uint64(2), wd)
+	_, _, _, err = parseReply(buckets, nil, []any{int64(1 + 2*1), t0, int64(0), t0, int64(0), t0}, plans, 1)
+	assert.ErrorIs(t, err, ErrBadReply)
+}
+
+func TestShadowedPlanDeepInAChain(t *testing.T) {
+	plans := make([]Plan, maxShadowIndex+1)
+	for i := range plans {
+		plans[i] = Plan{Name: "p" + string(rune('A'+i%26)) + string(rune('a'+i/26)), Capacity: 1, Rate: 1}
+	}
+	plans[maxShadowIndex].Shadow = true
+	_, err := NewMemoryStore().Take(context.Background(), "k", 1, plans)
+	assert.ErrorIs(t, err, ErrInvalidPlan)
+	plans[maxShadowIndex].Shadow, plans[maxShadowIndex-1].Shadow = false, true
+	_, err = NewMemoryStore().Take(context.Background(), "k", 1, plans)
+	assert.NoError(t, err)
+}
+
+// On a real Redis, a shadowed plan that would deny is reported and left
+// as it was, next to an enforced plan that is drained.
+func TestShadowOnRealRedis(t *testing.T) {
+	ctx := context.Background()
+	c := redistest.NewClient(t, &redis.Options{Addr: redistest.Addr(t)})
+	s := NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix()))
+	plans := []Plan{{Name: "e", Capacity: 100, Rate: 0.001}, {Name: "s", Capacity: 1, Rate: 0.001, Shadow: true},
+		{Name: "w", Capacity: 1, Window: time.Hour, Shadow: true}}
+	r, err := s.Take(ctx, "k", 1, plans)
+	require.NoError(t, err)
+	require.False(t, r.ShadowDenied)
+	before := c.HGetAll(ctx, s.Key("k", "s")).Val()
+	r, err = s.Take(ctx, "k", 1, plans)
+	require.NoError(t, err)
+	assert.True(t, r.Allowed)
+	assert.True(t, r.ShadowDenied)
+	prs := r.PlanResults()
+	assert.Equal(t, []bool{false, true, true}, []bool{prs[0].WouldDeny, prs[1].WouldDeny, prs[2].WouldDeny})
+	assert.Equal(t, int64(98), prs[0].Remaining)
+	assert.Equal(t, before, c.HGetAll(ctx, s.Key("k", "s")).Val(), "left as it was")
+}
+
+// hashOf returns the hash at key on the Redis at addr.
+func hashOf(t *testing.T, addr, key string) map[string]string {
+	c := redis.NewClient(&redis.Options{Addr: addr})
+	defer func() { _ = c.Close() }()
+	h, err := c.HGetAll(context.Background(), key).Result()
+	require.NoError(t, err)
+	require.NotEmpty(t, h)
+	return h
+}
+
+// In a chain, a would-be denial is counted under the shadowed plan that
+// would have denied, not the plan that bound the decision.
+func TestShadowDenialsCountedByThePlanThatWouldDeny(t *testing.T) {
+	l, err := New(NewMemoryStore(), []Plan{{Name: "now", Capacity: 10, Rate: 1}, {Name: "next", Capacity: 1, Rate: 0.001, Shadow: true}}, WithLogger(nil))
+	require.NoError(t, err)
+	for range 3 {
+		_, err := l.Allow(context.Background(), "k", "now", "next")
+		require.NoError(t, err)
+	}
+	st := l.Stats()
+	assert.Equal(t, []uint64{0, 2}, []uint64{st.Plans[0].ShadowDenied, st.Plans[1].ShadowDenied})
+	assert.Equal(t, uint64(3), st.Plans[0].Allowed[SourceStore], "the enforced plan bound every decision")
+}
