@@ -37,6 +37,7 @@ type RedisStore struct {
 	err    error // a wiring mistake: New reports it, and so does every call
 	script *redisscript.Script
 	random func() uint64 // draws for suppressed plans; tests replace it
+	batch  *batcher      // nil unless WithBatching (batch.go)
 }
 
 // RedisOption configures a RedisStore.
@@ -70,7 +71,7 @@ func NewRedisStore(client redis.UniversalClient, opts ...RedisOption) *RedisStor
 // ScriptLoads returns how many times the store has sent its script's
 // source after Redis answered NOSCRIPT.
 func (s *RedisStore) ScriptLoads() int64 {
-	return s.script.Loads()
+	return s.script.Loads() + s.batch.loads()
 }
 
 // Take implements Store.
@@ -95,7 +96,7 @@ func (s *RedisStore) take(ctx context.Context, key string, cost int64, plans []P
 
 // run runs the script on the state at keys, one key per plan.
 func (s *RedisStore) run(ctx context.Context, keys []string, cost int64, plans []Plan) (Result, error) {
-	reply, err := s.script.Run(ctx, s.client, keys, s.args(cost, plans)...)
+	reply, err := s.eval(ctx, keys, s.args(cost, plans))
 	if err != nil {
 		return Result{}, err
 	}

@@ -2,8 +2,9 @@
 // decision at a time against one Redis, as fast as it answers, for a fixed
 // time. It reports decisions per second and latency percentiles for
 // tollgate (plain go-redis client, auto-pipelined, and auto-pipelined in
-// full duplex), go-redis/redis_rate
-// and ulule/limiter, side by side in one run, and Redis memory per bucket
+// full duplex, the plain and the full-duplex one also WithBatching),
+// go-redis/redis_rate (plain
+// and on the same full-duplex auto-pipeliner) and ulule/limiter, side by side in one run, and Redis memory per bucket
 // (on fresh redis-server processes it starts). A PING loop shows the round
 // trips the machine allows.
 //
@@ -82,14 +83,29 @@ var contenders = []contender{
 		}
 		return tollgateDecider(ap, prefix), func() { _ = c.Close() }
 	}},
+	{"tollgate-batched", func(opt *redis.Options, prefix string) (decider, func()) {
+		c := redis.NewClient(opt)
+		return tollgateDecider(c, prefix, tollgate.WithBatching()), func() { _ = c.Close() }
+	}},
+	{"tollgate-batched-fd", func(opt *redis.Options, prefix string) (decider, func()) {
+		c := redis.NewClient(opt)
+		ap, err := c.AutoPipelineWithOptions(&redis.AutoPipelineOptions{FullDuplex: true})
+		if err != nil {
+			log.Fatal(err)
+		}
+		return tollgateDecider(ap, prefix, tollgate.WithBatching()), func() { _ = c.Close() }
+	}},
 	{"redis_rate", func(opt *redis.Options, prefix string) (decider, func()) {
 		c := redis.NewClient(opt)
-		l := redis_rate.NewLimiter(c)
-		lim := redis_rate.Limit{Rate: perSec, Burst: burst, Period: time.Second}
-		return func(ctx context.Context, key string) error {
-			_, err := l.Allow(ctx, prefix+key, lim)
-			return err
-		}, func() { _ = c.Close() }
+		return redisRateDecider(c, prefix), func() { _ = c.Close() }
+	}},
+	{"redis_rate-fullduplex", func(opt *redis.Options, prefix string) (decider, func()) {
+		c := redis.NewClient(opt)
+		ap, err := c.AutoPipelineWithOptions(&redis.AutoPipelineOptions{FullDuplex: true})
+		if err != nil {
+			log.Fatal(err)
+		}
+		return redisRateDecider(ap, prefix), func() { _ = c.Close() }
 	}},
 	{"ulule", func(opt *redis.Options, prefix string) (decider, func()) {
 		c := redis.NewClient(opt)
@@ -105,14 +121,25 @@ var contenders = []contender{
 	}},
 }
 
-func tollgateDecider(c redis.UniversalClient, prefix string) decider {
-	l, err := tollgate.New(tollgate.NewRedisStore(c, tollgate.WithKeyPrefix(prefix)),
+func tollgateDecider(c redis.UniversalClient, prefix string, opts ...tollgate.RedisOption) decider {
+	l, err := tollgate.New(tollgate.NewRedisStore(c, append([]tollgate.RedisOption{tollgate.WithKeyPrefix(prefix)}, opts...)...),
 		[]tollgate.Plan{{Name: "p", Capacity: burst, Rate: perSec}}, tollgate.WithFailurePolicy(tollgate.FailClosed))
 	if err != nil {
 		log.Fatal(err)
 	}
 	return func(ctx context.Context, key string) error {
 		_, err := l.Allow(ctx, key)
+		return err
+	}
+}
+
+// redisRateDecider is go-redis/redis_rate on c, which may be an
+// auto-pipeliner: what redis_rate gets from the same transport.
+func redisRateDecider(c redis.UniversalClient, prefix string) decider {
+	l := redis_rate.NewLimiter(c)
+	lim := redis_rate.Limit{Rate: perSec, Burst: burst, Period: time.Second}
+	return func(ctx context.Context, key string) error {
+		_, err := l.Allow(ctx, prefix+key, lim)
 		return err
 	}
 }
