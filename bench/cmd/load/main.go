@@ -3,8 +3,8 @@
 // time. It reports decisions per second and latency percentiles for
 // tollgate (plain go-redis client, auto-pipelined, and auto-pipelined in
 // full duplex, the plain and the full-duplex one also WithBatching),
-// go-redis/redis_rate (plain
-// and on the same full-duplex auto-pipeliner) and ulule/limiter, side by side in one run, and Redis memory per bucket
+// go-redis/redis_rate (plain and on the same full-duplex auto-pipeliner)
+// and ulule/limiter, side by side in one run, and Redis memory per bucket
 // (on fresh redis-server processes it starts). A PING loop shows the round
 // trips the machine allows.
 //
