@@ -11,10 +11,10 @@ import (
 
 // Batch runs many calls of one script in one script call: the script's
 // source becomes a Lua function, and a loop gives each call its own KEYS
-// and ARGV, runs it under pcall and packs its reply. The calls run one
-// after the other, each atomic as a call of its own would be, and one
-// call's error is its own: the others' writes stand and their replies
-// come back. It suits scripts that reply with an array of integers. It is
+// and ARGV (tables the script must read, not write), runs it under pcall
+// and packs its reply. The calls run one after the other, each atomic as
+// a call of its own would be, and one call's error is its own: the
+// others' writes stand and their replies come back. It suits scripts that reply with an array of integers. It is
 // safe for concurrent use.
 type Batch struct {
 	script *Script
@@ -32,18 +32,26 @@ type Batch struct {
 const batchFrame = `local function decide(KEYS, ARGV)
 %s
 end
+local formats = {} -- by reply length: '%%d,%%d,...'
 local function packed(ks, as)
   local reply = decide(ks, as)
-  for j = 1, #reply do reply[j] = string.format('%%d', reply[j]) end
-  return table.concat(reply, ',')
+  local f = formats[#reply]
+  if not f then
+    f = string.rep('%%d,', #reply - 1) .. '%%d'
+    formats[#reply] = f
+  end
+  return string.format(f, unpack(reply))
 end
 local n = tonumber(ARGV[1])
-local out, ki, ai = {}, 0, 1 + 2 * n
+local out, ks, as, ki, ai = {}, {}, {}, 0, 1 + 2 * n
 for r = 1, n do
+  -- One KEYS and one ARGV table serve every call; the script reads them
+  -- and never writes them.
   local nk, na = tonumber(ARGV[1 + r]), tonumber(ARGV[1 + n + r])
-  local ks, as = {}, {}
   for j = 1, nk do ks[j] = KEYS[ki + j] end
+  for j = nk + 1, #ks do ks[j] = nil end
   for j = 1, na do as[j] = ARGV[ai + j] end
+  for j = na + 1, #as do as[j] = nil end
   ki, ai = ki + nk, ai + na
   local ok, res = pcall(packed, ks, as)
   if ok then
