@@ -122,11 +122,11 @@ func (b *Batch) Run(ctx context.Context, c redis.Scripter, calls []*Call) {
 
 // element returns one call's reply from a batch's reply.
 func element(v any) (any, error) {
-	switch v := v.(type) {
+	switch e := v.(type) {
 	case string:
-		return v, nil
+		return v, nil // as it came: a string put in an interface again would be copied to the heap
 	case error:
-		return nil, Sanitize(v)
+		return nil, Sanitize(e)
 	}
 	return nil, fmt.Errorf("%w: a batched reply is %T, not a string", ErrBadReply, v)
 }

@@ -10,7 +10,8 @@
 //
 // Each concurrency runs for several rounds, the contenders in a rotated
 // order each round; it prints the median of the rounds and the median of
-// each round's ratio to redis_rate, since machines drift between runs.
+// each round's ratio to redis_rate (or -base), since machines drift
+// between runs.
 //
 //	go run ./cmd/load -redis redis://127.0.0.1:6379/0 -duration 5s -callers 1,8,64 -rounds 3
 package main
@@ -152,6 +153,7 @@ func main() {
 	only := flag.String("only", "", "comma-separated contenders to run (default all)")
 	memKeys := flag.Int("memkeys", 100_000, "keys for the memory-per-bucket measure; 0 skips it")
 	rounds := flag.Int("rounds", 3, "rounds per concurrency; medians are reported")
+	baseName := flag.String("base", "redis_rate", "the contender each round's ratio is to")
 	flag.Parse()
 
 	opt, err := redis.ParseURL(*url)
@@ -163,7 +165,7 @@ func main() {
 	for i := range keys {
 		keys[i] = "user-" + strconv.Itoa(i)
 	}
-	fmt.Printf("%-22s %7s %12s %10s %10s %10s %7s %s\n", "contender", "callers", "decisions/s", "p50", "p99", "p99.9", "errors", "× redis_rate (range)")
+	fmt.Printf("%-22s %7s %12s %10s %10s %10s %7s %s\n", "contender", "callers", "decisions/s", "p50", "p99", "p99.9", "errors", "× "+*baseName+" (range)")
 	for _, n := range strings.Split(*callersFlag, ",") {
 		callers, err := strconv.Atoi(n)
 		if err != nil {
@@ -186,7 +188,7 @@ func main() {
 				cleanup()
 			}
 		}
-		base := slices.IndexFunc(active, func(c contender) bool { return c.name == "redis_rate" })
+		base := slices.IndexFunc(active, func(c contender) bool { return c.name == *baseName })
 		for i, c := range active {
 			r := median(results[i], func(r result) float64 { return r.rate })
 			vs := ""
