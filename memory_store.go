@@ -17,16 +17,18 @@ const defaultMaxKeys = 100_000
 // instance and as the fallback while Redis is down. It is safe for
 // concurrent use, starts no goroutine and needs no Close.
 //
-// A key's buckets are dropped once they are all full again, since a missing
-// bucket reads as full: at the latest when the store needs room. The store
-// never holds more than WithMaxKeys keys (bounded per shard, of at least 64
-// keys each), so a flood of distinct keys cannot exhaust memory. When a
-// shard is at its bound and none of a sample of 16 keys is full, it drops
-// the one that would get back the fewest tokens, per µs it has been away,
-// if it returned after as long again: a key in use is kept over keys seen
-// once, and a key that will be full by its return goes first. A key that
-// is dropped before it is full reads as full when it returns, so it gets
-// back at most one capacity of each plan per eviction.
+// A key stays resident, full or not, until the store needs room for
+// another, whose entry then reuses the dropped one's: a key that refills
+// between visits, like most users under their limit, costs no allocation
+// (ADR 25). The store never holds more than WithMaxKeys keys (bounded per
+// shard, of at least 64 keys each), so a flood of distinct keys cannot
+// exhaust memory. When a shard is at its bound it drops a full key of a
+// sample of 16, which reads the same as a missing one, or, if none is
+// full, the one that would get back the fewest tokens, per µs it has been
+// away, if it returned after as long again: a key in use is kept over keys
+// seen once, and a key that will be full by its return goes first. A key
+// that is dropped before it is full reads as full when it returns, so it
+// gets back at most one capacity of each plan per eviction.
 type MemoryStore struct {
 	seed   maphash.Seed
 	shards []memShard
@@ -177,13 +179,9 @@ const (
 	minShardKeys = 64
 )
 
-// Keys an insertion examines: a few on every insertion, so that full keys
-// go without pressure; a larger sample once the shard is at its bound, to
-// pick a good victim.
-const (
-	sweepSample = 4
-	evictSample = 16
-)
+// evictSample is how many keys an insertion into a shard at its bound
+// examines to pick a victim.
+const evictSample = 16
 
 // NewMemoryStore returns an empty MemoryStore.
 func NewMemoryStore(opts ...MemoryOption) *MemoryStore {
@@ -308,11 +306,22 @@ func (m *MemoryStore) lock(key string) (*memShard, *memEntry, int64) {
 	return s, e, now
 }
 
-// entry inserts a new entry for key, with room for n plans, and returns
-// it. Requires s.mu.
+// entry inserts an empty entry for key, with room for n plans, and
+// returns it. At the bound it reuses the entry of the key it evicts, so
+// that the key's copy is the only allocation. Requires s.mu.
 func (s *memShard) entry(key string, n, perCap int, now int64) *memEntry {
-	e := &memEntry{buckets: make([]memBucket, 0, n), seen: now}
-	s.insert(strings.Clone(key), e, perCap, now)
+	var e *memEntry
+	if len(s.keys) >= perCap {
+		e = s.evict(now)
+	}
+	if e == nil {
+		e = &memEntry{buckets: make([]memBucket, 0, n)}
+	} else {
+		clear(e.buckets) // the evicted key's windows and plans go with it
+		e.buckets = e.buckets[:0]
+	}
+	e.seen = now
+	s.keys[strings.Clone(key)] = e
 	return e
 }
 
@@ -394,35 +403,38 @@ func describeWindow(p *Plan, w *window, now, cost int64, allowed bool) planState
 	return windowState(p, admitted, offered, ready, w.resetAt(now), now, cost, allowed)
 }
 
-// insert adds a key, dropping full keys it comes across and, at the bound,
-// the one that would get back the fewest tokens, per µs it has been away,
-// if it returned after as long again. Requires s.mu.
-func (s *memShard) insert(key string, e *memEntry, perCap int, now int64) {
+// evict drops a key to make room, and returns its entry, or nil if the
+// shard is empty: the first full key of a sample of evictSample, which
+// gives nothing back, or else the one that would get back the fewest
+// tokens, per µs it has been away, if it returned after as long again
+// (ADR 15). Requires s.mu.
+func (s *memShard) evict(now int64) *memEntry {
 	examined := 0
 	var victim string
+	var ve *memEntry
 	victimHarm := math.Inf(1)
-	for k, old := range s.keys {
-		if examined >= evictSample || examined >= sweepSample && len(s.keys) < perCap {
+	for k, e := range s.keys {
+		if examined == evictSample {
 			break
 		}
 		examined++
-		at := old.fullAt(now)
+		at := e.fullAt(now)
 		if at <= now {
-			delete(s.keys, k)
-			continue
+			victim, ve = k, e
+			break
 		}
 		// What it would get back if it returned after as long as it has
 		// been away, per µs away: a key seen once long ago is a better
 		// victim than a drained key that keeps asking.
-		away := now - old.seen
+		away := now - e.seen
 		if harm := float64(at-now-away) / float64(away+1); harm < victimHarm {
-			victim, victimHarm = k, harm
+			victim, ve, victimHarm = k, e, harm
 		}
 	}
-	if len(s.keys) >= perCap && !math.IsInf(victimHarm, 1) {
+	if ve != nil {
 		delete(s.keys, victim)
 	}
-	s.keys[key] = e
+	return ve
 }
 
 // Reset implements Store: it drops the buckets, which then read as full.

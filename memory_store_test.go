@@ -94,22 +94,86 @@ func TestMemoryStoreBoundsKeys(t *testing.T) {
 	assert.Greater(t, m.Len(), 900, "the bound is used, not undershot")
 }
 
-func TestMemoryStoreDropsFullBuckets(t *testing.T) {
+// TestMemoryStoreKeepsFullKeysResident decides on keys that are full
+// again at every visit: below the bound they stay, so a decision inserts
+// nothing and allocates nothing. A store that dropped full keys eagerly
+// re-inserted them, 3 allocations a decision.
+func TestMemoryStoreKeepsFullKeysResident(t *testing.T) {
 	ctx := context.Background()
 	now := t0
 	m := newClockedMemoryStore(&now)
-	p := Plan{Name: "p", Capacity: 2, Rate: 1}
-	for i := 0; i < 1000; i++ {
-		_, err := m.Take(ctx, fmt.Sprint("old-", i), 1, []Plan{p})
+	p := []Plan{{Name: "p", Capacity: 2, Rate: 1}}
+	keys := make([]string, 1000)
+	for i := range keys {
+		keys[i] = fmt.Sprint("user-", i)
+		now += 2_000_000 // the keys before are full again
+		_, err := m.Take(ctx, keys[i], 1, p)
 		require.NoError(t, err)
 	}
-	require.Equal(t, 1000, m.Len())
-	now += 2_000_000 // every old bucket is full again
-	for i := 0; i < 1000; i++ {
-		_, err := m.Take(ctx, fmt.Sprint("new-", i), 1, []Plan{p})
+	i := 0
+	allocs := testing.AllocsPerRun(5000, func() {
+		now += 2_000_000 // every bucket is full again
+		r, _ := m.Take(ctx, keys[i%len(keys)], 1, p)
+		if !r.Allowed || r.Remaining != 1 {
+			t.Fatalf("step %d: Take = %v, %d remaining, want allowed, 1 remaining", i, r.Allowed, r.Remaining)
+		}
+		i++
+	})
+	assert.Equal(t, 0.0, allocs)
+	assert.Equal(t, len(keys), m.Len(), "full keys stay until the store needs room")
+}
+
+// TestMemoryStoreEvictsFullKeysFirst fills a one-shard store with a
+// drained key and keys that are full again by the next insertion, then
+// pushes 2,000 new keys through it: every victim must be a full key, which
+// gives nothing back, and never the drained one, which would get its quota
+// back.
+func TestMemoryStoreEvictsFullKeysFirst(t *testing.T) {
+	ctx := context.Background()
+	now := t0
+	m := NewMemoryStore(WithMaxKeys(minShardKeys)) // one shard, exact bound
+	m.fakeNow = func() int64 { return now }
+	require.Len(t, m.shards, 1)
+	daily := []Plan{{Name: "p", Capacity: 10, Rate: Per(10, 24*time.Hour)}}
+	fast := []Plan{{Name: "p", Capacity: 10, Rate: 10}} // full 0.1 s after one take
+	_, err := m.Take(ctx, "drained", 10, daily)
+	require.NoError(t, err)
+	for i := 0; i < 2000; i++ {
+		now += 1_000_000
+		_, err := m.Take(ctx, fmt.Sprint("k", i), 1, fast)
+		require.NoError(t, err)
+		require.LessOrEqual(t, m.Len(), minShardKeys)
+	}
+	assert.Equal(t, minShardKeys, m.Len(), "full keys stay resident up to the bound")
+	r, err := m.Take(ctx, "drained", 1, daily)
+	require.NoError(t, err)
+	assert.False(t, r.Allowed, "the drained key was never evicted")
+}
+
+// TestMemoryStoreNewKeyAtTheBoundAllocatesOnce inserts new keys into a
+// store at its bound: each reuses its victim's entry, so copying the key is
+// the one allocation.
+func TestMemoryStoreNewKeyAtTheBoundAllocatesOnce(t *testing.T) {
+	ctx := context.Background()
+	now := t0
+	m := NewMemoryStore(WithMaxKeys(1000))
+	m.fakeNow = func() int64 { return now }
+	p := []Plan{{Name: "p", Capacity: 10, Rate: 1}}
+	keys := make([]string, 20_000)
+	for i := range keys {
+		keys[i] = fmt.Sprint("user-", i)
+	}
+	for _, k := range keys[:5000] { // fill, and churn the map to its steady size
+		_, err := m.Take(ctx, k, 1, p)
 		require.NoError(t, err)
 	}
-	assert.Less(t, m.Len(), 1100, "full buckets are dropped as new ones arrive")
+	i := 5000
+	allocs := testing.AllocsPerRun(10_000, func() {
+		_, _ = m.Take(ctx, keys[i%len(keys)], 1, p)
+		i++
+	})
+	assert.LessOrEqual(t, allocs, 1.0)
+	assert.LessOrEqual(t, m.Len(), 1000)
 }
 
 func TestMemoryStoreEvictsClosestToFull(t *testing.T) {

@@ -38,6 +38,7 @@ type RedisStore struct {
 	script       *redisscript.Script
 	settleScript *redisscript.Script
 	random       func() uint64 // draws for suppressed plans; tests replace it
+	batch        *batcher      // nil unless WithBatching (batch.go)
 }
 
 // RedisOption configures a RedisStore.
@@ -72,7 +73,7 @@ func NewRedisStore(client redis.UniversalClient, opts ...RedisOption) *RedisStor
 // ScriptLoads returns how many times the store has sent its scripts'
 // source after Redis answered NOSCRIPT.
 func (s *RedisStore) ScriptLoads() int64 {
-	return s.script.Loads() + s.settleScript.Loads()
+	return s.script.Loads() + s.settleScript.Loads() + s.batch.loads()
 }
 
 // Take implements Store.
@@ -91,10 +92,10 @@ func (s *RedisStore) take(ctx context.Context, key string, cost int64, plans []P
 	return s.run(ctx, s.keys(key, plans), s.args(cost, plans), cost, plans)
 }
 
-// run runs the script with keys and args on the state of plans, and
-// describes its decision.
+// run runs the script with keys and args on the state of plans, through
+// the batcher if there is one, and describes its decision.
 func (s *RedisStore) run(ctx context.Context, keys []string, args []any, cost int64, plans []Plan) (Result, error) {
-	reply, err := s.script.Run(ctx, s.client, keys, args...)
+	reply, err := s.eval(ctx, keys, args)
 	if err != nil {
 		return Result{}, err
 	}

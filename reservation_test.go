@@ -359,6 +359,11 @@ func TestConcurrentReservationsOfTheMaximum(t *testing.T) {
 		c := redistest.NewClient(t, &redis.Options{Addr: redistest.Addr(t)})
 		check(t, NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix())))
 	})
+	t.Run("redis-batched", func(t *testing.T) { // holds ride in batches too
+		redistest.SkipIfUnavailable(t)
+		c := redistest.NewClient(t, &redis.Options{Addr: redistest.Addr(t)})
+		check(t, NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix()), WithBatching()))
+	})
 }
 
 func TestPeekN(t *testing.T) {

@@ -41,12 +41,16 @@ func newTollgate(b *testing.B) *tollgate.Limiter {
 
 // syncMapRate is what people write by hand: x/time/rate limiters per key
 // in a sync.Map.
-type syncMapRate struct{ m sync.Map }
+type syncMapRate struct {
+	m     sync.Map
+	limit rate.Limit
+	burst int
+}
 
 func (s *syncMapRate) allow(key string) bool {
 	v, ok := s.m.Load(key)
 	if !ok {
-		v, _ = s.m.LoadOrStore(key, rate.NewLimiter(perSec, burst))
+		v, _ = s.m.LoadOrStore(key, rate.NewLimiter(s.limit, s.burst))
 	}
 	return v.(*rate.Limiter).Allow()
 }
@@ -77,6 +81,11 @@ func BenchmarkMemoryOneKey(b *testing.B) {
 	})
 }
 
+// BenchmarkMemoryManyKeysParallel decides on 10,000 keys from as many
+// goroutines as -cpu gives. In draining, buckets never fill (a burst no
+// run reaches, one token a second); in refilling, every key is full again
+// by its next visit (10 tokens, 10⁶ a second), as for users under their
+// limit.
 func BenchmarkMemoryManyKeysParallel(b *testing.B) {
 	ctx := context.Background()
 	parallel := func(b *testing.B, allow func(key string)) {
@@ -94,17 +103,31 @@ func BenchmarkMemoryManyKeysParallel(b *testing.B) {
 			}
 		})
 	}
-	b.Run("tollgate", func(b *testing.B) {
-		l := newTollgate(b)
-		parallel(b, func(k string) { _, _ = l.Allow(ctx, k) })
-	})
-	b.Run("x-time-rate-sync-map", func(b *testing.B) {
-		var s syncMapRate
-		parallel(b, func(k string) { _ = s.allow(k) })
-	})
-	b.Run("go-limiter", func(b *testing.B) {
-		s, _ := memorystore.New(&memorystore.Config{Tokens: burst, Interval: time.Hour})
-		defer s.Close(ctx)
-		parallel(b, func(k string) { _, _, _, _, _ = s.Take(ctx, k) })
-	})
+	for _, c := range []struct {
+		name     string
+		capacity int64
+		rate     float64
+		interval time.Duration // go-limiter's: one capacity per interval
+	}{
+		{"draining", burst, perSec, time.Hour},
+		{"refilling", 10, 1e6, 10 * time.Microsecond},
+	} {
+		b.Run(c.name+"/tollgate", func(b *testing.B) {
+			l, err := tollgate.New(tollgate.NewMemoryStore(tollgate.WithMaxKeys(2*numKeys)),
+				[]tollgate.Plan{{Name: "p", Capacity: c.capacity, Rate: c.rate}})
+			if err != nil {
+				b.Fatal(err)
+			}
+			parallel(b, func(k string) { _, _ = l.Allow(ctx, k) })
+		})
+		b.Run(c.name+"/x-time-rate-sync-map", func(b *testing.B) {
+			s := syncMapRate{limit: rate.Limit(c.rate), burst: int(c.capacity)}
+			parallel(b, func(k string) { _ = s.allow(k) })
+		})
+		b.Run(c.name+"/go-limiter", func(b *testing.B) {
+			s, _ := memorystore.New(&memorystore.Config{Tokens: uint64(c.capacity), Interval: c.interval})
+			defer s.Close(ctx)
+			parallel(b, func(k string) { _, _, _, _, _ = s.Take(ctx, k) })
+		})
+	}
 }

@@ -11,6 +11,7 @@
 //
 //	go test -tags chaos -run Chaos -count=1 -v ./internal/chaos                         # short: CI
 //	TOLLGATE_CHAOS_FULL=1 go test -tags chaos -run Chaos -count=1 -v -timeout 30m ./internal/chaos
+//	TOLLGATE_CHAOS_BATCHING=1 go test -tags chaos -run Chaos -count=1 -v ./internal/chaos   # every RedisStore WithBatching
 //
 // Every scenario logs one line "CHAOS scenario=… admitted=… bound=… …" with
 // its figures: grep CHAOS.

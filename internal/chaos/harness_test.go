@@ -26,6 +26,19 @@ import (
 // chaosFull selects the long version of every scenario.
 var chaosFull = os.Getenv("TOLLGATE_CHAOS_FULL") == "1"
 
+// chaosBatching gives every RedisStore of the suite WithBatching, child
+// processes included (they inherit the environment).
+var chaosBatching = os.Getenv("TOLLGATE_CHAOS_BATCHING") == "1"
+
+// storeOptions returns the options of every RedisStore of the suite: the
+// key prefix, and WithBatching under TOLLGATE_CHAOS_BATCHING=1.
+func storeOptions(prefix string) []tollgate.RedisOption {
+	if chaosBatching {
+		return []tollgate.RedisOption{tollgate.WithKeyPrefix(prefix), tollgate.WithBatching()}
+	}
+	return []tollgate.RedisOption{tollgate.WithKeyPrefix(prefix)}
+}
+
 // pick returns short in the CI run and full under TOLLGATE_CHAOS_FULL=1.
 func pick[T any](short, full T) T {
 	if chaosFull {
@@ -163,7 +176,7 @@ func newInstances(t *testing.T, n int, newClient func() redis.UniversalClient, o
 	prefix := redistest.KeyPrefix()
 	insts := make([]instance, n)
 	for i := range insts {
-		s := tollgate.NewRedisStore(newClient(), tollgate.WithKeyPrefix(prefix))
+		s := tollgate.NewRedisStore(newClient(), storeOptions(prefix)...)
 		l, err := tollgate.New(s, []tollgate.Plan{chaosPlan}, append([]tollgate.Option{tollgate.WithLogger(nil)}, opts...)...)
 		require.NoError(t, err)
 		insts[i] = instance{lim: l, store: s}

@@ -135,7 +135,7 @@ func TestChaosGoroutineLeaks(t *testing.T) {
 	decisions := 0
 	for i, c := range clients {
 		// No denial cache: every decision goes through the client.
-		l, err := tollgate.New(tollgate.NewRedisStore(c, tollgate.WithKeyPrefix(redistest.KeyPrefix())), []tollgate.Plan{chaosPlan},
+		l, err := tollgate.New(tollgate.NewRedisStore(c, storeOptions(redistest.KeyPrefix())...), []tollgate.Plan{chaosPlan},
 			tollgate.WithLogger(nil), tollgate.WithBreaker(breaker.Settings{Failures: 1, Cooldown: 10 * time.Millisecond}),
 			tollgate.WithDenialCache(0))
 		require.NoError(t, err)
@@ -151,7 +151,7 @@ func TestChaosGoroutineLeaks(t *testing.T) {
 	}
 	// An outage and a recovery on the plain client: dials that fail, the
 	// breaker, probes, the fallback.
-	l, err := tollgate.New(tollgate.NewRedisStore(clients[0], tollgate.WithKeyPrefix(redistest.KeyPrefix())), []tollgate.Plan{chaosPlan},
+	l, err := tollgate.New(tollgate.NewRedisStore(clients[0], storeOptions(redistest.KeyPrefix())...), []tollgate.Plan{chaosPlan},
 		tollgate.WithLogger(nil), tollgate.WithBreaker(breaker.Settings{Failures: 1, Cooldown: 10 * time.Millisecond}))
 	require.NoError(t, err)
 	srv.Kill()

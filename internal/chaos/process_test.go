@@ -57,7 +57,7 @@ func TestChaosChildProcess(t *testing.T) {
 	require.NoError(t, json.Unmarshal([]byte(spec), &job))
 	c := redis.NewClient(&redis.Options{Addr: job.Addr})
 	defer c.Close()
-	lim, err := tollgate.New(tollgate.NewRedisStore(c, tollgate.WithKeyPrefix(job.Prefix)), []tollgate.Plan{chaosPlan},
+	lim, err := tollgate.New(tollgate.NewRedisStore(c, storeOptions(job.Prefix)...), []tollgate.Plan{chaosPlan},
 		tollgate.WithFailurePolicy(tollgate.FailClosed), tollgate.WithLogger(nil))
 	require.NoError(t, err)
 

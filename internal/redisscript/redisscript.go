@@ -120,9 +120,13 @@ var classes = map[string]bool{
 const MaxExact = 1 << 53
 
 // Ints checks that reply is an array of exactly n integers, each 0 to
-// MaxExact, and appends them to dst. Anything else is ErrBadReply, with a
-// message that names the shape but never a value.
+// MaxExact, or a Batch's reply of one call that packs them, and appends
+// them to dst. Anything else is ErrBadReply, with a message that names
+// the shape but never a value.
 func Ints(dst []int64, reply any, n int) ([]int64, error) {
+	if s, ok := reply.(string); ok {
+		return packedInts(dst, s, n)
+	}
 	vals, ok := reply.([]any)
 	if !ok || len(vals) != n {
 		return dst, fmt.Errorf("%w: want an array of %d integers, got %T", ErrBadReply, n, reply)

@@ -2,14 +2,16 @@
 // decision at a time against one Redis, as fast as it answers, for a fixed
 // time. It reports decisions per second and latency percentiles for
 // tollgate (plain go-redis client, auto-pipelined, and auto-pipelined in
-// full duplex), go-redis/redis_rate
+// full duplex, the plain and the full-duplex one also WithBatching),
+// go-redis/redis_rate (plain and on the same full-duplex auto-pipeliner)
 // and ulule/limiter, side by side in one run, and Redis memory per bucket
 // (on fresh redis-server processes it starts). A PING loop shows the round
 // trips the machine allows.
 //
 // Each concurrency runs for several rounds, the contenders in a rotated
 // order each round; it prints the median of the rounds and the median of
-// each round's ratio to redis_rate, since machines drift between runs.
+// each round's ratio to redis_rate (or -base), since machines drift
+// between runs.
 //
 //	go run ./cmd/load -redis redis://127.0.0.1:6379/0 -duration 5s -callers 1,8,64 -rounds 3
 package main
@@ -82,14 +84,29 @@ var contenders = []contender{
 		}
 		return tollgateDecider(ap, prefix), func() { _ = c.Close() }
 	}},
+	{"tollgate-batched", func(opt *redis.Options, prefix string) (decider, func()) {
+		c := redis.NewClient(opt)
+		return tollgateDecider(c, prefix, tollgate.WithBatching()), func() { _ = c.Close() }
+	}},
+	{"tollgate-batched-fd", func(opt *redis.Options, prefix string) (decider, func()) {
+		c := redis.NewClient(opt)
+		ap, err := c.AutoPipelineWithOptions(&redis.AutoPipelineOptions{FullDuplex: true})
+		if err != nil {
+			log.Fatal(err)
+		}
+		return tollgateDecider(ap, prefix, tollgate.WithBatching()), func() { _ = c.Close() }
+	}},
 	{"redis_rate", func(opt *redis.Options, prefix string) (decider, func()) {
 		c := redis.NewClient(opt)
-		l := redis_rate.NewLimiter(c)
-		lim := redis_rate.Limit{Rate: perSec, Burst: burst, Period: time.Second}
-		return func(ctx context.Context, key string) error {
-			_, err := l.Allow(ctx, prefix+key, lim)
-			return err
-		}, func() { _ = c.Close() }
+		return redisRateDecider(c, prefix), func() { _ = c.Close() }
+	}},
+	{"redis_rate-fullduplex", func(opt *redis.Options, prefix string) (decider, func()) {
+		c := redis.NewClient(opt)
+		ap, err := c.AutoPipelineWithOptions(&redis.AutoPipelineOptions{FullDuplex: true})
+		if err != nil {
+			log.Fatal(err)
+		}
+		return redisRateDecider(ap, prefix), func() { _ = c.Close() }
 	}},
 	{"ulule", func(opt *redis.Options, prefix string) (decider, func()) {
 		c := redis.NewClient(opt)
@@ -105,14 +122,25 @@ var contenders = []contender{
 	}},
 }
 
-func tollgateDecider(c redis.UniversalClient, prefix string) decider {
-	l, err := tollgate.New(tollgate.NewRedisStore(c, tollgate.WithKeyPrefix(prefix)),
+func tollgateDecider(c redis.UniversalClient, prefix string, opts ...tollgate.RedisOption) decider {
+	l, err := tollgate.New(tollgate.NewRedisStore(c, append([]tollgate.RedisOption{tollgate.WithKeyPrefix(prefix)}, opts...)...),
 		[]tollgate.Plan{{Name: "p", Capacity: burst, Rate: perSec}}, tollgate.WithFailurePolicy(tollgate.FailClosed))
 	if err != nil {
 		log.Fatal(err)
 	}
 	return func(ctx context.Context, key string) error {
 		_, err := l.Allow(ctx, key)
+		return err
+	}
+}
+
+// redisRateDecider is go-redis/redis_rate on c, which may be an
+// auto-pipeliner: what redis_rate gets from the same transport.
+func redisRateDecider(c redis.UniversalClient, prefix string) decider {
+	l := redis_rate.NewLimiter(c)
+	lim := redis_rate.Limit{Rate: perSec, Burst: burst, Period: time.Second}
+	return func(ctx context.Context, key string) error {
+		_, err := l.Allow(ctx, prefix+key, lim)
 		return err
 	}
 }
@@ -125,6 +153,7 @@ func main() {
 	only := flag.String("only", "", "comma-separated contenders to run (default all)")
 	memKeys := flag.Int("memkeys", 100_000, "keys for the memory-per-bucket measure; 0 skips it")
 	rounds := flag.Int("rounds", 3, "rounds per concurrency; medians are reported")
+	baseName := flag.String("base", "redis_rate", "the contender each round's ratio is to")
 	flag.Parse()
 
 	opt, err := redis.ParseURL(*url)
@@ -136,7 +165,7 @@ func main() {
 	for i := range keys {
 		keys[i] = "user-" + strconv.Itoa(i)
 	}
-	fmt.Printf("%-22s %7s %12s %10s %10s %10s %7s %s\n", "contender", "callers", "decisions/s", "p50", "p99", "p99.9", "errors", "× redis_rate (range)")
+	fmt.Printf("%-22s %7s %12s %10s %10s %10s %7s %s\n", "contender", "callers", "decisions/s", "p50", "p99", "p99.9", "errors", "× "+*baseName+" (range)")
 	for _, n := range strings.Split(*callersFlag, ",") {
 		callers, err := strconv.Atoi(n)
 		if err != nil {
@@ -159,7 +188,7 @@ func main() {
 				cleanup()
 			}
 		}
-		base := slices.IndexFunc(active, func(c contender) bool { return c.name == "redis_rate" })
+		base := slices.IndexFunc(active, func(c contender) bool { return c.name == *baseName })
 		for i, c := range active {
 			r := median(results[i], func(r result) float64 { return r.rate })
 			vs := ""

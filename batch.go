@@ -1,0 +1,190 @@
+package tollgate
+
+import (
+	"context"
+	"sync"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/tollgate-go/tollgate/internal/redisscript"
+	"github.com/tollgate-go/tollgate/scripts"
+)
+
+// Batching limits: a batch holds at most maxBatch decisions, and at most
+// maxInFlight script calls of one store are under way at once, so that
+// Redis runs one batch while the next is on its way (ADR 26).
+const (
+	maxBatch    = 32
+	maxInFlight = 2
+)
+
+// WithBatching makes a RedisStore on a standalone Redis or Sentinel
+// decide concurrent requests together: while maxInFlight (2) script calls
+// are under way, further decisions wait, and the next call decides up to
+// 32 of them, each independently, all or nothing, with its own read of
+// Redis TIME, as a call of its own would. A decision that finds a call
+// slot free is sent at once, on its own. Each caller's context bounds its
+// own wait; a batch is bounded by the latest deadline among its callers,
+// so that one caller's cancellation or deadline fails no other decision.
+// On a ClusterClient or Ring it does nothing: the keys of different
+// callers lie in different slots, which one script call cannot span (ADR
+// 26). The default is off: one script call per decision.
+func WithBatching() RedisOption {
+	return func(s *RedisStore) {
+		switch s.client.(type) {
+		case *redis.ClusterClient, *redis.Ring:
+			return
+		}
+		s.batch = &batcher{client: s.client, one: s.script, many: redisscript.NewBatch(scripts.Limit)}
+	}
+}
+
+// batcher gathers the decisions of one RedisStore into batches. It is safe
+// for concurrent use.
+type batcher struct {
+	client redis.Scripter
+	one    *redisscript.Script // for a decision sent alone
+	many   *redisscript.Batch
+
+	mu       sync.Mutex
+	pending  []*batchCall // waiting for a call slot, oldest first
+	inFlight int          // script calls under way, at most maxInFlight
+}
+
+// batchCall is one decision waiting in a batcher.
+type batchCall struct {
+	redisscript.Call
+	ctx  context.Context
+	done chan struct{} // receives once Reply or Err is set
+}
+
+// calls recycles batchCalls, with their channels, between decisions.
+var calls = sync.Pool{New: func() any { return &batchCall{done: make(chan struct{}, 1)} }}
+
+// eval runs the limit script for one decision on keys with args and
+// returns its reply: through the batcher if there is one.
+func (s *RedisStore) eval(ctx context.Context, keys []string, args []any) (any, error) {
+	if s.batch == nil {
+		return s.script.Run(ctx, s.client, keys, args...)
+	}
+	return s.batch.do(ctx, keys, args)
+}
+
+// do decides one request: at once on the caller's goroutine if a call slot
+// is free and nobody waits, or else in the next batch.
+func (b *batcher) do(ctx context.Context, keys []string, args []any) (any, error) {
+	b.mu.Lock()
+	if b.inFlight < maxInFlight && len(b.pending) == 0 {
+		b.inFlight++
+		b.mu.Unlock()
+		reply, err := b.one.Run(ctx, b.client, keys, args...)
+		b.release()
+		return reply, err
+	}
+	c := calls.Get().(*batchCall)
+	c.Keys, c.Args, c.ctx = keys, args, ctx
+	b.pending = append(b.pending, c)
+	if b.inFlight < maxInFlight {
+		b.inFlight++
+		go b.flush()
+	}
+	b.mu.Unlock()
+	select {
+	case <-c.done:
+		reply, err := c.Reply, c.Err
+		*c = batchCall{done: c.done}
+		calls.Put(c)
+		return reply, err
+	case <-ctx.Done():
+		// Still waiting, it is withdrawn; already sent, its answer is
+		// dropped, and c with it, since a sender may still write to it.
+		b.mu.Lock()
+		for i, p := range b.pending {
+			if p == c {
+				b.pending = append(b.pending[:i], b.pending[i+1:]...)
+				break
+			}
+		}
+		b.mu.Unlock()
+		return nil, ctx.Err()
+	}
+}
+
+// release ends a script call: its slot passes to a sender of the waiting
+// decisions if there are any.
+func (b *batcher) release() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if len(b.pending) > 0 {
+		go b.flush()
+		return
+	}
+	b.inFlight--
+}
+
+// flush sends the waiting decisions, a batch at a time, until none wait,
+// and then gives up its call slot.
+func (b *batcher) flush() {
+	for {
+		b.mu.Lock()
+		n := min(len(b.pending), maxBatch)
+		if n == 0 {
+			b.inFlight--
+			b.mu.Unlock()
+			return
+		}
+		batch := make([]*batchCall, n)
+		copy(batch, b.pending)
+		rest := copy(b.pending, b.pending[n:])
+		clear(b.pending[rest:])
+		b.pending = b.pending[:rest]
+		b.mu.Unlock()
+		b.send(batch)
+	}
+}
+
+// send decides a batch in one script call and hands each caller its
+// answer. Callers whose context has ended are left out: a decision takes
+// nothing for them.
+func (b *batcher) send(batch []*batchCall) {
+	live := make([]*redisscript.Call, 0, len(batch))
+	var latest time.Time
+	bounded := true
+	for _, c := range batch {
+		if err := c.ctx.Err(); err != nil {
+			c.Err = err
+			continue
+		}
+		live = append(live, &c.Call)
+		dl, ok := c.ctx.Deadline()
+		bounded = bounded && ok
+		if dl.After(latest) {
+			latest = dl
+		}
+	}
+	ctx := context.Background()
+	if bounded {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithDeadline(ctx, latest)
+		defer cancel()
+	}
+	switch len(live) {
+	case 0:
+	case 1:
+		live[0].Reply, live[0].Err = b.one.Run(ctx, b.client, live[0].Keys, live[0].Args...)
+	default:
+		b.many.Run(ctx, b.client, live)
+	}
+	for _, c := range batch {
+		c.done <- struct{}{}
+	}
+}
+
+// loads returns how many times the batch script was sent after NOSCRIPT.
+func (b *batcher) loads() int64 {
+	if b == nil {
+		return 0
+	}
+	return b.many.Loads()
+}

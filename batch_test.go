@@ -1,0 +1,312 @@
+package tollgate
+
+import (
+	"context"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/alicebob/miniredis/v2"
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/tollgate-go/tollgate/internal/redisscript"
+	"github.com/tollgate-go/tollgate/internal/redistest"
+)
+
+// batchReq is one Take of a batching test.
+type batchReq struct {
+	key   string
+	cost  int64
+	plans []Plan
+}
+
+// gather makes s's batcher hold its call slots, starts one Take per
+// request, each once the one before waits in the batcher, so that they
+// wait in order, and returns a function that sends them as one batch and
+// returns their answers.
+func gather(t *testing.T, s *RedisStore, ctxs []context.Context, reqs []batchReq) (flush func() ([]Result, []error)) {
+	t.Helper()
+	b := s.batch
+	b.mu.Lock()
+	b.inFlight = maxInFlight
+	b.mu.Unlock()
+	results, errs := make([]Result, len(reqs)), make([]error, len(reqs))
+	var wg sync.WaitGroup
+	for i, r := range reqs {
+		wg.Go(func() { results[i], errs[i] = s.Take(ctxs[i], r.key, r.cost, r.plans) })
+		for waiting := false; !waiting; {
+			b.mu.Lock()
+			waiting = len(b.pending) == i+1
+			b.mu.Unlock()
+			time.Sleep(100 * time.Microsecond) // not a timed assertion: waits for the goroutine to queue
+		}
+	}
+	return func() ([]Result, []error) {
+		b.mu.Lock()
+		b.inFlight-- // the slot flush gives up at the end; the other stays held
+		b.mu.Unlock()
+		b.flush()
+		wg.Wait()
+		b.mu.Lock()
+		b.inFlight--
+		b.mu.Unlock()
+		return results, errs
+	}
+}
+
+func background(n int) []context.Context {
+	ctxs := make([]context.Context, n)
+	for i := range ctxs {
+		ctxs[i] = context.Background()
+	}
+	return ctxs
+}
+
+// TestBatchDecidesAsCallsOfTheirOwn sends buckets, windows, chains,
+// denials and reads, several on one key, as one batch, and the same
+// requests one call each to another prefix of the same miniredis at the
+// same Redis time: every Result is the same, and so is the state after.
+func TestBatchDecidesAsCallsOfTheirOwn(t *testing.T) {
+	mr := miniredis.RunT(t)
+	mr.SetTime(time.UnixMicro(t0))
+	c := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	batched := NewRedisStore(c, WithKeyPrefix("batched"), WithBatching())
+	plain := NewRedisStore(c, WithKeyPrefix("plain"))
+	window := Plan{Name: "minute", Capacity: 3, Window: time.Minute}
+	reqs := []batchReq{
+		{"a", 3, []Plan{gold}},
+		{"a", 2, []Plan{gold}}, // denied: 1 left
+		{"b", 1, testPlans},
+		{"a", 1, []Plan{gold}},
+		{"w", 2, []Plan{window}},
+		{"w", 2, []Plan{gold, window}}, // the window refuses: gold keeps its tokens
+		{"w", 1, []Plan{gold, window}},
+		{"a", 0, []Plan{gold}},
+		{"b", 0, testPlans},
+	}
+	got, errs := gather(t, batched, background(len(reqs)), reqs)()
+	for i, r := range reqs {
+		require.NoError(t, errs[i], "request %d", i)
+		want, err := plain.Take(context.Background(), r.key, r.cost, r.plans)
+		require.NoError(t, err)
+		assert.Equal(t, want, got[i], "request %d: %+v", i, r)
+	}
+	assert.False(t, got[1].Allowed)
+	assert.False(t, got[5].Allowed)
+	for _, r := range reqs {
+		for _, p := range r.plans {
+			assert.Equal(t, c.HGetAll(context.Background(), plain.Key(r.key, p.Name)).Val(), c.HGetAll(context.Background(), batched.Key(r.key, p.Name)).Val(), "%s %s", r.key, p.Name)
+		}
+	}
+	assert.Equal(t, int64(1), batched.batch.many.Loads(), "the nine went in one script call")
+}
+
+// TestBatchLoneCallerSendsAlone decides with an idle batcher: the decision
+// is sent at once with the plain script, and the batcher is idle after.
+func TestBatchLoneCallerSendsAlone(t *testing.T) {
+	mr := miniredis.RunT(t)
+	s := NewRedisStore(redis.NewClient(&redis.Options{Addr: mr.Addr()}), WithBatching())
+	for i := 0; i < 3; i++ {
+		r, err := s.Take(context.Background(), "k", 1, []Plan{gold})
+		require.NoError(t, err)
+		assert.Equal(t, int64(3-i), r.Remaining)
+	}
+	assert.Equal(t, int64(1), s.script.Loads(), "the plain script, loaded once")
+	assert.Zero(t, s.batch.many.Loads(), "no batch was sent")
+	assert.Zero(t, s.batch.inFlight)
+	assert.Empty(t, s.batch.pending)
+}
+
+// TestBatchCancelledCallerFailsNoOther cancels one of three waiting
+// callers: it gets its context's error at once, without waiting for the
+// batch, takes nothing, and the other two are decided.
+func TestBatchCancelledCallerFailsNoOther(t *testing.T) {
+	mr := miniredis.RunT(t)
+	s := NewRedisStore(redis.NewClient(&redis.Options{Addr: mr.Addr()}), WithBatching())
+	ctxs := background(3)
+	var cancel context.CancelFunc
+	ctxs[1], cancel = context.WithCancel(context.Background())
+	reqs := []batchReq{{"a", 1, []Plan{gold}}, {"b", 4, []Plan{gold}}, {"c", 1, []Plan{gold}}}
+	flush := gather(t, s, ctxs, reqs)
+	cancel()
+	for withdrawn := false; !withdrawn; { // returns while the slots are still held
+		s.batch.mu.Lock()
+		withdrawn = len(s.batch.pending) == 2
+		s.batch.mu.Unlock()
+		time.Sleep(100 * time.Microsecond)
+	}
+	got, errs := flush()
+	assert.ErrorIs(t, errs[1], context.Canceled)
+	for _, i := range []int{0, 2} {
+		require.NoError(t, errs[i])
+		assert.True(t, got[i].Allowed)
+	}
+	r, err := s.Take(context.Background(), "b", 0, []Plan{gold})
+	require.NoError(t, err)
+	assert.Equal(t, gold.Capacity, r.Remaining, "the cancelled request took nothing")
+}
+
+// TestBatchLeavesOutEndedContexts sends a batch in which one caller's
+// context ended after it was queued: that request takes nothing and gets
+// its context's error; the others are decided.
+func TestBatchLeavesOutEndedContexts(t *testing.T) {
+	mr := miniredis.RunT(t)
+	s := NewRedisStore(redis.NewClient(&redis.Options{Addr: mr.Addr()}), WithBatching())
+	ended, cancel := context.WithCancel(context.Background())
+	cancel()
+	calls := []*batchCall{
+		{Call: redisscript.Call{Keys: []string{s.Key("a", gold.Name)}, Args: s.args(1, []Plan{gold})}, ctx: context.Background(), done: make(chan struct{}, 1)},
+		{Call: redisscript.Call{Keys: []string{s.Key("b", gold.Name)}, Args: s.args(4, []Plan{gold})}, ctx: ended, done: make(chan struct{}, 1)},
+	}
+	s.batch.send(calls)
+	require.NoError(t, calls[0].Err)
+	assert.ErrorIs(t, calls[1].Err, context.Canceled)
+	assert.False(t, mr.Exists(s.Key("b", gold.Name)), "nothing written for the ended context")
+	assert.True(t, mr.Exists(s.Key("a", gold.Name)))
+}
+
+// TestBatchOutageReachesEachCaller fails the batch's script call: each
+// caller gets the error, reduced to its class.
+func TestBatchOutageReachesEachCaller(t *testing.T) {
+	mr := miniredis.RunT(t)
+	s := NewRedisStore(redis.NewClient(&redis.Options{Addr: mr.Addr(), MaxRetries: -1}), WithBatching())
+	reqs := []batchReq{{"secret-a", 1, []Plan{gold}}, {"secret-b", 1, []Plan{gold}}}
+	flush := gather(t, s, background(2), reqs)
+	mr.SetError("LOADING Redis is loading the dataset in memory; key 'secret-a'")
+	_, errs := flush()
+	for _, err := range errs {
+		var rerr *redisscript.Error
+		require.ErrorAs(t, err, &rerr)
+		assert.Equal(t, "LOADING", rerr.Class)
+		assert.NotContains(t, err.Error(), "secret")
+	}
+}
+
+func TestWithBatchingOnClusterSendsEachDecision(t *testing.T) {
+	cluster := redis.NewClusterClient(&redis.ClusterOptions{Addrs: []string{"127.0.0.1:1"}})
+	t.Cleanup(func() { _ = cluster.Close() })
+	ring := redis.NewRing(&redis.RingOptions{Addrs: map[string]string{"a": "127.0.0.1:1"}})
+	t.Cleanup(func() { _ = ring.Close() })
+	assert.Nil(t, NewRedisStore(cluster, WithBatching()).batch)
+	assert.Nil(t, NewRedisStore(ring, WithBatching()).batch)
+	assert.NotNil(t, NewRedisStore(redis.NewClient(&redis.Options{}), WithBatching()).batch)
+}
+
+// evalCalls returns the EVALSHA and EVAL calls a Redis has answered.
+func evalCalls(t *testing.T, c *redis.Client) int64 {
+	t.Helper()
+	info, err := c.Info(context.Background(), "commandstats").Result()
+	require.NoError(t, err)
+	n := int64(0)
+	for _, line := range strings.Split(info, "\r\n") {
+		if rest, ok := strings.CutPrefix(line, "cmdstat_eval"); ok {
+			_, rest, _ = strings.Cut(rest, "calls=")
+			calls, _, _ := strings.Cut(rest, ",")
+			v, err := strconv.ParseInt(calls, 10, 64)
+			require.NoError(t, err)
+			n += v
+		}
+	}
+	return n
+}
+
+// TestBatchingExactOnRealRedis runs 4 batching Limiters, each with its own
+// client and 16 goroutines, on one key and on 8 keys for half a second on
+// a redis-server of its own: admitted stays within capacity + rate ×
+// elapsed per key, elapsed from Redis TIME, no decision fails, and fewer
+// script calls than decisions reach Redis.
+func TestBatchingExactOnRealRedis(t *testing.T) {
+	srv := redistest.StartServer(t)
+	probe := srv.Client(t)
+	for _, nkeys := range []int{1, 8} {
+		t.Run(strconv.Itoa(nkeys)+"-keys", func(t *testing.T) {
+			prefix := redistest.KeyPrefix()
+			plans := []Plan{{Name: "p", Capacity: 20, Rate: 400}}
+			var limiters []*Limiter
+			for i := 0; i < 4; i++ {
+				l, err := New(NewRedisStore(redistest.NewClient(t, &redis.Options{Addr: srv.Addr()}), WithKeyPrefix(prefix), WithBatching()),
+					plans, WithFailurePolicy(FailClosed), WithLogger(nil), WithDenialCache(0))
+				require.NoError(t, err)
+				limiters = append(limiters, l)
+			}
+			allowed := make([]atomic.Int64, nkeys)
+			var ta tally
+			calls := evalCalls(t, probe)
+			start := redistest.Time(t, probe)
+			deadline := time.Now().Add(500 * time.Millisecond)
+			var wg sync.WaitGroup
+			for _, l := range limiters {
+				for g := 0; g < 16; g++ {
+					wg.Go(func() {
+						for i := g; time.Now().Before(deadline); i++ {
+							r, err := l.Allow(context.Background(), "k"+strconv.Itoa(i%nkeys))
+							ta.record(r, err)
+							if err == nil && r.Allowed {
+								allowed[i%nkeys].Add(1)
+							}
+						}
+					})
+				}
+			}
+			wg.Wait()
+			end := redistest.Time(t, probe)
+			calls = evalCalls(t, probe) - calls
+			require.Zero(t, ta.errs.Load(), "first error: %v", ta.firstErr.Load())
+			decisions := ta.allowed.Load() + ta.denied.Load()
+			bound := float64(plans[0].Capacity) + plans[0].Rate*float64(end-start)/1e6
+			t.Logf("%d decisions in %d script calls; bound %.1f a key", decisions, calls, bound)
+			for k := range allowed {
+				t.Logf("key %d: %d admitted", k, allowed[k].Load())
+				assert.LessOrEqual(t, float64(allowed[k].Load()), bound, "key %d", k)
+				assert.Greater(t, float64(allowed[k].Load()), 0.8*bound, "key %d: refills must be admitted", k)
+			}
+			assert.Less(t, calls, decisions, "decisions were batched")
+		})
+	}
+}
+
+// TestBatchingNoscriptStormOnRealRedis flushes the script cache every 5 ms
+// under batched load: no decision fails, under FailClosed.
+func TestBatchingNoscriptStormOnRealRedis(t *testing.T) {
+	addr := redistest.Addr(t)
+	s := NewRedisStore(redistest.NewClient(t, &redis.Options{Addr: addr}), WithKeyPrefix(redistest.KeyPrefix()), WithBatching())
+	l, err := New(s, []Plan{{Name: "p", Capacity: 1 << 30, Rate: 1}}, WithFailurePolicy(FailClosed), WithLogger(nil))
+	require.NoError(t, err)
+	flusher := redistest.NewClient(t, &redis.Options{Addr: addr})
+	var ta tally
+	stop := loadUntilStopped(16, func(g, i int) { ta.record(l.Allow(context.Background(), "k"+strconv.Itoa(i%64))) })
+	for end := time.Now().Add(time.Second); time.Now().Before(end); time.Sleep(5 * time.Millisecond) {
+		require.NoError(t, flusher.ScriptFlush(context.Background()).Err())
+	}
+	stop()
+	t.Logf("%d decisions, %d script loads", ta.allowed.Load(), s.ScriptLoads())
+	require.Zero(t, ta.errs.Load(), "first error: %v", ta.firstErr.Load())
+	assert.Zero(t, ta.fallback.Load())
+	assert.Positive(t, s.batch.many.Loads(), "batches met NOSCRIPT and healed it")
+}
+
+// BenchmarkRedisBatching decides on 10,000 keys from 32 goroutines per
+// -cpu on real Redis, each decision sent alone and batched. Its figure is
+// allocations per decision, which include each batch's share; the time
+// depends on what else shares the machine with Redis (bench/cmd/load
+// compares throughput).
+func BenchmarkRedisBatching(b *testing.B) {
+	for _, tc := range []struct {
+		name string
+		opts []RedisOption
+	}{{"alone", nil}, {"batched", []RedisOption{WithBatching()}}} {
+		b.Run(tc.name, func(b *testing.B) {
+			c := redis.NewClient(&redis.Options{Addr: redistest.Addr(b), PoolSize: 128})
+			defer c.Close()
+			l, err := New(NewRedisStore(c, append(tc.opts, WithKeyPrefix(redistest.KeyPrefix()))...), benchPlan)
+			require.NoError(b, err)
+			b.SetParallelism(32)
+			allowParallel(b, l)
+		})
+	}
+}

@@ -1,0 +1,150 @@
+package redisscript
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"strings"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// Batch runs many calls of one script in one script call: the script's
+// source becomes a Lua function, and a loop gives each call its own KEYS
+// and ARGV (tables the script must read, not write), runs it under pcall
+// and packs its reply. The calls run one after the other, each atomic as
+// a call of its own would be, and one call's error is its own: the
+// others' writes stand and their replies come back. It suits scripts that reply with an array of integers. It is
+// safe for concurrent use.
+type Batch struct {
+	script *Script
+}
+
+// batchFrame wraps a script's source; %s is the source. ARGV[1] is the
+// number of calls n, ARGV[2..n+1] the number of keys of each call,
+// ARGV[n+2..2n+1] the number of its args, and the args follow, call after
+// call, as the keys do in KEYS. Each call's reply is its integers in
+// decimal, separated by commas ('%d': Lua's own conversion writes 10^14
+// as '1e+14'), or an error of the call's class alone: the first capital
+// word of the message as Redis 7 words it, or the one after ': ' as
+// earlier versions and miniredis word it (Sanitize keeps only known
+// classes).
+const batchFrame = `local function decide(KEYS, ARGV)
+%s
+end
+local formats = {} -- by reply length: '%%d,%%d,...'
+local function packed(ks, as)
+  local reply = decide(ks, as)
+  local f = formats[#reply]
+  if not f then
+    f = string.rep('%%d,', #reply - 1) .. '%%d'
+    formats[#reply] = f
+  end
+  return string.format(f, unpack(reply))
+end
+local n = tonumber(ARGV[1])
+local out, ks, as, ki, ai = {}, {}, {}, 0, 1 + 2 * n
+for r = 1, n do
+  -- One KEYS and one ARGV table serve every call; the script reads them
+  -- and never writes them.
+  local nk, na = tonumber(ARGV[1 + r]), tonumber(ARGV[1 + n + r])
+  for j = 1, nk do ks[j] = KEYS[ki + j] end
+  for j = nk + 1, #ks do ks[j] = nil end
+  for j = 1, na do as[j] = ARGV[ai + j] end
+  for j = na + 1, #as do as[j] = nil end
+  ki, ai = ki + nk, ai + na
+  local ok, res = pcall(packed, ks, as)
+  if ok then
+    out[r] = res
+  else
+    if type(res) == 'table' then res = res.err end
+    res = tostring(res)
+    out[r] = {err = (string.match(res, '^%%-?(%%u+) ') or string.match(res, ': %%-?(%%u+) ') or 'ERR')
+      .. ' in a batched call'}
+  end
+end
+return out
+`
+
+// NewBatch returns the Batch of the Lua source src, which must end with
+// its return statement, as a function body does.
+func NewBatch(src string) *Batch {
+	return &Batch{script: New(fmt.Sprintf(batchFrame, src))}
+}
+
+// Loads returns how many times Run has sent the batch script's source
+// after Redis answered NOSCRIPT.
+func (b *Batch) Loads() int64 { return b.script.Loads() }
+
+// Call is one call of a batch: its keys and args, and, once Run returns,
+// its reply or its error.
+type Call struct {
+	Keys []string
+	Args []any
+	// Reply is the call's integers, packed in a string that Ints reads.
+	Reply any
+	// Err is the call's error, with only its class if Redis answered it:
+	// the batch's own when the whole script call failed.
+	Err error
+}
+
+// Run runs calls in one script call on c, and sets each call's Reply or
+// Err. NOSCRIPT is healed as Script.Run heals it.
+func (b *Batch) Run(ctx context.Context, c redis.Scripter, calls []*Call) {
+	nk, na := 0, 1+2*len(calls)
+	for _, call := range calls {
+		nk += len(call.Keys)
+		na += len(call.Args)
+	}
+	keys, args := make([]string, 0, nk), make([]any, 1+2*len(calls), na)
+	args[0] = len(calls)
+	for i, call := range calls {
+		keys = append(keys, call.Keys...)
+		args[1+i], args[1+len(calls)+i] = len(call.Keys), len(call.Args)
+	}
+	for _, call := range calls {
+		args = append(args, call.Args...)
+	}
+	reply, err := b.script.Run(ctx, c, keys, args...)
+	vals, ok := reply.([]any)
+	if err == nil && (!ok || len(vals) != len(calls)) {
+		err = fmt.Errorf("%w: want an array of %d replies, got %T", ErrBadReply, len(calls), reply)
+	}
+	for i, call := range calls {
+		switch {
+		case err != nil:
+			call.Reply, call.Err = nil, err
+		default:
+			call.Reply, call.Err = element(vals[i])
+		}
+	}
+}
+
+// element returns one call's reply from a batch's reply.
+func element(v any) (any, error) {
+	switch e := v.(type) {
+	case string:
+		return v, nil // as it came: a string put in an interface again would be copied to the heap
+	case error:
+		return nil, Sanitize(e)
+	}
+	return nil, fmt.Errorf("%w: a batched reply is %T, not a string", ErrBadReply, v)
+}
+
+// packedInts appends to dst the integers of a batched reply, s, which
+// holds n integers separated by commas. Like Ints, it checks that each is
+// 0 to MaxExact and names the shape but never a value.
+func packedInts(dst []int64, s string, n int) ([]int64, error) {
+	for i := range n {
+		field, rest, found := strings.Cut(s, ",")
+		if found == (i == n-1) {
+			return dst, fmt.Errorf("%w: want %d packed integers", ErrBadReply, n)
+		}
+		x, err := strconv.ParseInt(field, 10, 64)
+		if err != nil || x < 0 || x > MaxExact {
+			return dst, fmt.Errorf("%w: packed integer %d out of range", ErrBadReply, i)
+		}
+		dst, s = append(dst, x), rest
+	}
+	return dst, nil
+}
