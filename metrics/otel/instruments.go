@@ -168,6 +168,7 @@ func Register(lim *tollgate.Limiter, mp metric.MeterProvider, opts ...Option) (m
 	err = errors.Join(err, e)
 	in.holdTokens, e = m.Int64ObservableCounter("tollgate.reservation.tokens", metric.WithUnit("{token}"),
 		metric.WithDescription("Tokens settled, by kind: refunded, charged (used beyond a reservation), uncharged (not taken because a bucket's debt would pass one capacity)."))
+	err = errors.Join(err, e)
 	in.shadow, e = m.Int64ObservableCounter("tollgate.shadow.denials", metric.WithUnit("{decision}"),
 		metric.WithDescription("Decisions that a shadowed plan would have denied had it been enforced, by that plan."))
 	err = errors.Join(err, e)
