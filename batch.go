@@ -59,8 +59,9 @@ type batchCall struct {
 	done chan struct{} // receives once Reply or Err is set
 }
 
-// calls recycles batchCalls, with their channels, between decisions.
-var calls = sync.Pool{New: func() any { return &batchCall{done: make(chan struct{}, 1)} }}
+// batchCalls recycles batchCall values, with their channels, between
+// decisions.
+var batchCalls = sync.Pool{New: func() any { return &batchCall{done: make(chan struct{}, 1)} }}
 
 // eval runs the limit script for one decision on keys with args and
 // returns its reply: through the batcher if there is one.
@@ -82,7 +83,7 @@ func (b *batcher) do(ctx context.Context, keys []string, args []any) (any, error
 		b.release()
 		return reply, err
 	}
-	c := calls.Get().(*batchCall)
+	c := batchCalls.Get().(*batchCall)
 	c.Keys, c.Args, c.ctx = keys, args, ctx
 	b.pending = append(b.pending, c)
 	if b.inFlight < maxInFlight {
@@ -94,7 +95,7 @@ func (b *batcher) do(ctx context.Context, keys []string, args []any) (any, error
 	case <-c.done:
 		reply, err := c.Reply, c.Err
 		*c = batchCall{done: c.done}
-		calls.Put(c)
+		batchCalls.Put(c)
 		return reply, err
 	case <-ctx.Done():
 		// Still waiting, it is withdrawn; already sent, its answer is

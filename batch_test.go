@@ -194,7 +194,9 @@ func TestWithBatchingOnClusterSendsEachDecision(t *testing.T) {
 	t.Cleanup(func() { _ = ring.Close() })
 	assert.Nil(t, NewRedisStore(cluster, WithBatching()).batch)
 	assert.Nil(t, NewRedisStore(ring, WithBatching()).batch)
-	assert.NotNil(t, NewRedisStore(redis.NewClient(&redis.Options{}), WithBatching()).batch)
+	plain := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
+	t.Cleanup(func() { _ = plain.Close() })
+	assert.NotNil(t, NewRedisStore(plain, WithBatching()).batch)
 }
 
 // evalCalls returns the EVALSHA and EVAL calls a Redis has answered.
