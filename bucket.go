@@ -41,6 +41,13 @@ func fullBucket(p Plan, now int64) TokenBucket {
 // the clock under the bucket's lock, as MemoryStore does: a now read
 // before a long pause could look like such garbage.
 func (b TokenBucket) Refill(p Plan, now int64) TokenBucket {
+	return b.refill(&p, now)
+}
+
+// refill is Refill with the plan by pointer, as every caller inside the
+// package passes it: a Plan has more fields than the registers that carry
+// arguments, so by value it is copied through memory on every call.
+func (b TokenBucket) refill(p *Plan, now int64) TokenBucket {
 	full := p.Capacity * microTokens
 	if now <= b.Stamp {
 		// A stamp more than a whole refill ahead is no clock step but
@@ -87,7 +94,7 @@ func takeAll(plans []Plan, buckets []TokenBucket, now, cost int64) (ok bool, wd 
 	need := cost * microTokens
 	ok = true
 	for i := range plans {
-		buckets[i] = buckets[i].Refill(plans[i], now)
+		buckets[i] = buckets[i].refill(&plans[i], now)
 		if buckets[i].Tokens < need {
 			if plans[i].Shadow {
 				wd |= 1 << i
@@ -117,7 +124,12 @@ func (b TokenBucket) Remaining() int64 {
 // answer is exact for the bucket as stored. cost must not exceed
 // p.Capacity.
 func (b TokenBucket) ReadyAt(p Plan, now, cost int64) int64 {
-	if b.Refill(p, now).Tokens >= cost*microTokens {
+	return b.readyWhen(&p, now, cost)
+}
+
+// readyWhen is ReadyAt with the plan by pointer (see refill).
+func (b TokenBucket) readyWhen(p *Plan, now, cost int64) int64 {
+	if b.refill(p, now).Tokens >= cost*microTokens {
 		return now
 	}
 	// Not there yet, so Refill did not find the stamp garbage: the tokens
@@ -129,7 +141,7 @@ func (b TokenBucket) ReadyAt(p Plan, now, cost int64) int64 {
 
 // readyAt is ReadyAt for a bucket as Refill or takeAll left it at now,
 // which needs no second refill.
-func (b TokenBucket) readyAt(p Plan, now, cost int64) int64 {
+func (b TokenBucket) readyAt(p *Plan, now, cost int64) int64 {
 	need := cost * microTokens
 	if b.Tokens >= need {
 		return now

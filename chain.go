@@ -15,7 +15,7 @@ func chain(plans []Plan, buckets []TokenBucket, windows []*window, now, cost int
 			admitted, offered := windows[i].counts(now)
 			fits = cost <= 0 || admits(suppression(p, admitted, offered, cost), u)
 		} else {
-			buckets[i] = buckets[i].Refill(*p, now)
+			buckets[i] = buckets[i].refill(p, now)
 			fits = buckets[i].Tokens >= need
 		}
 		switch {

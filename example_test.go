@@ -128,3 +128,52 @@ func ExampleLimiter_Reserve() {
 	// used 2500 refunded 1500 left 2400
 	// denied; retry after 10s
 }
+
+func ExampleWithPlanResolver() {
+	gold := tollgate.Plan{Name: "api", Capacity: 5, Rate: 1}
+	lim, err := tollgate.New(tollgate.NewMemoryStore(), []tollgate.Plan{{Name: "api", Capacity: 2, Rate: 1}},
+		tollgate.WithPlanResolver(func(_ context.Context, key string, p tollgate.Plan) (tollgate.Plan, error) {
+			switch key { // a real resolver reads the key's tier from a cache
+			case "customer-gold":
+				return gold, nil // the same name: the same bucket
+			case "health-check":
+				return tollgate.Plan{}, tollgate.ErrExempt
+			}
+			return p, nil
+		}))
+	if err != nil {
+		panic(err)
+	}
+	for _, key := range []string{"customer-free", "customer-gold", "health-check"} {
+		res, err := lim.Allow(context.Background(), key)
+		if err != nil {
+			panic(err)
+		}
+		fmt.Println(key, res.Allowed, res.Limit, res.Source)
+	}
+	// Output:
+	// customer-free true 2 store
+	// customer-gold true 5 store
+	// health-check true 2 exempt
+}
+
+func ExampleWithShadow() {
+	lim, err := tollgate.New(tollgate.NewMemoryStore(), []tollgate.Plan{{Name: "api", Capacity: 2, Rate: 0.1}},
+		tollgate.WithShadow()) // dry run: decide and drain, never deny
+	if err != nil {
+		panic(err)
+	}
+	for i := 0; i < 3; i++ {
+		res, err := lim.Allow(context.Background(), "user-42")
+		if err != nil {
+			panic(err)
+		}
+		fmt.Println(res.Allowed, res.ShadowDenied)
+	}
+	fmt.Println("would have denied:", lim.Stats().Plans[0].ShadowDenied)
+	// Output:
+	// true false
+	// true false
+	// true true
+	// would have denied: 1
+}

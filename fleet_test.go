@@ -10,6 +10,8 @@ import (
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/tollgate-go/tollgate/internal/redistest"
 )
 
 // newFleetLimiter returns a Limiter with a fleet on the miniredis mr,
@@ -148,4 +150,40 @@ func TestFleetBadReplies(t *testing.T) {
 
 	alone := newFleetLimiter(t, miniredis.RunT(t), testPlans)
 	assert.Equal(t, int64(1), alone.fleetSize(), "before any heartbeat: alone")
+}
+
+// BenchmarkFleet shows that the heartbeat adds nothing to a decision: the
+// client's work alone (a hook answers every command, so no byte reaches a
+// network), with and without WithFleet; and the cost of one heartbeat on a
+// real Redis, paid once per Interval.
+func BenchmarkFleet(b *testing.B) {
+	for _, withFleet := range []bool{false, true} {
+		b.Run(map[bool]string{false: "decision/no-fleet", true: "decision/fleet"}[withFleet], func(b *testing.B) {
+			c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
+			defer func() { _ = c.Close() }()
+			c.AddHook(cannedReply{[]any{int64(1), int64(1 << 50), int64(1 << 40), int64(1 << 50)}})
+			var opts []Option
+			if withFleet {
+				opts = append(opts, WithFleet(FleetSettings{}))
+			}
+			l, err := New(NewRedisStore(c), benchPlan, opts...)
+			require.NoError(b, err)
+			defer func() { _ = l.Close() }()
+			allowParallel(b, l)
+		})
+	}
+	b.Run("heartbeat/redis", func(b *testing.B) {
+		c := redis.NewClient(&redis.Options{Addr: redistest.Addr(b)})
+		defer func() { _ = c.Close() }()
+		l, err := New(NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix())), benchPlan, WithFleet(FleetSettings{}))
+		require.NoError(b, err)
+		require.NoError(b, l.Close())
+		ctx := context.Background()
+		b.ReportAllocs()
+		for b.Loop() {
+			if err := l.fleet.beat(ctx); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
 }

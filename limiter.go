@@ -172,7 +172,8 @@ func (l *Limiter) Allow(ctx context.Context, key string, plans ...string) (r Res
 // Allowed false, not an error.
 //
 // Errors: ErrInvalidKey, ErrUnknownPlan, ErrInvalidCost (below 1, or above
-// a plan's capacity), the caller's own context error, and, under
+// a plan's capacity), the caller's own context error, ErrResolver and
+// ErrInvalidPlan from a PlanResolver (WithPlanResolver), and, under
 // FailClosed only, ErrStoreUnavailable.
 func (l *Limiter) AllowN(ctx context.Context, key string, cost int64, plans ...string) (r Result, err error) {
 	err = l.decide(ctx, &r, key, cost, 1, plans, nil)

@@ -66,27 +66,31 @@ var errPanicked = errors.New("resolver panicked")
 // decision's own, which it overwrites. It returns ErrExempt if every plan
 // is exempt, with plans as they were.
 func (l *Limiter) resolveFor(ctx context.Context, t *planTable, key string, plans []Plan, entry *planEntry) ([]Plan, *planEntry, error) {
+	// Plans are large: they go by pointer, and the resolver's answer is
+	// written once, into p.
+	var p Plan
 	if entry != nil {
-		p, err := l.callResolver(ctx, key, entry.one[0])
-		if err != nil {
+		if err := l.callResolver(ctx, key, &entry.one[0], &p); err != nil {
 			return plans, nil, err
 		}
-		if entry, err = l.variantOf(entry, p); err != nil {
+		entry, err := l.variantOf(entry, &p)
+		if err != nil {
 			return nil, nil, err
 		}
 		return entry.one, entry, nil
 	}
 	kept := plans[:0:len(plans)]
 	var last *planEntry // the entry of the last plan kept
-	for _, q := range plans {
-		p, err := l.callResolver(ctx, key, q)
+	for i := range plans {
+		name := plans[i].Name
+		err := l.callResolver(ctx, key, &plans[i], &p)
 		if errors.Is(err, ErrExempt) {
 			continue
 		}
 		if err != nil {
 			return nil, nil, err
 		}
-		e, err := l.variantOf(t.byName[q.Name], p)
+		e, err := l.variantOf(t.byName[name], &p)
 		if err != nil {
 			return nil, nil, err
 		}
@@ -101,31 +105,35 @@ func (l *Limiter) resolveFor(ctx context.Context, t *planTable, key string, plan
 	return kept, nil, nil
 }
 
-// callResolver calls the resolver for p, turning its errors and panics
-// into the errors WithPlanResolver documents.
-func (l *Limiter) callResolver(ctx context.Context, key string, p Plan) (q Plan, err error) {
+// callResolver calls the resolver for *in and writes its plan to *out,
+// turning its errors and panics into the errors WithPlanResolver
+// documents. in and out may be the same plan.
+func (l *Limiter) callResolver(ctx context.Context, key string, in, out *Plan) (err error) {
 	defer func() {
 		if recover() != nil {
-			q, err = Plan{}, fmt.Errorf("%w: %w", ErrResolver, errPanicked)
+			err = fmt.Errorf("%w: %w", ErrResolver, errPanicked)
 		}
 	}()
-	q, err = l.resolver(ctx, key, p)
+	name := in.Name
+	*out, err = l.resolver(ctx, key, *in)
 	switch {
 	case err == nil:
-		if q.Name != p.Name {
-			return Plan{}, fmt.Errorf("%w: the resolver renamed plan %q", ErrInvalidPlan, p.Name)
+		if out.Name != name {
+			return fmt.Errorf("%w: the resolver renamed plan %q", ErrInvalidPlan, name)
 		}
-		return q, nil
+		return nil
 	case errors.Is(err, ErrExempt):
-		return Plan{}, ErrExempt
+		return ErrExempt
 	}
-	return Plan{}, fmt.Errorf("%w: %w", ErrResolver, err)
+	return fmt.Errorf("%w: %w", ErrResolver, err)
 }
 
-// variantOf returns the entry of plan p, of e's name, shadowed if the
-// Limiter shadows every plan.
-func (l *Limiter) variantOf(e *planEntry, p Plan) (*planEntry, error) {
-	p.Shadow = p.Shadow || l.shadowAll
+// variantOf returns the entry of plan *p, of e's name, shadowed if the
+// Limiter shadows every plan (which it sets in *p).
+func (l *Limiter) variantOf(e *planEntry, p *Plan) (*planEntry, error) {
+	if l.shadowAll {
+		p.Shadow = true
+	}
 	return e.variant(p)
 }
 
@@ -207,7 +215,7 @@ func (l *Limiter) entryFor(t *planTable, p Plan) (*planEntry, error) {
 		}
 		e = l.others.add(p, l.stats.plan)
 	}
-	return l.variantOf(e, p)
+	return l.variantOf(e, &p)
 }
 
 // maxOtherPlans bounds the plan names outside the table that a Limiter

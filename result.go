@@ -85,6 +85,12 @@ type Result struct {
 	// Source tells who decided: SourceStore, SourceCache for a remembered
 	// denial, or, while the store fails, SourceFallback or SourceFailOpen.
 	Source Source
+	// ShadowDenied reports that a shadowed plan would have denied the
+	// request had it been enforced (PlanResult.WouldDeny tells which).
+	// Allowed is then decided by the enforced plans alone.
+	ShadowDenied bool
+
+	shadow bool // the binding plan is shadowed (next to the flags above, where padding was)
 	// Remaining is the number of whole tokens left in the binding plan's
 	// bucket, for example 19.
 	Remaining int64
@@ -113,12 +119,6 @@ type Result struct {
 	// Rate and Window are the binding plan's, as applied (see PlanResult).
 	Rate   float64
 	Window time.Duration
-	// ShadowDenied reports that a shadowed plan would have denied the
-	// request had it been enforced (PlanResult.WouldDeny tells which).
-	// Allowed is then decided by the enforced plans alone.
-	ShadowDenied bool
-
-	shadow bool // the binding plan is shadowed
 
 	// chain holds one PlanResult per plan when more than one plan was
 	// asked; for a single plan it is nil, so that the common decision
@@ -163,7 +163,8 @@ func newResult(plans []Plan, buckets []TokenBucket, windows []planState, now, co
 func (r *Result) describe(plans []Plan, buckets []TokenBucket, windows []planState, now, cost int64, allowed bool, wd uint64) {
 	if len(plans) == 1 { // the common case, and hot
 		p := &plans[0]
-		*r = Result{Plan: p.Name, Limit: p.Capacity, Rate: p.Rate, Window: p.Window, shadow: p.Shadow}
+		*r = Result{Plan: p.Name, Limit: p.Capacity}
+		r.Rate, r.Window, r.shadow = p.Rate, p.Window, p.Shadow // set apart: the literal, larger, was built in a temporary and copied
 		if p.isWindow() {
 			st := &windows[0]
 			r.Remaining, r.RetryAfter, r.ResetAfter = st.remaining, st.retryAfter, st.resetAfter
@@ -233,11 +234,11 @@ func bucketState(p *Plan, b TokenBucket, now, cost int64, allowed bool) (remaini
 	if allowed && cost > 0 {
 		// Refilled to now and drained: stored and current at once, so the
 		// hot path needs no second refill.
-		return b.Remaining(), 0, micros(b.readyAt(*p, now, p.Capacity) - now)
+		return b.Remaining(), 0, micros(b.readyAt(p, now, p.Capacity) - now)
 	}
-	resetAfter = micros(b.FullAt(*p, now) - now)
-	retryAfter = micros(b.ReadyAt(*p, now, asked(cost)) - now)
-	return b.Refill(*p, now).Remaining(), retryAfter, resetAfter
+	resetAfter = micros(b.readyWhen(p, now, p.Capacity) - now)
+	retryAfter = micros(b.readyWhen(p, now, asked(cost)) - now)
+	return b.refill(p, now).Remaining(), retryAfter, resetAfter
 }
 
 // windowState returns what a Result reports of one window after a

@@ -61,16 +61,16 @@ func newEntry(p Plan, counts *planCount) *planEntry {
 	return &planEntry{one: []Plan{p}, fp: fingerprint(p), counts: counts}
 }
 
-// variant returns the entry of plan p, of e's name: e itself, a variant
+// variant returns the entry of plan *p, of e's name: e itself, a variant
 // seen before, or a new one, which it validates first.
-func (e *planEntry) variant(p Plan) (*planEntry, error) {
-	if p == e.one[0] {
+func (e *planEntry) variant(p *Plan) (*planEntry, error) {
+	if *p == e.one[0] {
 		return e, nil
 	}
 	vs := e.variants.Load()
 	if vs != nil {
 		for _, v := range *vs {
-			if p == v.one[0] {
+			if *p == v.one[0] {
 				return v, nil
 			}
 		}
@@ -78,7 +78,7 @@ func (e *planEntry) variant(p Plan) (*planEntry, error) {
 	if err := p.validate(); err != nil {
 		return nil, err
 	}
-	v := newEntry(p, e.counts)
+	v := newEntry(*p, e.counts)
 	if vs == nil || len(*vs) < maxVariants {
 		var next []*planEntry
 		if vs != nil {

@@ -199,3 +199,26 @@ func TestShadowDenialsCountedByThePlanThatWouldDeny(t *testing.T) {
 	assert.Equal(t, []uint64{0, 2}, []uint64{st.Plans[0].ShadowDenied, st.Plans[1].ShadowDenied})
 	assert.Equal(t, uint64(3), st.Plans[0].Allowed[SourceStore], "the enforced plan bound every decision")
 }
+
+// BenchmarkShadow compares a shadowed plan with the same plan enforced,
+// on the memory store: allowed (the bucket has the tokens), and refused
+// (an empty bucket: denied when enforced, would-deny when shadowed).
+func BenchmarkShadow(b *testing.B) {
+	ctx := context.Background()
+	for _, bc := range []struct {
+		name     string
+		capacity int64
+	}{{"allowed", 1 << 30}, {"refused", 1}} { // refused: 10 tokens/s, spent at once
+		for _, shadow := range []bool{false, true} {
+			b.Run(bc.name+"/"+map[bool]string{false: "enforced", true: "shadow"}[shadow], func(b *testing.B) {
+				l, err := New(NewMemoryStore(), []Plan{{Name: "p", Capacity: bc.capacity, Rate: 10, Shadow: shadow}})
+				require.NoError(b, err)
+				_, _ = l.Allow(ctx, "user-1")
+				b.ReportAllocs()
+				for b.Loop() {
+					_, _ = l.Allow(ctx, "user-1")
+				}
+			})
+		}
+	}
+}

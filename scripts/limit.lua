@@ -79,6 +79,16 @@ local wide = #ARGV ~= 1 + 2 * plans + (held and 1 or 0) -- the layout with windo
 local u = wide and tonumber(ARGV[2]) or 0
 local reply = {1, now} -- bucket plans: the state as read, until allowed
 local wd, sd = 0, nil -- shadowed plans that would deny: bits, and by plan
+-- Plan i refuses the request: an enforced plan denies it, a shadowed one
+-- only records that it would have.
+local function refuse(i, shadow)
+  if shadow then
+    sd = sd or {}
+    sd[i], wd = true, wd + 2 ^ (i - 1)
+  else
+    reply[1] = 0
+  end
+end
 local after = {} -- bucket plans: the state refilled to now
 local foreign -- plans whose key holds data not ours, replaced on write
 local pvs -- versioned bucket plans: the version the bucket had
@@ -111,14 +121,7 @@ for i = 1, plans do
     reply[2 * i + 1], reply[2 * i + 2] = t, ts
     t, ts = refill(t, ts, full, rate, now)
     after[2 * i - 1], after[2 * i] = t, ts
-    if t < need then
-      if shadow then
-        sd = sd or {}
-        sd[i], wd = true, wd + 2 ^ (i - 1)
-      else
-        reply[1] = 0
-      end
-    end
+    if t < need then refuse(i, shadow) end
   else
     -- A window: read it and count it, as window.go does.
     if b == nil then
@@ -205,14 +208,7 @@ for i = 1, plans do
       else
         f = 1 - cap / (no + cost) * ((hard - na - cost + 1) / (hard - cap))
       end
-      if u < f * max53 then
-        if shadow then
-          sd = sd or {}
-          sd[i], wd = true, wd + 2 ^ (i - 1)
-        else
-          reply[1] = 0
-        end
-      end
+      if u < f * max53 then refuse(i, shadow) end
     end
   end
 end

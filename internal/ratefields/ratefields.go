@@ -33,6 +33,7 @@
 package ratefields
 
 import (
+	"iter"
 	"math"
 	"strconv"
 	"time"
@@ -49,13 +50,8 @@ type Planner interface {
 // such as `"gold";q=20;w=10, "daily";q=10000;w=86400`, with shadowed
 // plans (tollgate.Plan.Shadow) only if shadow is set. p may be nil.
 func AppendPolicy(b []byte, res *tollgate.Result, p Planner, shadow bool) []byte {
-	n := 0
-	for _, pr := range res.PlanResults() {
-		if pr.Shadow && !shadow {
-			continue
-		}
+	for n, pr := range shown(res, shadow) {
 		b = appendItem(b, n, pr.Plan)
-		n++
 		b = appendParam(b, ";q=", pr.Limit)
 		if plan, ok := describe(p, pr); ok {
 			b = appendParam(b, ";w=", AtLeastOne(window(plan)))
@@ -68,13 +64,8 @@ func AppendPolicy(b []byte, res *tollgate.Result, p Planner, shadow bool) []byte
 // as `"gold";r=19;t=1, "daily";r=9999;t=9`, with shadowed plans only if
 // shadow is set. p may be nil.
 func AppendRateLimit(b []byte, res *tollgate.Result, p Planner, shadow bool) []byte {
-	n := 0
-	for _, pr := range res.PlanResults() {
-		if pr.Shadow && !shadow {
-			continue
-		}
+	for n, pr := range shown(res, shadow) {
 		b = appendItem(b, n, pr.Plan)
-		n++
 		b = appendParam(b, ";r=", pr.Remaining)
 		if plan, ok := describe(p, pr); ok {
 			b = appendParam(b, ";t=", AtLeastOne(nextToken(pr, plan)))
@@ -106,6 +97,23 @@ func AppendReset(b []byte, res *tollgate.Result) []byte {
 // (1.2s is 2, 0.3s is 1).
 func AppendRetryAfter(b []byte, res *tollgate.Result) []byte {
 	return strconv.AppendInt(b, AtLeastOne(res.RetryAfter), 10)
+}
+
+// shown yields the plans of res the fields list, numbered from 0: the
+// shadowed ones only if shadow is set.
+func shown(res *tollgate.Result, shadow bool) iter.Seq2[int, tollgate.PlanResult] {
+	return func(yield func(int, tollgate.PlanResult) bool) {
+		n := 0
+		for _, pr := range res.PlanResults() {
+			if pr.Shadow && !shadow {
+				continue
+			}
+			if !yield(n, pr) {
+				return
+			}
+			n++
+		}
+	}
 }
 
 // describe returns the plan of pr as it was applied: from pr itself when
