@@ -194,8 +194,9 @@ func (r *Reservation) Result() Result {
 // While the store fails, the Fallback policy charges the excess to the
 // fallback store and drops the refund, which errs on the safe side, and
 // FailOpen settles nothing; the Settlement's Source tells which. A
-// reservation granted by the fallback store, or by FailOpen, which held
-// nothing, is settled there. A refund makes this Limiter forget the key's
+// reservation granted by the fallback store is settled there; one granted
+// by FailOpen, or to an exempt key (ErrExempt), held nothing, and its
+// Settle changes nothing. A refund makes this Limiter forget the key's
 // remembered denials; other instances see it once the RetryAfter they
 // remember has passed.
 func (r *Reservation) Settle(ctx context.Context, actual int64) (Settlement, error) {
@@ -241,7 +242,7 @@ func (l *Limiter) settle(ctx context.Context, r *Reservation, actual int64) (st 
 	h := &r.hold
 	var status settleStatus
 	switch s := h.store.(type) {
-	case nil: // granted by FailOpen: nothing was held
+	case nil: // granted by FailOpen, or exempt (ErrExempt): nothing was held
 		return Settlement{Result: r.result}, nil
 	case *MemoryStore:
 		st, status = s.settle(r.key, h.plans, h.skip, r.n, actual, h.expires)
