@@ -100,7 +100,7 @@ func TestBatchDecidesAsCallsOfTheirOwn(t *testing.T) {
 	assert.False(t, got[5].Allowed)
 	for _, r := range reqs {
 		for _, p := range r.plans {
-			assert.Equal(t, c.HGetAll(context.Background(), plain.Key(r.key, p.Name)).Val(), c.HGetAll(context.Background(), batched.Key(r.key, p.Name)).Val(), "%s %s", r.key, p.Name)
+			assert.Equal(t, storedAt(t, c, plain.Key(r.key, p.Name)), storedAt(t, c, batched.Key(r.key, p.Name)), "%s %s", r.key, p.Name)
 		}
 	}
 	assert.Equal(t, int64(1), batched.batch.many.Loads(), "the nine went in one script call")

@@ -76,7 +76,7 @@ func ExampleNewRedisStore() {
 	fmt.Println(store.Key("user:42", "gold"))
 	// Output:
 	// true 1 store
-	// tollgate:{user:42}:gold
+	// tollgate:{user:42}:2:gold
 }
 
 func ExampleLimiter_Wait() {

@@ -5,12 +5,19 @@ import (
 	"strings"
 )
 
-// Key returns the Redis key of the bucket of plan for key:
+// keySchema is the version of the layout of keys and values that Key's
+// keys hold, written into every key so that instances of another layout,
+// such as the hash buckets before ADR 28, never read or replace each
+// other's data.
+const keySchema = "2"
+
+// Key returns the Redis key of plan's bucket or window for key:
 //
-//	prefix:{key}:plan
+//	prefix:{key}:2:plan
 //
-// The braces are a Redis Cluster hash tag, so every plan of a key lives in
-// one hash slot and a chained decision is one script call. A key is written
+// 2 is the schema of the keys and their values (ADR 28). The braces are a
+// Redis Cluster hash tag, so every plan of a key lives in one hash slot
+// and a chained decision is one script call. A key is written
 // verbatim, so operators can find it with redis-cli, unless it contains '}'
 // (which would end the hash tag early) or starts with '='; such a key is
 // written as '=' and its unpadded base64url encoding. Either way the text
@@ -19,17 +26,17 @@ import (
 func (s *RedisStore) Key(key, plan string) string {
 	var b strings.Builder
 	if strings.IndexByte(key, '}') >= 0 || strings.HasPrefix(key, "=") {
-		b.Grow(len(s.prefix) + 5 + base64.RawURLEncoding.EncodedLen(len(key)) + len(plan))
+		b.Grow(len(s.prefix) + 7 + base64.RawURLEncoding.EncodedLen(len(key)) + len(plan))
 		b.WriteString(s.prefix)
 		b.WriteString(":{=")
 		b.WriteString(base64.RawURLEncoding.EncodeToString([]byte(key)))
 	} else {
-		b.Grow(len(s.prefix) + 4 + len(key) + len(plan))
+		b.Grow(len(s.prefix) + 6 + len(key) + len(plan))
 		b.WriteString(s.prefix)
 		b.WriteString(":{")
 		b.WriteString(key)
 	}
-	b.WriteString("}:")
+	b.WriteString("}:" + keySchema + ":")
 	b.WriteString(plan)
 	return b.String()
 }

@@ -21,7 +21,7 @@ func decodeRedisKey(prefix, rk string) (key, plan string, ok bool) {
 	if !ok {
 		return "", "", false
 	}
-	k, plan, ok := strings.Cut(rest, "}:")
+	k, plan, ok := strings.Cut(rest, "}:"+keySchema+":")
 	if !ok {
 		return "", "", false
 	}
@@ -92,7 +92,7 @@ func hashTag(key string) string {
 
 func TestKeyScheme(t *testing.T) {
 	s := NewRedisStore(redis.NewClient(&redis.Options{}))
-	assert.Equal(t, "tollgate:{user:42}:gold", s.Key("user:42", "gold"), "plain keys are verbatim")
+	assert.Equal(t, "tollgate:{user:42}:2:gold", s.Key("user:42", "gold"), "plain keys are verbatim")
 	keys := []string{
 		"a", "}", "{", "{}", "}{", "a}b", "{a}", "=", "=a", "==", "a=", "=YQ", "x}:gold", "\x00", "\xff\xfe",
 		"tollgate:{a}:gold", strings.Repeat("}", 1024), strings.Repeat("é", 512),

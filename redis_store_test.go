@@ -21,6 +21,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"github.com/tollgate-go/tollgate/breaker"
+	"github.com/tollgate-go/tollgate/internal/bucketvalue"
 	"github.com/tollgate-go/tollgate/internal/redisscript"
 	"github.com/tollgate-go/tollgate/internal/redistest"
 	"github.com/tollgate-go/tollgate/scripts"
@@ -73,14 +74,35 @@ func TestRedisStoreDenialWritesNothing(t *testing.T) {
 	_, err := s.Take(ctx, "k", 4, []Plan{gold})
 	require.NoError(t, err)
 	key := s.Key("k", "gold")
-	before := mr.HGet(key, "ts")
+	before, err := mr.Get(key)
+	require.NoError(t, err)
 	setTime(t0 + 100_000)
 	r, err := s.Take(ctx, "k", 1, []Plan{gold})
 	require.NoError(t, err)
 	assert.False(t, r.Allowed)
 	assert.Equal(t, 400*time.Millisecond, r.RetryAfter)
-	assert.Equal(t, before, mr.HGet(key, "ts"))
-	assert.Equal(t, "0", mr.HGet(key, "t"))
+	assert.Equal(t, bucketvalue.Bucket{Tokens: 0, Stamp: t0}, storedBucket(t, s.client, key))
+	after, err := mr.Get(key)
+	require.NoError(t, err)
+	assert.Equal(t, before, after, "written again")
+}
+
+// storedBucket returns the bucket stored at the Redis key rk, failing the
+// test if rk holds no bucket.
+func storedBucket(t testing.TB, c redis.Cmdable, rk string) bucketvalue.Bucket {
+	t.Helper()
+	v, err := c.Get(context.Background(), rk).Result()
+	require.NoError(t, err)
+	b, ok := bucketvalue.Decode(v)
+	require.True(t, ok, "not a bucket: %q", v)
+	return b
+}
+
+// plantBucket stores b at the Redis key rk, as the scripts would.
+func plantBucket(t testing.TB, c redis.Cmdable, rk string, b TokenBucket) {
+	t.Helper()
+	v := bucketvalue.Encode(bucketvalue.Bucket{Tokens: b.Tokens, Stamp: b.Stamp})
+	require.NoError(t, c.Set(context.Background(), rk, v, 0).Err())
 }
 
 // TestRedisStoreReplacesForeignData puts data of other shapes at a bucket's
@@ -91,25 +113,22 @@ func TestRedisStoreReplacesForeignData(t *testing.T) {
 		name  string
 		plant func(c *redis.Client, key string) error
 	}{
-		{"string", func(c *redis.Client, key string) error { return c.Set(ctx, key, "hello", 0).Err() }},
+		{"short string", func(c *redis.Client, key string) error { return c.Set(ctx, key, "hello", 0).Err() }},
+		{"string of 15 bytes", func(c *redis.Client, key string) error { return c.Set(ctx, key, strings.Repeat("\x00", 15), 0).Err() }},
+		{"empty string", func(c *redis.Client, key string) error { return c.Set(ctx, key, "", 0).Err() }},
 		{"list", func(c *redis.Client, key string) error { return c.RPush(ctx, key, "a", "b").Err() }},
-		{"hash of an older schema", func(c *redis.Client, key string) error {
-			return c.HSet(ctx, key, "tokens", "3.5", "lastRefillTime", "1", "v", "0").Err()
+		{"hash of the schema before ADR 28", func(c *redis.Client, key string) error {
+			return c.HSet(ctx, key, "t", "1", "ts", "1", "v", "1").Err()
 		}},
-		{"hash without version", func(c *redis.Client, key string) error { return c.HSet(ctx, key, "t", "1", "ts", "1").Err() }},
-		{"garbage numbers", func(c *redis.Client, key string) error {
-			return c.HSet(ctx, key, "t", "abc", "ts", "1.5", "v", "1").Err()
-		}},
-		{"negative tokens", func(c *redis.Client, key string) error { return c.HSet(ctx, key, "t", "-5", "ts", "1", "v", "1").Err() }},
+		{"window", func(c *redis.Client, key string) error { return c.HSet(ctx, key, "v", "w1000/4", "7", "1").Err() }},
 		{"tokens beyond 2^53", func(c *redis.Client, key string) error {
-			return c.HSet(ctx, key, "t", "1e20", "ts", "1", "v", "1").Err()
+			return c.Set(ctx, key, "\x00\x00\x00\x00\x00\x00\x01"+strings.Repeat("\xff", 7), 0).Err()
 		}},
-		{"infinite tokens", func(c *redis.Client, key string) error {
-			return c.HSet(ctx, key, "t", "inf", "ts", "1", "v", "1").Err()
-		}},
-		{"negative stamp", func(c *redis.Client, key string) error { return c.HSet(ctx, key, "t", "0", "ts", "-1", "v", "1").Err() }},
 		{"stamp beyond 2^53", func(c *redis.Client, key string) error {
-			return c.HSet(ctx, key, "t", "0", "ts", "1e300", "v", "1").Err()
+			return c.Set(ctx, key, strings.Repeat("\xff", 7)+"\x00", 0).Err()
+		}},
+		{"versioned bucket's length, tokens beyond 2^53", func(c *redis.Client, key string) error {
+			return c.Set(ctx, key, "\x00\x00\x00\x00\x00\x00\x01"+strings.Repeat("\xff", 7)+strings.Repeat("\x00", 14), 0).Err()
 		}},
 	}
 	for _, tt := range tests {
@@ -128,9 +147,7 @@ func TestRedisStoreReplacesForeignData(t *testing.T) {
 			require.NoError(t, err)
 			assert.True(t, r.Allowed)
 			assert.Equal(t, int64(3), r.Remaining)
-			fields, err := c.HGetAll(ctx, key).Result()
-			require.NoError(t, err)
-			assert.Equal(t, map[string]string{"t": "3000000", "ts": "1700000000000000", "v": "1"}, fields)
+			assert.Equal(t, bucketvalue.Bucket{Tokens: 3_000_000, Stamp: 1_700_000_000_000_000}, storedBucket(t, c, key))
 		})
 	}
 }
@@ -648,9 +665,8 @@ func runAgreement(t *testing.T, steps []agreementOp) {
 		}
 		for j, p := range bplans {
 			pure[key+"/"+p.Name] = buckets[j]
-			rk := rs.Key(key, p.Name)
-			assert.Equal(t, strconv.FormatInt(buckets[j].Tokens, 10), mr.HGet(rk, "t"), "step %d plan %s: tokens", i, p.Name)
-			assert.Equal(t, strconv.FormatInt(buckets[j].Stamp, 10), mr.HGet(rk, "ts"), "step %d plan %s: stamp", i, p.Name)
+			got := storedBucket(t, rs.client, rs.Key(key, p.Name))
+			assert.Equal(t, buckets[j], TokenBucket{Tokens: got.Tokens, Stamp: got.Stamp}, "step %d plan %s", i, p.Name)
 		}
 	}
 }
@@ -855,7 +871,7 @@ func TestLuaAgreesWithGoOnRealRedis(t *testing.T) {
 			Tokens: rng.Int64N(p.Capacity*microTokens + 1),
 			Stamp:  nowApprox - rng.Int64N(int64(min(float64(p.Capacity)/p.Rate*1e6, 1e15))+1),
 		}
-		require.NoError(t, c.HSet(ctx, key, "t", planted.Tokens, "ts", planted.Stamp, "v", 1).Err())
+		plantBucket(t, c, key, planted)
 		cost := rng.Int64N(min(p.Capacity, 5) + 1)
 		keys := []string{key}
 		args := s.args(cost, []Plan{p})
@@ -872,9 +888,8 @@ func TestLuaAgreesWithGoOnRealRedis(t *testing.T) {
 			written = want[0]
 		}
 		assert.Equal(t, []TokenBucket{written}, got, "case %d: planted %+v, cost %d, plan %+v", i, planted, cost, p)
-		stored, err := c.HMGet(ctx, key, "t", "ts").Result()
-		require.NoError(t, err)
-		if stored[0] == nil && allowed && cost > 0 {
+		v, err := c.Get(ctx, key).Result()
+		if errors.Is(err, redis.Nil) && allowed && cost > 0 {
 			// The key expired before it was read back (a slow machine and
 			// a fast plan): that may only happen once it is full again.
 			serverNow, err := c.Time(ctx).Result()
@@ -883,8 +898,11 @@ func TestLuaAgreesWithGoOnRealRedis(t *testing.T) {
 				"case %d: the bucket expired before it was full", i)
 			continue
 		}
-		assert.Equal(t, []any{strconv.FormatInt(written.Tokens, 10), strconv.FormatInt(written.Stamp, 10)}, stored,
-			"case %d: the stored state is digit for digit the Go state", i)
+		require.NoError(t, err)
+		stored, ok := bucketvalue.Decode(v)
+		require.True(t, ok, "case %d: not a bucket: %q", i, v)
+		assert.Equal(t, written, TokenBucket{Tokens: stored.Tokens, Stamp: stored.Stamp},
+			"case %d: the stored state is the Go state", i)
 		require.NoError(t, c.Del(ctx, key).Err())
 	}
 }
@@ -1218,9 +1236,7 @@ func TestRealRedisForeignType(t *testing.T) {
 	r, err := s.Take(ctx, "k", 1, []Plan{gold})
 	require.NoError(t, err)
 	assert.True(t, r.Allowed)
-	typ, err := c.Type(ctx, key).Result()
-	require.NoError(t, err)
-	assert.Equal(t, "hash", typ)
+	assert.Equal(t, int64(3_000_000), storedBucket(t, c, key).Tokens)
 	ttl, err := c.PTTL(ctx, key).Result()
 	require.NoError(t, err)
 	assert.InDelta(t, float64(500*time.Millisecond), float64(ttl), float64(5*time.Millisecond))

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
-	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -18,6 +17,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/tollgate-go/tollgate/internal/bucketvalue"
 	"github.com/tollgate-go/tollgate/internal/redistest"
 )
 
@@ -582,13 +582,12 @@ func TestChargeBoundAcrossProcessesOnRealRedis(t *testing.T) {
 		total.Denied += part.Denied
 	}
 	end := redistest.Time(t, c)
-	h, err := c.HMGet(context.Background(), NewRedisStore(c, WithKeyPrefix(prefix)).Key("shared", holdPlan.Name), "t", "ts").Result()
-	require.NoError(t, err)
 	var debt float64
-	if h[1] != nil {
-		ts, err := strconv.ParseInt(h[1].(string), 10, 64)
+	if v, err := c.Get(context.Background(), NewRedisStore(c, WithKeyPrefix(prefix)).Key("shared", holdPlan.Name)).Result(); !errors.Is(err, redis.Nil) {
 		require.NoError(t, err)
-		debt = max(0, float64(ts-end)*holdPlan.Rate/microTokens)
+		b, ok := bucketvalue.Decode(v)
+		require.True(t, ok, "not a bucket: %q", v)
+		debt = max(0, float64(b.Stamp-end)*holdPlan.Rate/microTokens)
 	}
 	elapsed := float64(end-start) / 1e6
 	bound := float64(holdPlan.Capacity) + holdPlan.Rate*elapsed + debt

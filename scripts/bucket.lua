@@ -3,39 +3,54 @@
 -- bucket the same way. It repeats TokenBucket from bucket.go; a test feeds
 -- both the same steps and demands the same answers.
 --
--- A bucket is a hash {t = micro-tokens, ts = stamp in µs, v = 1}, written
--- only when it changes, expiring when it would be full again. Numbers are
--- whole micro-tokens and microseconds below 2^53, exact in Lua's doubles.
--- A bucket in debt (a charge settled beyond what it held) holds 0 and has
+-- A bucket is a string of big-endian whole numbers (ADR 28): its stamp
+-- ts in µs (7 bytes), then its micro-tokens t in as few bytes as hold
+-- them (1 to 7), so 8 to 14 bytes; or, once a plan with a version (ADR 22)
+-- wrote it, 28 bytes: ts, t, the version pv and the capacity c in tokens
+-- of that write, 7 bytes each. It is written with SET ... PX only when it
+-- changes, expiring when it would be full again. Numbers are whole
+-- micro-tokens and microseconds below 2^53, exact in Lua's doubles. A
+-- bucket in debt (a charge settled beyond what it held) holds 0 and has
 -- its stamp ahead of now, by the time the debt takes to accrue.
 
-local floor, tonumber = math.floor, tonumber
+local floor, tonumber, byte = math.floor, tonumber, string.byte
 local max53 = 9007199254740992
 
--- readBucket returns the bucket at key as stored, whether the key holds
--- data not ours, which is replaced on write, and, if versioned, the
--- bucket's plan version pv (0 if none) and capacity c at its last
--- versioned write (nil if none). A missing, expired or foreign bucket
--- reads as full at now, of version 0.
-local function readBucket(key, full, now, versioned)
-  local h
-  if versioned then
-    h = redis.pcall('HMGET', key, 't', 'ts', 'v', 'pv', 'c')
-  else
-    h = redis.pcall('HMGET', key, 't', 'ts', 'v')
-  end
-  local t, ts
-  if h.err == nil and h[3] == '1' then
-    t, ts = tonumber(h[1]), tonumber(h[2])
-  end
-  if t == nil or ts == nil or t ~= floor(t) or ts ~= floor(ts)
-      or t < 0 or t > max53 or ts < 0 or ts > max53 then
-    return full, now, h.err ~= nil or h[1] ~= false or h[2] ~= false or h[3] ~= false, 0
-  end
-  if versioned then
-    return t, ts, false, tonumber(h[4]) or 0, tonumber(h[5])
-  end
-  return t, ts, false
+-- number reads bytes i to j of s as a big-endian whole number.
+local function number(s, i, j)
+  local x = 0
+  for k = i, j do x = x * 256 + byte(s, k) end
+  return x
+end
+
+-- bytes writes x, a whole number below 2^56, as n big-endian bytes, or in
+-- as few as hold it if n is nil.
+local function bytes(x, n)
+  local b = {}
+  local i = 0
+  repeat
+    i = i + 1
+    b[i] = x % 256
+    x = floor(x / 256)
+  until (n == nil and x == 0) or i == n
+  for k = 1, floor(i / 2) do b[k], b[i + 1 - k] = b[i + 1 - k], b[k] end
+  return string.char(unpack(b))
+end
+
+-- readBucket returns the bucket at key as stored, full at now if it is
+-- missing, expired or not a bucket (such as a window's hash, or data of
+-- another schema), and the plan version pv (0 if none) and the capacity
+-- c of the last write by a plan with a version (nil if none).
+local function readBucket(key, full, now)
+  local s = redis.pcall('GET', key)
+  if type(s) ~= 'string' then return full, now, 0 end
+  local n = #s
+  if n < 8 or (n > 14 and n ~= 28) then return full, now, 0 end
+  local ts = number(s, 1, 7)
+  local t = number(s, 8, n == 28 and 14 or n)
+  if t > max53 or ts > max53 then return full, now, 0 end
+  if n == 28 then return t, ts, number(s, 15, 21), number(s, 22, 28) end
+  return t, ts, 0
 end
 
 -- inherit is bucketVersion.inherit: a plan of a version above the
@@ -106,18 +121,18 @@ local function adjust(t, ts, full, rate, now, delta)
   return 0, now + ahead, -balance - floor(ahead * rate)
 end
 
--- writeBucket stores a bucket, replacing foreign data, with its plan
--- version pv and its capacity if pv is not nil, until it is full again,
--- rounded up, plus a millisecond for the expiry clock. A bucket fills from
--- its stamp, which is ahead of now after TIME stepped back or while it is
--- in debt: counted from now, the key would expire, and read as full, that
--- much early.
-local function writeBucket(key, t, ts, full, rate, now, foreign, pv)
-  if foreign then redis.call('DEL', key) end
-  if pv then
-    redis.call('HSET', key, 't', t, 'ts', ts, 'v', 1, 'pv', pv, 'c', full / 1000000)
+-- writeBucket stores a bucket, with its plan version pv and capacity c
+-- in tokens if pv is above 0, until it is full again, rounded up, plus a
+-- millisecond for the expiry clock. A bucket fills from its stamp, which
+-- is ahead of now after TIME stepped back or while it is in debt: counted
+-- from now, the key would expire, and read as full, that much early. SET
+-- replaces whatever the key held.
+local function writeBucket(key, t, ts, full, rate, now, pv, c)
+  local s = bytes(ts, 7)
+  if pv > 0 then
+    s = s .. bytes(t, 7) .. bytes(pv, 7) .. bytes(c, 7)
   else
-    redis.call('HSET', key, 't', t, 'ts', ts, 'v', 1)
+    s = s .. bytes(t)
   end
-  redis.call('PEXPIRE', key, floor(((full - t) / rate + math.max(0, ts - now)) / 1000) + 2)
+  redis.call('SET', key, s, 'PX', floor(((full - t) / rate + math.max(0, ts - now)) / 1000) + 2)
 end

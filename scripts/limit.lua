@@ -47,12 +47,12 @@
 --              reset: when nothing admitted counts any more, after the
 --              decision (now if nothing does)}
 --
--- Bucket: a hash {t = micro-tokens, ts = stamp in µs, v = 1}, written only
--- when tokens are taken, expiring when it would be full again. Plans with
--- a version also keep pv, the highest version that wrote it, never
--- lowered, and c, the capacity of the last such write: a plan of a
--- higher version than pv applies its inheritance once, from capacity c
--- (or its own, if none), as plan_version.go does.
+-- Bucket: a string of tokens and stamp (see bucket.lua), written only
+-- when tokens are taken, expiring when it would be full again. Once a
+-- plan with a version wrote it, it also keeps pv, the highest version
+-- that wrote it, never lowered, and c, the capacity of the last such
+-- write: a plan of a higher version than pv applies its inheritance
+-- once, from capacity c (or its own, if none), as plan_version.go does.
 --
 -- Window: a hash {v = 'w' or 's' (suppressed) .. g .. '/' .. k,
 -- <i> = tokens admitted in sub-window i = floor(µs / g),
@@ -90,8 +90,8 @@ local function refuse(i, shadow)
   end
 end
 local after = {} -- bucket plans: the state refilled to now
-local foreign -- plans whose key holds data not ours, replaced on write
-local pvs -- versioned bucket plans: the version the bucket had
+local foreign -- window plans whose key holds data not ours, replaced on write
+local pvs -- bucket plans with a version: the version and capacity to write
 -- Window plans, by plan: the current sub-window (b), the counts (adm,
 -- off), the newest sub-window (newest), the newest with an admitted count
 -- (last), stale fields to delete (stale), and the fields read (xs).
@@ -108,15 +108,14 @@ for i = 1, plans do
     -- A bucket: refill, exactly as bucket.go does it.
     local full, rate = cap * 1000000, tonumber(ARGV[a + 1])
     local vs = wide and tonumber(ARGV[a + 3]) or 0
-    local t, ts, f, pv, oc = readBucket(KEYS[i], full, now, vs > 0)
-    if f then
-      foreign = foreign or {}
-      foreign[i] = true
-    end
+    local t, ts, pv, oc = readBucket(KEYS[i], full, now)
     if vs > 0 then
-      pvs = pvs or {}
-      pvs[i] = pv
       t, ts = inherit(t, ts, full, now, vs, pv, oc)
+      pv, oc = math.max(floor(vs / 4), pv), cap
+    end
+    if pv > 0 then
+      pvs = pvs or {}
+      pvs[2 * i - 1], pvs[2 * i] = pv, oc
     end
     reply[2 * i + 1], reply[2 * i + 2] = t, ts
     t, ts = refill(t, ts, full, rate, now)
@@ -226,7 +225,7 @@ for i = 1, plans do
       local t, ts = after[2 * i - 1] - need, after[2 * i]
       out[n + 1], out[n + 2] = t, ts
       writeBucket(KEYS[i], t, ts, math.abs(tonumber(ARGV[a])) * 1000000, tonumber(ARGV[a + 1]), now,
-        foreign and foreign[i], pvs and pvs[i] and math.max(floor(tonumber(ARGV[a + 3]) / 4), pvs[i]))
+        pvs and pvs[2 * i - 1] or 0, pvs and pvs[2 * i])
     else
       out[n + 1], out[n + 2] = reply[2 * i + 1], reply[2 * i + 2]
     end

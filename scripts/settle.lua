@@ -59,14 +59,15 @@ local skip = tonumber(ARGV[4])
 for i = 1, #KEYS - 1 do
   local a = 3 * i + 2
   local full, rate, vs = tonumber(ARGV[a]) * 1000000, tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
-  local t, ts, foreign, pv, oc = readBucket(KEYS[i], full, now, vs > 0)
+  local t, ts, pv, oc = readBucket(KEYS[i], full, now)
   if vs > 0 then
     t, ts = inherit(t, ts, full, now, vs, pv, oc)
+    pv, oc = math.max(math.floor(vs / 4), pv), full / 1000000
   end
   if delta ~= 0 and math.floor(skip / 2 ^ (i - 1)) % 2 == 0 then
     local u
     t, ts, u = adjust(t, ts, full, rate, now, delta)
-    writeBucket(KEYS[i], t, ts, full, rate, now, foreign, vs > 0 and math.max(math.floor(vs / 4), pv) or nil)
+    writeBucket(KEYS[i], t, ts, full, rate, now, pv, oc)
     lost = math.max(lost, u)
   end
   reply[2 * i + 1], reply[2 * i + 2] = t, ts

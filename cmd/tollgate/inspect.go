@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"maps"
 	"slices"
 	"strconv"
 	"strings"
@@ -13,17 +12,16 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/tollgate-go/tollgate"
+	"github.com/tollgate-go/tollgate/internal/bucketvalue"
 )
-
-// schemaVersion is the bucket hash's v field that the script writes.
-const schemaVersion = "1"
 
 // microTokens is the number of micro-tokens in a token: buckets count in
 // them (docs/adr/0001-token-representation.md).
 const microTokens = 1_000_000
 
-// inspect prints, for each plan, the bucket of key as Redis holds it. It
-// only reads (TIME, TYPE, PTTL, HGETALL), never runs the script, so it
+// inspect prints, for each plan, the bucket or window of key as Redis
+// holds it. It only reads (TIME, TYPE, PTTL, GET, HGETALL), never runs the
+// script, so it
 // changes nothing: the stored tokens are as of the refill stamp, before
 // the refill the next decision would add.
 func inspect(ctx context.Context, w io.Writer, c redis.UniversalClient, prefix, key string, plans []string) error {
@@ -48,20 +46,23 @@ func inspect(ctx context.Context, w io.Writer, c redis.UniversalClient, prefix, 
 		if err != nil {
 			return fmt.Errorf("PTTL of the bucket of plan %q: %w", plan, err)
 		}
-		if typ != "hash" {
-			fmt.Fprintf(w, "  type      %s, not a hash: foreign data; reads as full, and the next decision that takes tokens replaces it\n", typ)
-			fmt.Fprintf(w, "  expires   %s\n", formatTTL(ttl))
-			continue
-		}
-		h, err := c.HGetAll(ctx, rk).Result()
-		if err != nil {
-			return fmt.Errorf("HGETALL of the bucket of plan %q: %w", plan, err)
-		}
-		if v := h["v"]; strings.HasPrefix(v, "w") || strings.HasPrefix(v, "s") {
+		switch typ {
+		case "string":
+			v, err := c.Get(ctx, rk).Result()
+			if err != nil {
+				return fmt.Errorf("GET of the bucket of plan %q: %w", plan, err)
+			}
+			printBucket(w, v, ttl, now.UnixMicro())
+		case "hash":
+			h, err := c.HGetAll(ctx, rk).Result()
+			if err != nil {
+				return fmt.Errorf("HGETALL of the window of plan %q: %w", plan, err)
+			}
 			printWindow(w, h, ttl, now.UnixMicro())
-			continue
+		default:
+			fmt.Fprintf(w, "  type      %s, neither a bucket (string) nor a window (hash): foreign data; reads as full or empty, and the next decision that takes tokens replaces it\n", typ)
+			fmt.Fprintf(w, "  expires   %s\n", formatTTL(ttl))
 		}
-		printBucket(w, h, ttl, now.UnixMicro())
 	}
 	return nil
 }
@@ -72,6 +73,11 @@ func inspect(ctx context.Context, w io.Writer, c redis.UniversalClient, prefix, 
 // suppressed plan, offered (field oi), newest first.
 func printWindow(w io.Writer, h map[string]string, ttl time.Duration, nowMicro int64) {
 	v := h["v"]
+	if v == "" || (v[0] != 'w' && v[0] != 's') {
+		fmt.Fprintf(w, "  schema    v = %s: a hash but not a window: foreign data; reads as full or empty, and the next decision that takes tokens replaces it\n", strconv.Quote(v))
+		fmt.Fprintf(w, "  expires   %s\n", formatTTL(ttl))
+		return
+	}
 	width, k, ok := strings.Cut(v[1:], "/")
 	g, errG := strconv.ParseInt(width, 10, 64)
 	slots, errK := strconv.ParseInt(k, 10, 64)
@@ -122,53 +128,27 @@ func printWindow(w io.Writer, h map[string]string, ttl time.Duration, nowMicro i
 	fmt.Fprintf(w, "  expires   %s\n", formatTTL(ttl))
 }
 
-// printBucket prints a bucket hash {t, ts, v}, and says so when it is not
-// one the script wrote.
-func printBucket(w io.Writer, h map[string]string, ttl time.Duration, nowMicro int64) {
-	foreign := h["v"] != schemaVersion
-	if t, err := strconv.ParseInt(h["t"], 10, 64); err == nil && t >= 0 {
-		fmt.Fprintf(w, "  tokens    %d.%06d (t = %d micro-tokens, as of the stamp)\n", t/microTokens, t%microTokens, t)
-	} else {
-		foreign = true
-		fmt.Fprintf(w, "  tokens    unreadable (t = %s)\n", quoteField(h, "t"))
+// printBucket prints a bucket as the script writes it (ADR 28), and says
+// so when v is not one.
+func printBucket(w io.Writer, v string, ttl time.Duration, nowMicro int64) {
+	b, ok := bucketvalue.Decode(v)
+	if !ok {
+		fmt.Fprintf(w, "  value     %s: a string of %d bytes but not a bucket: foreign data; reads as full, and the next decision that takes tokens replaces it\n", strconv.Quote(v), len(v))
+		fmt.Fprintf(w, "  expires   %s\n", formatTTL(ttl))
+		return
 	}
-	if ts, err := strconv.ParseInt(h["ts"], 10, 64); err == nil {
-		age := time.Duration(nowMicro-ts) * time.Microsecond
-		when := age.String() + " ago"
-		if age < 0 {
-			when = (-age).String() + " ahead of Redis TIME: the bucket refills nothing until then"
-		}
-		fmt.Fprintf(w, "  refilled  %s (ts = %d µs), %s\n", formatTime(ts), ts, when)
-	} else {
-		foreign = true
-		fmt.Fprintf(w, "  refilled  unreadable (ts = %s)\n", quoteField(h, "ts"))
+	fmt.Fprintf(w, "  tokens    %d.%06d (%d micro-tokens, as of the stamp)\n", b.Tokens/microTokens, b.Tokens%microTokens, b.Tokens)
+	age := time.Duration(nowMicro-b.Stamp) * time.Microsecond
+	when := age.String() + " ago"
+	if age < 0 {
+		when = (-age).String() + " ahead of Redis TIME: the bucket refills nothing until then"
+	}
+	fmt.Fprintf(w, "  refilled  %s (stamp %d µs), %s\n", formatTime(b.Stamp), b.Stamp, when)
+	if b.Version > 0 {
+		fmt.Fprintf(w, "  version   %d, written with a capacity of %d tokens\n", b.Version, b.Capacity)
 	}
 	fmt.Fprintf(w, "  expires   %s\n", formatTTL(ttl))
-	fmt.Fprintf(w, "  schema    v = %s\n", quoteField(h, "v"))
-	var extra []string
-	for _, f := range slices.Sorted(maps.Keys(h)) {
-		if f != "t" && f != "ts" && f != "v" {
-			extra = append(extra, strconv.Quote(f))
-		}
-	}
-	if len(extra) > 0 {
-		fmt.Fprintf(w, "  fields    also %v\n", extra)
-	}
-	if foreign {
-		fmt.Fprintln(w, "  foreign data: reads as full, and the next decision that takes tokens replaces it")
-	}
-}
-
-// quoteField returns field f of h quoted, or "missing".
-func quoteField(h map[string]string, f string) string {
-	v, ok := h[f]
-	if !ok {
-		return "missing"
-	}
-	if f == "v" && v == schemaVersion {
-		return v
-	}
-	return strconv.Quote(v)
+	fmt.Fprintf(w, "  schema    a string of %d bytes (ADR 28)\n", len(v))
 }
 
 // formatTime prints a time in µs since the epoch as UTC with microseconds.

@@ -47,7 +47,7 @@ const usageText = `Usage:
   tollgate help
 
 inspect  prints the buckets of KEY for each PLAN as Redis holds them, reading
-         only (TYPE, PTTL, HGETALL, TIME): tokens, refill stamp, expiry, schema.
+         only (TYPE, PTTL, GET, HGETALL, TIME): tokens, refill stamp, expiry.
 reset    deletes the buckets of KEY for each PLAN; they then read as full.
 bench    runs a closed-loop load through the library (RedisStore, Limiter with
          FailClosed), printing decisions/s and errors every second, then

@@ -17,6 +17,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/tollgate-go/tollgate"
+	"github.com/tollgate-go/tollgate/internal/bucketvalue"
 )
 
 func TestMain(m *testing.M) {
@@ -120,35 +121,46 @@ func TestInspect(t *testing.T) {
 	lim := newLimiter(t, mr)
 	_, err := lim.AllowN(ctx, "alice", 3, "gold") // 1 of 4 left; full again in 1.5 s (+2 ms, the script's margin)
 	require.NoError(t, err)
-	require.NoError(t, mr.Set("tollgate:{alice}:silver", "not a bucket"))
-	mr.HSet("tollgate:{alice}:old", "t", "12", "ts", "soon", "v", "2", "x", "y")
+	require.NoError(t, mr.Set("tollgate:{alice}:2:silver", "not a bucket"))
+	mr.HSet("tollgate:{alice}:2:old", "t", "12", "ts", "1", "v", "1")
+	_, err = mr.Lpush("tollgate:{alice}:2:list", "x")
+	require.NoError(t, err)
+	require.NoError(t, mr.Set("tollgate:{alice}:2:versioned", bucketvalue.Encode(bucketvalue.Bucket{
+		Tokens: 2_500_000, Stamp: t0.UnixMicro() + 1_000_000, Version: 3, Capacity: 4})))
 	mr.SetTime(t0.Add(250 * time.Millisecond))
 	before := mr.Dump()
 
-	code, stdout, stderr := cli(t, ctx, mr.Addr(), "inspect", "alice", "gold", "daily", "silver", "old")
+	code, stdout, stderr := cli(t, ctx, mr.Addr(), "inspect", "alice", "gold", "daily", "silver", "old", "list", "versioned")
 	require.Equal(t, exitOK, code, stderr)
 	assert.Equal(t, `Redis TIME 2026-11-22T10:00:00.373456Z (the buckets' clock)
 
-"tollgate:{alice}:gold"
-  tokens    1.000000 (t = 1000000 micro-tokens, as of the stamp)
-  refilled  2026-11-22T10:00:00.123456Z (ts = 1795341600123456 µs), 250ms ago
+"tollgate:{alice}:2:gold"
+  tokens    1.000000 (1000000 micro-tokens, as of the stamp)
+  refilled  2026-11-22T10:00:00.123456Z (stamp 1795341600123456 µs), 250ms ago
   expires   in 1.502s (PTTL 1502 ms)
-  schema    v = 1
+  schema    a string of 10 bytes (ADR 28)
 
-"tollgate:{alice}:daily"
+"tollgate:{alice}:2:daily"
   absent: reads as full
 
-"tollgate:{alice}:silver"
-  type      string, not a hash: foreign data; reads as full, and the next decision that takes tokens replaces it
+"tollgate:{alice}:2:silver"
+  value     "not a bucket": a string of 12 bytes but not a bucket: foreign data; reads as full, and the next decision that takes tokens replaces it
   expires   never (PTTL -1)
 
-"tollgate:{alice}:old"
-  tokens    0.000012 (t = 12 micro-tokens, as of the stamp)
-  refilled  unreadable (ts = "soon")
+"tollgate:{alice}:2:old"
+  schema    v = "1": a hash but not a window: foreign data; reads as full or empty, and the next decision that takes tokens replaces it
   expires   never (PTTL -1)
-  schema    v = "2"
-  fields    also ["x"]
-  foreign data: reads as full, and the next decision that takes tokens replaces it
+
+"tollgate:{alice}:2:list"
+  type      list, neither a bucket (string) nor a window (hash): foreign data; reads as full or empty, and the next decision that takes tokens replaces it
+  expires   never (PTTL -1)
+
+"tollgate:{alice}:2:versioned"
+  tokens    2.500000 (2500000 micro-tokens, as of the stamp)
+  refilled  2026-11-22T10:00:01.123456Z (stamp 1795341601123456 µs), 750ms ahead of Redis TIME: the bucket refills nothing until then
+  version   3, written with a capacity of 4 tokens
+  expires   never (PTTL -1)
+  schema    a string of 28 bytes (ADR 28)
 `, stdout)
 	assert.Empty(t, stderr)
 	assert.Equal(t, before, mr.Dump(), "inspect writes nothing")
@@ -171,28 +183,28 @@ func TestInspectWindow(t *testing.T) {
 	mr.SetTime(t0.Add(300 * time.Millisecond))
 	_, err = lim.AllowN(ctx, "alice", 2, "api")
 	require.NoError(t, err)
-	mr.HSet("tollgate:{alice}:odd", "v", "w12")
+	mr.HSet("tollgate:{alice}:2:odd", "v", "w12")
 	// A suppressed window whose refusals left offered counts alone.
 	sub := strconv.FormatInt(t0.UnixMicro()/250_000, 10)
-	mr.HSet("tollgate:{alice}:sup", "v", "s250000/4", "o"+sub, "4")
+	mr.HSet("tollgate:{alice}:2:sup", "v", "s250000/4", "o"+sub, "4")
 
 	code, stdout, stderr := cli(t, ctx, mr.Addr(), "inspect", "alice", "api", "odd", "sup")
 	require.Equal(t, exitOK, code, stderr)
 	first := t0.UnixMicro() / 250_000
 	assert.Equal(t, fmt.Sprintf(`Redis TIME 2026-11-22T10:00:00.423456Z (the buckets' clock)
 
-"tollgate:{alice}:api"
+"tollgate:{alice}:2:api"
   sliding window of 4 sub-windows of 250ms (v = w250000/4); sub-windows from %d on count now
   admitted  5 counted now
   %d: 2 admitted (from 2026-11-22T10:00:00.250000Z)
   %d: 3 admitted (from 2026-11-22T10:00:00.000000Z)
   expires   in 1.078s (PTTL 1078 ms)
 
-"tollgate:{alice}:odd"
+"tollgate:{alice}:2:odd"
   schema    v = "w12": foreign data; reads as empty, and the next decision that takes tokens replaces it
   expires   never (PTTL -1)
 
-"tollgate:{alice}:sup"
+"tollgate:{alice}:2:sup"
   suppressed sliding window of 4 sub-windows of 250ms (v = s250000/4); sub-windows from %d on count now
   admitted  0 counted now
   %d: 0 admitted, offered 4 (from 2026-11-22T10:00:00.000000Z)
@@ -215,7 +227,7 @@ func TestInspectFindsEveryKey(t *testing.T) {
 		assert.NotContains(t, stdout, "absent", "key %q", key)
 	}
 	_, stdout, _ := cli(t, ctx, mr.Addr(), "inspect", "-prefix", "app", "a}b", "gold")
-	assert.Contains(t, stdout, `"app:{=YX1i}:gold"`, "a key with a brace is base64url-encoded")
+	assert.Contains(t, stdout, `"app:{=YX1i}:2:gold"`, "a key with a brace is base64url-encoded")
 	_, stdout, _ = cli(t, ctx, mr.Addr(), "inspect", "user:42", "gold")
 	assert.Contains(t, stdout, "absent", "another prefix holds other buckets")
 }
@@ -233,13 +245,13 @@ func TestReset(t *testing.T) {
 
 	code, stdout, stderr := cli(t, ctx, mr.Addr(), "reset", "alice", "gold", "daily", "silver")
 	require.Equal(t, exitOK, code, stderr)
-	assert.Equal(t, `deleted  "tollgate:{alice}:gold"
-deleted  "tollgate:{alice}:daily"
-absent   "tollgate:{alice}:silver" (already full)
+	assert.Equal(t, `deleted  "tollgate:{alice}:2:gold"
+deleted  "tollgate:{alice}:2:daily"
+absent   "tollgate:{alice}:2:silver" (already full)
 deleted 2 of 3 buckets of key "alice": they read as full in Redis now
 running instances that denied the key keep denying it from their denial cache until the RetryAfter they gave
 `, stdout)
-	assert.Equal(t, []string{"tollgate:{bob}:gold"}, mr.Keys(), "only the named buckets go")
+	assert.Equal(t, []string{"tollgate:{bob}:2:gold"}, mr.Keys(), "only the named buckets go")
 	r, err := lim.Allow(ctx, "alice", "gold")
 	require.NoError(t, err)
 	assert.Equal(t, int64(3), r.Remaining, "a reset bucket is full")
@@ -289,7 +301,7 @@ func TestBench(t *testing.T) {
 
 func TestBenchLeavesOtherKeysAlone(t *testing.T) {
 	mr := miniredis.RunT(t)
-	require.NoError(t, mr.Set("tollgate:{key-1}:p", "someone else's"))
+	require.NoError(t, mr.Set("tollgate:{key-1}:2:p", "someone else's"))
 	lim := newLimiter(t, mr)
 	_, err := lim.Allow(context.Background(), "key-2", "gold")
 	require.NoError(t, err)
