@@ -36,7 +36,7 @@ func WithBatching() RedisOption {
 		case *redis.ClusterClient, *redis.Ring:
 			return
 		}
-		s.batch = &batcher{client: s.client, one: s.script, many: redisscript.NewBatch(scripts.Limit)}
+		s.batch = &batcher{client: s.client, one: s.script, many: redisscript.NewBatch(scripts.BucketFunctions, scripts.LimitBody)}
 	}
 }
 

@@ -22,6 +22,14 @@ var settle string
 // arithmetic.
 var Limit = bucket + limit
 
+// BucketFunctions is the prelude of Limit and Settle: bucket.lua, which
+// only defines functions, so a frame that runs Limit many times in one
+// script call (redisscript.Batch) makes them once.
+var BucketFunctions = bucket
+
+// LimitBody is Limit without its prelude, BucketFunctions.
+var LimitBody = limit
+
 // Settle settles a reservation's hold on the buckets of one key: it
 // refunds what was held and not used, or charges what was used beyond it.
 var Settle = bucket + settle

@@ -20,7 +20,9 @@ type Batch struct {
 	script *Script
 }
 
-// batchFrame wraps a script's source; %s is the source. ARGV[1] is the
+// batchFrame wraps a script's source: the first %s is its prelude, which
+// only defines functions, run once per batch; the second its body, run
+// once per call. ARGV[1] is the
 // number of calls n, ARGV[2..n+1] the number of keys of each call,
 // ARGV[n+2..2n+1] the number of its args, and the args follow, call after
 // call, as the keys do in KEYS. Each call's reply is its integers in
@@ -29,7 +31,8 @@ type Batch struct {
 // word of the message as Redis 7 words it, or the one after ': ' as
 // earlier versions and miniredis word it (Sanitize keeps only known
 // classes).
-const batchFrame = `local function decide(KEYS, ARGV)
+const batchFrame = `%s
+local function decide(KEYS, ARGV)
 %s
 end
 local formats = {} -- by reply length: '%%d,%%d,...'
@@ -66,10 +69,13 @@ end
 return out
 `
 
-// NewBatch returns the Batch of the Lua source src, which must end with
-// its return statement, as a function body does.
-func NewBatch(src string) *Batch {
-	return &Batch{script: New(fmt.Sprintf(batchFrame, src))}
+// NewBatch returns the Batch of the Lua source prelude + body. The
+// prelude must only define what body uses, such as functions: it runs
+// once per batch, not once per call, which spares each call the cost of
+// making its closures. The body must end with its return statement, as a
+// function body does.
+func NewBatch(prelude, body string) *Batch {
+	return &Batch{script: New(fmt.Sprintf(batchFrame, prelude, body))}
 }
 
 // Loads returns how many times Run has sent the batch script's source

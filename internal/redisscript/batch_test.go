@@ -51,7 +51,7 @@ func TestBatchRunsEachCallAsItsOwn(t *testing.T) {
 				{Keys: []string{p + "hash"}, Args: []any{1}},
 				{Keys: []string{p + "b", p + "unused"}, Args: []any{7, "x", "y"}},
 			}
-			b := NewBatch(counter)
+			b := NewBatch("", counter)
 			b.Run(ctx, c, calls)
 			require.NoError(t, calls[0].Err)
 			assert.Equal(t, []int64{5, 1e15 + 5, 1, 1}, ints(t, calls[0].Reply, 4))
@@ -69,11 +69,32 @@ func TestBatchRunsEachCallAsItsOwn(t *testing.T) {
 	}
 }
 
+// TestBatchRunsThePreludeOnce: the prelude's functions are made once per
+// batch and serve every call in it.
+func TestBatchRunsThePreludeOnce(t *testing.T) {
+	for name, c := range batchClients(t) {
+		t.Run(name, func(t *testing.T) {
+			ctx := context.Background()
+			p := redistest.KeyPrefix()
+			prelude := `redis.call('INCR', '` + p + `preludes')
+local function double(x) return 2 * x end`
+			b := NewBatch(prelude, `return {double(tonumber(ARGV[1]))}`)
+			calls := []*Call{{Keys: []string{p + "a"}, Args: []any{1}}, {Keys: []string{p + "b"}, Args: []any{2}}, {Keys: []string{p + "c"}, Args: []any{3}}}
+			b.Run(ctx, c, calls)
+			for i, call := range calls {
+				require.NoError(t, call.Err)
+				assert.Equal(t, []int64{2 * int64(i+1)}, ints(t, call.Reply, 1))
+			}
+			assert.Equal(t, "1", c.Get(ctx, p+"preludes").Val(), "once for three calls")
+		})
+	}
+}
+
 func TestBatchHealsNoscript(t *testing.T) {
 	mr := miniredis.RunT(t)
 	c := redis.NewClient(&redis.Options{Addr: mr.Addr()})
 	ctx := context.Background()
-	b := NewBatch(counter)
+	b := NewBatch("", counter)
 	for i := 0; i < 3; i++ {
 		calls := []*Call{{Keys: []string{"a"}, Args: []any{1}}, {Keys: []string{"b"}, Args: []any{1}}}
 		b.Run(ctx, c, calls)
@@ -96,7 +117,7 @@ func TestBatchFailureReachesEveryCall(t *testing.T) {
 	c := redis.NewClient(&redis.Options{Addr: mr.Addr(), MaxRetries: -1})
 	mr.SetError("READONLY You can't write against a read only replica; key 'secret'")
 	calls := []*Call{{Keys: []string{"secret"}, Args: []any{1}}, {Keys: []string{"b"}, Args: []any{1}}}
-	NewBatch(counter).Run(context.Background(), c, calls)
+	NewBatch("", counter).Run(context.Background(), c, calls)
 	for _, call := range calls {
 		var rerr *Error
 		require.ErrorAs(t, call.Err, &rerr)
