@@ -165,7 +165,9 @@ func main() {
 	for i := range keys {
 		keys[i] = "user-" + strconv.Itoa(i)
 	}
-	fmt.Printf("%-22s %7s %12s %10s %10s %10s %7s %s\n", "contender", "callers", "decisions/s", "p50", "p99", "p99.9", "errors", "× "+*baseName+" (range)")
+	info := redis.NewClient(opt) // reads Redis's CPU around each run
+	defer info.Close()
+	fmt.Printf("%-22s %7s %12s %10s %10s %10s %7s %11s %s\n", "contender", "callers", "decisions/s", "p50", "p99", "p99.9", "errors", "redis-cpu", "× "+*baseName+" (range)")
 	for _, n := range strings.Split(*callersFlag, ",") {
 		callers, err := strconv.Atoi(n)
 		if err != nil {
@@ -184,7 +186,10 @@ func main() {
 				c := active[i]
 				prefix := fmt.Sprintf("bench-%s-%d-%d:", c.name, callers, time.Now().UnixNano())
 				decide, cleanup := c.setup(opt, prefix)
-				results[i] = append(results[i], run(decide, keys, callers, *duration))
+				before := redisCPU(info)
+				r := run(decide, keys, callers, *duration)
+				r.cpu = (redisCPU(info) - before) / float64(len(r.latencies))
+				results[i] = append(results[i], r)
 				cleanup()
 			}
 		}
@@ -207,7 +212,8 @@ func main() {
 			for _, r := range results[i] {
 				errs += r.errs
 			}
-			fmt.Printf("%-22s %7d %12.0f %10s %10s %10s %7d %s\n", c.name, callers, r, q(0.50), q(0.99), q(0.999), errs, vs)
+			cpu := time.Duration(median(results[i], func(r result) float64 { return r.cpu }) * 1e9).Round(10 * time.Nanosecond)
+			fmt.Printf("%-22s %7d %12.0f %10s %10s %10s %7d %11s %s\n", c.name, callers, r, q(0.50), q(0.99), q(0.999), errs, cpu, vs)
 		}
 	}
 	if *memKeys > 0 {
@@ -219,6 +225,27 @@ type result struct {
 	rate      float64
 	latencies []time.Duration
 	errs      int64
+	cpu       float64 // Redis's CPU (user + system) per decision, in seconds
+}
+
+// redisCPU returns the CPU seconds the Redis server has used, user and
+// system, from INFO cpu: the server's cost per decision, whatever else
+// runs on the machine.
+func redisCPU(c *redis.Client) float64 {
+	info, err := c.Info(context.Background(), "cpu").Result()
+	if err != nil {
+		log.Fatal(err)
+	}
+	total := 0.0
+	for _, line := range strings.Split(info, "\r\n") {
+		for _, f := range []string{"used_cpu_sys:", "used_cpu_user:"} {
+			if v, ok := strings.CutPrefix(line, f); ok {
+				x, _ := strconv.ParseFloat(v, 64)
+				total += x
+			}
+		}
+	}
+	return total
 }
 
 // median returns the median of f over rs.
