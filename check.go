@@ -87,7 +87,7 @@ func checkCause(err error) string {
 	case "NOAUTH", "WRONGPASS":
 		return "Redis refused the credentials: check the client's Username and Password"
 	case "NOPERM":
-		return "the ACL user may not run a command the script needs (EVALSHA, EVAL, TIME, HMGET, HGETALL, HSET, HINCRBY, HDEL, PEXPIRE, DEL, and GET and SET for reservations) on the key prefix"
+		return "the ACL user may not run a command the script needs (EVALSHA, EVAL, TIME, GET and SET for buckets and holds, HGETALL, HSET, HINCRBY, HDEL, PEXPIRE and DEL for windows) on the key prefix"
 	case "CLUSTERDOWN", "MASTERDOWN":
 		return "the Redis Cluster or its master is down"
 	case "READONLY":
