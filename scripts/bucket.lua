@@ -35,13 +35,14 @@ local encode, decode
 local struct = rawget(_G, 'struct')
 if struct then
   local pack, unpack_ = struct.pack, struct.unpack
+  local formats = {'>I7I1', '>I7I2', '>I7I3', '>I7I4', '>I7I5', '>I7I6', '>I7I7'}
   encode = function(ts, t, pv, c)
     if pv > 0 then return pack('>I7I7I7I7', ts, t, pv, c) end
-    return pack('>I7I' .. width(t), ts, t)
+    return pack(formats[width(t)], ts, t)
   end
   decode = function(s, n)
     if n == 28 then return unpack_('>I7I7I7I7', s) end
-    return unpack_('>I7I' .. (n - 7), s)
+    return unpack_(formats[n - 7], s)
   end
 else
   local byte, char = string.byte, string.char

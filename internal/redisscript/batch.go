@@ -50,7 +50,7 @@ local out, ks, as, ki, ai = {}, {}, {}, 0, 1 + 2 * n
 for r = 1, n do
   -- One KEYS and one ARGV table serve every call; the script reads them
   -- and never writes them.
-  local nk, na = tonumber(ARGV[1 + r]), tonumber(ARGV[1 + n + r])
+  local nk, na = ARGV[1 + r] + 0, ARGV[1 + n + r] + 0 -- converted once; tonumber converts twice
   for j = 1, nk do ks[j] = KEYS[ki + j] end
   for j = nk + 1, #ks do ks[j] = nil end
   for j = 1, na do as[j] = ARGV[ai + j] end
