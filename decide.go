@@ -63,6 +63,13 @@ func (l *Limiter) decideOn(ctx context.Context, r *Result, t *planTable, key str
 		if err := h.accept(plans); err != nil {
 			return err
 		}
+	} else if l.leases != nil && len(plans) == 1 && plans[0].Lease >= cost && cost > 0 {
+		if decided, err := l.leases.decide(ctx, r, t, key, cost, plans, entry); decided || err != nil {
+			if err == nil && r.Source == SourceLease { // a new lease was recorded as the store's decision
+				l.record(ctx, r, cost, entry, t)
+			}
+			return err
+		}
 	}
 	// Suppressed plans write on every request, so a remembered denial
 	// would not be the store's answer.

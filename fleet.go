@@ -164,12 +164,17 @@ func (l *Limiter) fleetSize() int64 {
 }
 
 // Close stops what the Limiter runs in the background: the heartbeat of
-// WithFleet. The Limiter still decides after Close, its fallback with the
-// fleet's size last seen. Close is idempotent and returns nil; a Limiter
-// without WithFleet needs no Close.
+// WithFleet, and the sweeper of leases (Plan.Lease), whose unused tokens
+// it gives back to Redis, waiting for those calls. The Limiter still
+// decides after Close, without leases, its fallback with the fleet's size
+// last seen. Close is idempotent and returns nil; a Limiter without
+// WithFleet or leased plans needs no Close.
 func (l *Limiter) Close() error {
 	if l.fleet != nil {
 		l.fleet.close()
+	}
+	if l.leases != nil {
+		l.leases.close()
 	}
 	return nil
 }

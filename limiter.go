@@ -64,6 +64,7 @@ type Limiter struct {
 	shadowAll bool                      // WithShadow
 	others    otherPlans                // AllowPlans's plans not in the table
 	fleet     *fleet                    // WithFleet; nil: none
+	leases    *leases                   // Plan.Lease's, on a RedisStore; nil on other stores
 
 	epoch       time.Time // the Limiter's clock, and its denial cache's, counts from here
 	stats       counters
@@ -85,7 +86,7 @@ func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
 		return nil, err
 	}
 	l := &Limiter{store: store, stats: newCounters(), epoch: time.Now()}
-	c := config{log: slog.Default(), holdTTL: defaultHoldTTL}
+	c := config{log: slog.Default(), holdTTL: defaultHoldTTL, leaseTTL: defaultLeaseTTL}
 	for _, o := range opts {
 		o(&c)
 	}
@@ -101,6 +102,9 @@ func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
 	}
 	if c.holdTTL < time.Millisecond || c.holdTTL > MaxRefillPeriod {
 		return nil, fmt.Errorf("%w: hold TTL %v is outside 1ms to MaxRefillPeriod", ErrInvalidOption, c.holdTTL)
+	}
+	if c.leaseTTL < time.Millisecond || c.leaseTTL > c.holdTTL {
+		return nil, fmt.Errorf("%w: lease TTL %v is outside 1ms to the hold TTL", ErrInvalidOption, c.leaseTTL)
 	}
 	if err := wiringError(c.fallback); err != nil {
 		return nil, fmt.Errorf("fallback store: %w", err)
@@ -124,6 +128,9 @@ func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
 		if l.fallback == nil {
 			l.fallback = NewMemoryStore()
 		}
+	}
+	if _, ok := store.(*RedisStore); ok && canHold(store, l.fallback) {
+		l.leases = newLeases(l, c.leaseTTL)
 	}
 	if c.fleet != nil {
 		f, err := newFleet(store, *c.fleet)

@@ -34,6 +34,7 @@ type config struct {
 	log        *slog.Logger
 	denialKeys *int // nil: the default
 	holdTTL    time.Duration
+	leaseTTL   time.Duration
 	resolver   PlanResolver
 	shadow     bool
 	fleet      *FleetSettings // nil: no fleet
@@ -95,4 +96,13 @@ func WithDenialCache(keys int) Option {
 // 1ms to MaxRefillPeriod. The default is 15 minutes.
 func WithHoldTTL(d time.Duration) Option {
 	return func(c *config) { c.holdTTL = d }
+}
+
+// WithLeaseTTL sets how long a lease of a plan with Plan.Lease lives: a
+// lease older than this serves no decision, and its unused rest goes
+// back to Redis within half as long again, so that other instances never
+// wait longer for tokens this one took and does not need. It must be 1ms
+// to the hold TTL (WithHoldTTL). The default is 1 second.
+func WithLeaseTTL(d time.Duration) Option {
+	return func(c *config) { c.leaseTTL = d }
 }

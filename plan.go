@@ -86,6 +86,15 @@ type Plan struct {
 	// Inherit is what a higher Version does to the bucket's tokens. The
 	// default is InheritAsIs; any other needs a Version.
 	Inherit Inheritance
+	// Lease, when not 0, lets a Limiter on a RedisStore lease up to this
+	// many tokens of a key at once and spend them locally, for a
+	// decision that names this plan alone (ADR 27): one script call per
+	// lease instead of one per decision. The unused rest goes back when
+	// the lease ends (WithLeaseTTL) and at Limiter.Close; other
+	// instances meanwhile see up to Lease tokens per instance as taken.
+	// 1 to Capacity; 0 for a window plan or a shadowed one. The default,
+	// 0, decides every request in Redis.
+	Lease int64
 }
 
 // Per returns the rate, in tokens per second, of n tokens every d. For
@@ -120,6 +129,9 @@ func (p Plan) validateNumbers() error {
 	}
 	if err := p.validateVersion(); err != nil {
 		return err
+	}
+	if p.Lease != 0 && (p.Lease < 0 || p.Lease > p.Capacity || p.Window != 0 || p.Shadow) {
+		return fmt.Errorf("%w: lease must be 0, or 1 to the capacity on an enforced token bucket, got %d", ErrInvalidPlan, p.Lease)
 	}
 	if p.Window != 0 {
 		return p.validateWindow()

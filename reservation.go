@@ -95,15 +95,27 @@ func (l *Limiter) Reserve(ctx context.Context, key string, n int64, plans ...str
 	if !canHold(l.store, l.fallback) {
 		return nil, fmt.Errorf("%w: reservations need a MemoryStore or RedisStore, and a MemoryStore as fallback", errors.ErrUnsupported)
 	}
-	r := &Reservation{l: l, key: key, n: n, hold: hold{ttl: l.holdTTL}}
+	r := l.newReservation(key, n)
 	if err := l.decide(ctx, &r.result, key, n, 1, plans, &r.hold); err != nil {
 		return nil, err
 	}
+	l.held(r)
+	return r, nil
+}
+
+// newReservation returns a reservation of n tokens of key, for decide to
+// fill in.
+func (l *Limiter) newReservation(key string, n int64) *Reservation {
+	return &Reservation{l: l, key: key, n: n, hold: hold{ttl: l.holdTTL}}
+}
+
+// held counts r, decided, if it was granted, and notes the plans it took
+// nothing from.
+func (l *Limiter) held(r *Reservation) {
 	if r.result.Allowed {
 		l.stats.reservations.held.Add(1)
 		r.hold.skip = untaken(&r.result)
 	}
-	return r, nil
 }
 
 // untaken returns the plans an allowed decision took nothing from, as bit

@@ -19,11 +19,15 @@ const (
 	// the store gave earlier, without asking the store (see
 	// WithDenialCache).
 	SourceCache
+	// SourceLease means the Limiter allowed the request from tokens it
+	// had leased from Redis earlier (Plan.Lease), without asking Redis.
+	SourceLease
 
 	numSources = iota // the number of Sources
 )
 
-// String returns "store", "fallback", "fail-open", "cache" or "exempt".
+// String returns "store", "fallback", "fail-open", "cache", "lease" or
+// "exempt".
 func (s Source) String() string {
 	switch s {
 	case SourceStore:
@@ -34,6 +38,8 @@ func (s Source) String() string {
 		return "fail-open"
 	case SourceCache:
 		return "cache"
+	case SourceLease:
+		return "lease"
 	case SourceExempt:
 		return "exempt"
 	}

@@ -130,8 +130,8 @@ func (pc *planCount) stats(name string) PlanStats {
 	for st := range stripes {
 		c := &pc.decisions[st]
 		for src := range numSources {
-			ps.Denied[src] += c[0][src].Load()
-			ps.Allowed[src] += c[1][src].Load()
+			ps.Denied[src] += c.n[0][src].Load()
+			ps.Allowed[src] += c.n[1][src].Load()
 		}
 		ps.ShadowDenied += pc.shadow[st].n.Load()
 	}
@@ -155,8 +155,12 @@ const (
 )
 
 // planCounters are one stripe of one plan's decision counters, by outcome
-// and Source: 2 × 4 × 8 bytes, one cache line.
-type planCounters [2][numSources]atomic.Uint64
+// and Source: 2 × 5 × 8 bytes, padded to two cache lines, so that no two
+// stripes share one.
+type planCounters struct {
+	n [2][numSources]atomic.Uint64
+	_ [128 - 2*numSources*8]byte
+}
 
 // planStripes are one plan's decision counters.
 type planStripes [stripes]planCounters
@@ -168,9 +172,9 @@ func (p *planStripes) count(r *Result) {
 	}
 	st := &p[stripe(r)]
 	if r.Allowed {
-		st[1][r.Source].Add(1)
+		st.n[1][r.Source].Add(1)
 	} else {
-		st[0][r.Source].Add(1)
+		st.n[0][r.Source].Add(1)
 	}
 }
 

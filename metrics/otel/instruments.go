@@ -140,7 +140,7 @@ func Register(lim *tollgate.Limiter, mp metric.MeterProvider, opts ...Option) (m
 	in := &instruments{lim: lim, attrs: c.attrs}
 	var err, e error
 	in.decisions, e = m.Int64ObservableCounter("tollgate.decisions", metric.WithUnit("{decision}"),
-		metric.WithDescription("Decisions that took tokens, by binding plan, decision (allowed, denied) and source (store, fallback, fail-open, cache)."))
+		metric.WithDescription("Decisions that took tokens, by binding plan, decision (allowed, denied) and source (store, fallback, fail-open, cache, lease)."))
 	err = errors.Join(err, e)
 	in.duration, e = m.Float64ObservableCounter("tollgate.store.duration", metric.WithUnit("s"),
 		metric.WithDescription("Total duration of the Limiter's calls to its store, failed ones included; divided by tollgate.store.calls, their mean."))

@@ -159,7 +159,7 @@ func TestDecisionsBySource(t *testing.T) {
 	assert.Equal(t, int64(0), r.decisions("daily", "denied", "fallback"), "every data point exists from the first collection")
 	d := r.metric("tollgate.decisions")
 	sum := d.Data.(metricdata.Sum[int64])
-	assert.Len(t, sum.DataPoints, 16, "2 plans x 2 decisions x 4 sources")
+	assert.Len(t, sum.DataPoints, 20, "2 plans x 2 decisions x 5 sources")
 	assert.Equal(t, "{decision}", d.Unit)
 	assert.True(t, sum.IsMonotonic)
 	assert.Equal(t, metricdata.CumulativeTemporality, sum.Temporality)
@@ -409,11 +409,11 @@ func TestUnregister(t *testing.T) {
 	require.NoError(t, err)
 	_, err = tgotel.Register(login, mp, tgotel.WithAttributes(attribute.String("limiter", "login")))
 	require.NoError(t, err)
-	assert.Equal(t, 16*2, r.points("tollgate.decisions"))
+	assert.Equal(t, 20*2, r.points("tollgate.decisions"))
 
 	require.NoError(t, reg.Unregister())
 	require.NoError(t, reg.Unregister(), "idempotent")
-	assert.Equal(t, 16, r.points("tollgate.decisions"), "the login Limiter's alone")
+	assert.Equal(t, 20, r.points("tollgate.decisions"), "the login Limiter's alone")
 	assert.Equal(t, int64(0), r.value("tollgate.fallback.active", attribute.String("limiter", "login")))
 }
 

@@ -114,7 +114,7 @@ func New(lim *tollgate.Limiter, opts ...Option) *Collector {
 	return &Collector{
 		lim: lim,
 		decisions: prometheus.NewDesc("tollgate_decisions_total",
-			"Decisions that took tokens, by binding plan, decision (allowed, denied) and source (store, fallback, fail-open, cache).",
+			"Decisions that took tokens, by binding plan, decision (allowed, denied) and source (store, fallback, fail-open, cache, lease).",
 			[]string{"plan", "decision", "source"}, cl),
 		duration: prometheus.NewDesc("tollgate_store_duration_seconds",
 			"Duration of the Limiter's calls to its store, failed ones included, in seconds.",

@@ -73,7 +73,7 @@ func value(t *testing.T, g prometheus.Gatherer, name string, labels ...string) f
 // heads are the HELP and TYPE lines of the metrics that tests compare as
 // exposition text, pinned here once: dashboards and alerts show them.
 var heads = map[string]string{
-	"tollgate_decisions_total": `# HELP tollgate_decisions_total Decisions that took tokens, by binding plan, decision (allowed, denied) and source (store, fallback, fail-open, cache).
+	"tollgate_decisions_total": `# HELP tollgate_decisions_total Decisions that took tokens, by binding plan, decision (allowed, denied) and source (store, fallback, fail-open, cache, lease).
 # TYPE tollgate_decisions_total counter`,
 	"tollgate_fallback_active": `# HELP tollgate_fallback_active 1 during an outage of the store (tollgate.Stats.Outage: from the breaker's trip until a success after two cooldowns without a failure), else 0.
 # TYPE tollgate_fallback_active gauge`,
@@ -161,18 +161,22 @@ func TestDecisionsBySource(t *testing.T) {
 tollgate_decisions_total{decision="allowed",plan="daily",source="cache"} 0
 tollgate_decisions_total{decision="allowed",plan="daily",source="fail-open"} 0
 tollgate_decisions_total{decision="allowed",plan="daily",source="fallback"} 0
+tollgate_decisions_total{decision="allowed",plan="daily",source="lease"} 0
 tollgate_decisions_total{decision="allowed",plan="daily",source="store"} 0
 tollgate_decisions_total{decision="allowed",plan="gold",source="cache"} 0
 tollgate_decisions_total{decision="allowed",plan="gold",source="fail-open"} 0
 tollgate_decisions_total{decision="allowed",plan="gold",source="fallback"} 0
+tollgate_decisions_total{decision="allowed",plan="gold",source="lease"} 0
 tollgate_decisions_total{decision="allowed",plan="gold",source="store"} 3
 tollgate_decisions_total{decision="denied",plan="daily",source="cache"} 0
 tollgate_decisions_total{decision="denied",plan="daily",source="fail-open"} 0
 tollgate_decisions_total{decision="denied",plan="daily",source="fallback"} 0
+tollgate_decisions_total{decision="denied",plan="daily",source="lease"} 0
 tollgate_decisions_total{decision="denied",plan="daily",source="store"} 0
 tollgate_decisions_total{decision="denied",plan="gold",source="cache"} 1
 tollgate_decisions_total{decision="denied",plan="gold",source="fail-open"} 0
 tollgate_decisions_total{decision="denied",plan="gold",source="fallback"} 0
+tollgate_decisions_total{decision="denied",plan="gold",source="lease"} 0
 tollgate_decisions_total{decision="denied",plan="gold",source="store"} 1
 `)
 	count, _, _ := histogram(t, reg)

@@ -1,0 +1,254 @@
+package tollgate
+
+import (
+	"context"
+	"math"
+	"sync"
+	"time"
+)
+
+// defaultLeaseTTL is how long a lease lives unless WithLeaseTTL says
+// otherwise.
+const defaultLeaseTTL = time.Second
+
+// leases are a Limiter's leases of plans with Plan.Lease, on a RedisStore
+// (ADR 27). A lease is a reservation of Plan.Lease tokens of one key,
+// taken in Redis like any decision, whose tokens the Limiter then hands
+// out one decision at a time without asking Redis; when it runs out, or
+// its TTL passes, the next decision settles it with the tokens handed
+// out, which gives the unused rest back, and takes a new one. A sweeper
+// gives back the leases no decision came for.
+type leases struct {
+	l   *Limiter
+	ttl time.Duration
+
+	mu     sync.Mutex
+	m      map[leaseKey]*lease
+	closed bool
+	sweep  sync.Once     // starts the sweeper at the first lease
+	stop   chan struct{} // closed by close
+	done   sync.WaitGroup
+}
+
+// leaseKey names a lease: a key and the plan it leases.
+type leaseKey struct{ key, plan string }
+
+// lease is one key's lease of one plan.
+type lease struct {
+	// renew is held, as a lock that a caller's context can give up on, by
+	// the one caller that gives the lease back and takes the next.
+	renew chan struct{}
+
+	mu      sync.Mutex   // guards what follows
+	r       *Reservation // nil: no lease held
+	left    int64        // tokens not yet handed out
+	ends    int64        // when the lease stops serving, on the Limiter's clock
+	backoff int64        // until when no lease is taken, after Redis had too few tokens
+	gone    bool         // dropped from the map: look the lease up again
+}
+
+func newLeases(l *Limiter, ttl time.Duration) *leases {
+	return &leases{l: l, ttl: ttl, m: map[leaseKey]*lease{}, stop: make(chan struct{})}
+}
+
+// decide serves a decision of cost on plans, one plan with a Lease, from
+// the lease of key, taking a new lease when it has too few tokens. It
+// reports whether it decided into *r; when not, the request goes to the
+// store as usual: Redis had fewer tokens than a lease, or the Limiter is
+// closed.
+func (ls *leases) decide(ctx context.Context, r *Result, t *planTable, key string, cost int64, plans []Plan, entry *planEntry) (bool, error) {
+	for {
+		e := ls.get(key, plans[0].Name)
+		if e == nil {
+			return false, nil
+		}
+		if e.spend(r, cost, ls.l.now()) {
+			return true, nil
+		}
+		select {
+		case e.renew <- struct{}{}:
+		case <-ctx.Done():
+			return true, ctx.Err()
+		}
+		decided, again, err := ls.take(ctx, e, r, t, key, cost, plans, entry)
+		<-e.renew
+		if !again {
+			return decided, err
+		}
+	}
+}
+
+// get returns the lease of plan for key, new if there is none; nil once
+// the Limiter is closed.
+func (ls *leases) get(key, plan string) *lease {
+	k := leaseKey{key, plan}
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	if ls.closed {
+		return nil
+	}
+	e := ls.m[k]
+	if e == nil {
+		e = &lease{renew: make(chan struct{}, 1)}
+		ls.m[k] = e
+		ls.sweep.Do(func() {
+			ls.done.Add(1)
+			go ls.sweeper()
+		})
+	}
+	return e
+}
+
+// spend hands out cost tokens of the lease into *r, if it holds them and
+// has not ended by now.
+func (e *lease) spend(r *Result, cost, now int64) bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.gone || e.r == nil || e.left < cost || now >= e.ends {
+		return false
+	}
+	e.left -= cost
+	e.result(r, SourceLease)
+	return true
+}
+
+// result writes the Result of a decision the lease served: the
+// reservation's, as of when it was taken, allowed, with Remaining counting
+// the tokens the lease still holds.
+func (e *lease) result(r *Result, src Source) {
+	*r = e.r.result
+	r.Source = src
+	r.Remaining += e.left
+}
+
+// take gives e's lease back and takes a new one, deciding the request
+// from it. again reports that e left the map meanwhile, so the caller
+// must look the lease up again. The caller holds e.renew.
+func (ls *leases) take(ctx context.Context, e *lease, r *Result, t *planTable, key string, cost int64, plans []Plan, entry *planEntry) (decided, again bool, err error) {
+	l, now := ls.l, ls.l.now()
+	e.mu.Lock()
+	if e.gone {
+		e.mu.Unlock()
+		return false, true, nil
+	}
+	if e.r != nil && e.left >= cost && now < e.ends { // another caller took one meanwhile
+		e.left -= cost
+		e.result(r, SourceLease)
+		e.mu.Unlock()
+		return true, false, nil
+	}
+	if e.r == nil && now < e.backoff {
+		e.mu.Unlock()
+		return false, false, nil
+	}
+	old, left := e.r, e.left
+	e.r, e.left = nil, 0
+	e.mu.Unlock()
+	if old != nil {
+		ls.giveBack(old, left)
+	}
+
+	size := plans[0].Lease
+	rv := l.newReservation(key, size)
+	if err := l.decideOn(ctx, &rv.result, t, key, size, 1, plans, entry, &rv.hold); err != nil {
+		return true, false, err
+	}
+	l.held(rv)
+	if !rv.result.Allowed || rv.result.Source != SourceStore {
+		// Too few tokens in Redis for a lease, or Redis failing: decide
+		// each request as usual until a lease could pass, or for a TTL.
+		if rv.result.Allowed {
+			ls.giveBack(rv, size)
+		}
+		wait := rv.result.RetryAfter
+		if rv.result.Allowed || wait <= 0 {
+			wait = ls.ttl
+		}
+		e.mu.Lock()
+		e.backoff = now + int64(wait)
+		e.mu.Unlock()
+		return false, false, nil
+	}
+	e.mu.Lock()
+	e.r, e.left, e.ends = rv, size-cost, now+int64(ls.ttl)
+	e.result(r, SourceStore)
+	e.mu.Unlock()
+	return true, false, nil
+}
+
+// giveBack settles a lease that handed out all but left of its tokens,
+// on a goroutine of its own, so that no request waits for it: the unused
+// rest goes back to Redis. A settlement that fails leaves those tokens
+// taken, which costs other instances no more than the lease did; they
+// refill as usual.
+func (ls *leases) giveBack(r *Reservation, left int64) {
+	ls.done.Add(1)
+	go func() {
+		defer ls.done.Done()
+		ctx, cancel := context.WithTimeout(context.Background(), ls.ttl+time.Second)
+		defer cancel()
+		_, _ = r.Settle(ctx, r.n-left)
+	}()
+}
+
+// sweeper gives back, every half TTL, the leases that ended with no
+// decision to take the next one, and forgets the keys that hold none.
+func (ls *leases) sweeper() {
+	defer ls.done.Done()
+	tick := time.NewTicker(ls.ttl / 2)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ls.stop:
+			return
+		case <-tick.C:
+			ls.sweepOnce(ls.l.now(), false)
+		}
+	}
+}
+
+// sweepOnce drops the leases that ended by now, giving their rest back,
+// and the keys with no lease and no backoff. It passes over a key whose
+// next lease is being taken, unless wait says to wait for it.
+func (ls *leases) sweepOnce(now int64, wait bool) {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	for k, e := range ls.m {
+		if wait {
+			e.renew <- struct{}{}
+		} else {
+			select {
+			case e.renew <- struct{}{}:
+			default:
+				continue
+			}
+		}
+		e.mu.Lock()
+		if (e.r == nil && now >= e.backoff) || (e.r != nil && now >= e.ends) {
+			e.gone = true
+			delete(ls.m, k)
+			if e.r != nil {
+				ls.giveBack(e.r, e.left)
+				e.r = nil
+			}
+		}
+		e.mu.Unlock()
+		<-e.renew
+	}
+}
+
+// close gives every lease back and stops the sweeper, then waits for the
+// settlements to finish. A decision that took its lease before close
+// gives it back here; one that comes after goes to Redis as usual.
+func (ls *leases) close() {
+	ls.mu.Lock()
+	if ls.closed {
+		ls.mu.Unlock()
+		return
+	}
+	ls.closed = true
+	close(ls.stop)
+	ls.mu.Unlock()
+	ls.sweepOnce(math.MaxInt64, true)
+	ls.done.Wait()
+}

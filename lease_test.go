@@ -1,0 +1,303 @@
+package tollgate
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/tollgate-go/tollgate/internal/redistest"
+)
+
+// leasedPlan leases 10 tokens at a time from a bucket of 100 that refills
+// one token a second: on miniredis, whose clock stands still, nothing
+// refills.
+var leasedPlan = Plan{Name: "hot", Capacity: 100, Rate: 1, Lease: 10}
+
+// remaining reads the bucket of key in rs with a Limiter that takes no
+// lease and remembers no denial.
+func remaining(t *testing.T, rs *RedisStore, key string) int64 {
+	t.Helper()
+	plain := leasedPlan
+	plain.Lease = 0
+	l, err := New(rs, []Plan{plain}, WithDenialCache(0), WithLogger(nil))
+	require.NoError(t, err)
+	r, err := l.Peek(context.Background(), key)
+	require.NoError(t, err)
+	return r.Remaining
+}
+
+// TestLeaseServesDecisionsLocally: one script call takes 10 tokens, and
+// the next 9 decisions cost Redis nothing. Close gives the unused rest
+// back, so the bucket then holds exactly what was not admitted.
+func TestLeaseServesDecisionsLocally(t *testing.T) {
+	ctx := context.Background()
+	rs, _, _ := newMiniredisStore(t)
+	var calls scriptCounter
+	rs.client.AddHook(&calls)
+	l, err := New(rs, []Plan{leasedPlan}, WithLogger(nil))
+	require.NoError(t, err)
+	var sources [numSources]int
+	for i := range 25 {
+		r, err := l.Allow(ctx, "k")
+		require.NoError(t, err)
+		require.True(t, r.Allowed, "decision %d", i)
+		sources[r.Source]++
+		if i == 0 {
+			assert.Equal(t, int64(99), r.Remaining, "90 in Redis and 9 in the lease")
+			assert.Equal(t, "hot", r.Plan)
+			assert.Equal(t, int64(100), r.Limit)
+		}
+	}
+	assert.Equal(t, 3, sources[SourceStore], "a lease for decisions 1, 11 and 21")
+	assert.Equal(t, 22, sources[SourceLease])
+	require.NoError(t, l.Close())
+	// 3 leases taken and 3 given back (two spent, one at Close): each a
+	// script call, and the first of each script an EVAL more (NOSCRIPT).
+	assert.Equal(t, int64(3+3+2), calls.alone.Load()+calls.piped.Load())
+	assert.Equal(t, int64(75), remaining(t, rs, "k"), "the 5 unused tokens came back")
+	st := l.Stats()
+	assert.Equal(t, uint64(3), st.Plans[0].Allowed[SourceStore])
+	assert.Equal(t, uint64(22), st.Plans[0].Allowed[SourceLease])
+}
+
+// TestLeaseNearTheLimitDecidesEachRequest: when Redis has fewer tokens
+// than a lease, each request is decided in Redis as usual, so the key
+// admits exactly its capacity.
+func TestLeaseNearTheLimitDecidesEachRequest(t *testing.T) {
+	ctx := context.Background()
+	rs, _, _ := newMiniredisStore(t)
+	plan := Plan{Name: "hot", Capacity: 10, Rate: 1, Lease: 8}
+	l, err := New(rs, []Plan{plan}, WithLogger(nil))
+	require.NoError(t, err)
+	allowed := 0
+	for range 30 {
+		r, err := l.Allow(ctx, "k")
+		require.NoError(t, err)
+		if r.Allowed {
+			allowed++
+		}
+	}
+	assert.Equal(t, 10, allowed, "the lease of 8, then the 2 left one at a time")
+	require.NoError(t, l.Close())
+	assert.Equal(t, int64(0), remaining(t, rs, "k"))
+}
+
+// TestLeaseSweeperGivesBack: a lease no decision comes back for is given
+// back once its TTL has passed, without Close.
+func TestLeaseSweeperGivesBack(t *testing.T) {
+	rs, _, _ := newMiniredisStore(t)
+	l, err := New(rs, []Plan{leasedPlan}, WithLeaseTTL(20*time.Millisecond), WithLogger(nil))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = l.Close() })
+	r, err := l.Allow(context.Background(), "k")
+	require.NoError(t, err)
+	require.True(t, r.Allowed)
+	require.Equal(t, int64(90), remaining(t, rs, "k"), "leased")
+	require.Eventually(t, func() bool { return remaining(t, rs, "k") == 99 }, 10*time.Second, 5*time.Millisecond,
+		"the 9 unused tokens come back")
+	l.leases.mu.Lock()
+	defer l.leases.mu.Unlock()
+	assert.Empty(t, l.leases.m, "and the key is forgotten")
+}
+
+// TestLeaseOnlyForOnePlanAndItsSize: chains, costs above the lease and
+// other stores decide as before.
+func TestLeaseOnlyForOnePlanAndItsSize(t *testing.T) {
+	ctx := context.Background()
+	rs, _, _ := newMiniredisStore(t)
+	other := Plan{Name: "daily", Capacity: 1000, Rate: 1}
+	l, err := New(rs, []Plan{leasedPlan, other}, WithLogger(nil))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = l.Close() })
+	r, err := l.Allow(ctx, "chain", "hot", "daily")
+	require.NoError(t, err)
+	assert.Equal(t, int64(99), remaining(t, rs, "chain"), "a chain takes no lease")
+	r, err = l.AllowN(ctx, "big", 11, "hot")
+	require.NoError(t, err)
+	assert.True(t, r.Allowed)
+	assert.Equal(t, int64(89), remaining(t, rs, "big"), "a cost above the lease takes no lease")
+
+	m, err := New(NewMemoryStore(), []Plan{leasedPlan})
+	require.NoError(t, err)
+	assert.Nil(t, m.leases, "a MemoryStore needs none")
+}
+
+func TestLeaseValidation(t *testing.T) {
+	for _, p := range []Plan{
+		{Name: "p", Capacity: 10, Rate: 1, Lease: -1},
+		{Name: "p", Capacity: 10, Rate: 1, Lease: 11},
+		{Name: "p", Capacity: 10, Window: time.Second, Lease: 1},
+		{Name: "p", Capacity: 10, Rate: 1, Lease: 1, Shadow: true},
+	} {
+		_, err := New(NewMemoryStore(), []Plan{p})
+		assert.ErrorIs(t, err, ErrInvalidPlan, "%+v", p)
+	}
+	rs, _, _ := newMiniredisStore(t)
+	for _, d := range []time.Duration{0, time.Microsecond, 16 * time.Minute} {
+		_, err := New(rs, []Plan{leasedPlan}, WithLeaseTTL(d))
+		assert.ErrorIs(t, err, ErrInvalidOption, "%v", d)
+	}
+}
+
+// TestLeaseCallerContext: a caller whose context ends while another
+// takes the key's lease gets its context's error, not an outage.
+func TestLeaseCallerContext(t *testing.T) {
+	rs, _, _ := newMiniredisStore(t)
+	l, err := New(rs, []Plan{leasedPlan}, WithLogger(nil))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = l.Close() })
+	e := l.leases.get("k", "hot")
+	e.renew <- struct{}{} // another caller is taking the lease
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	_, err = l.Allow(ctx, "k")
+	assert.ErrorIs(t, err, context.Canceled)
+	<-e.renew
+}
+
+// TestLeasesNeverOverAdmit runs 4 Limiters of 8 goroutines on one key on
+// miniredis, whose clock stands still: together they admit at most the
+// capacity, at least the capacity less a lease per Limiter, and after
+// Close the bucket holds exactly what they did not admit.
+func TestLeasesNeverOverAdmit(t *testing.T) {
+	ctx := context.Background()
+	rs, _, _ := newMiniredisStore(t)
+	var allowed atomic.Int64
+	var wg sync.WaitGroup
+	limiters := make([]*Limiter, 4)
+	for i := range limiters {
+		l, err := New(rs, []Plan{leasedPlan}, WithLogger(nil))
+		require.NoError(t, err)
+		limiters[i] = l
+		for range 8 {
+			wg.Go(func() {
+				for range 40 {
+					r, err := l.Allow(ctx, "k")
+					if err != nil {
+						t.Error(err)
+						return
+					}
+					if r.Allowed {
+						allowed.Add(1)
+					}
+				}
+			})
+		}
+	}
+	wg.Wait()
+	for _, l := range limiters {
+		require.NoError(t, l.Close())
+	}
+	n := allowed.Load()
+	assert.LessOrEqual(t, n, leasedPlan.Capacity)
+	assert.GreaterOrEqual(t, n, leasedPlan.Capacity-4*leasedPlan.Lease)
+	assert.Equal(t, leasedPlan.Capacity-n, remaining(t, rs, "k"), "every unused leased token came back")
+}
+
+// leaseChildEnv carries a leaseJob to TestLeaseChildProcess.
+const leaseChildEnv = "TOLLGATE_LEASE_CHILD"
+
+// procPlan is the plan the processes of TestLeaseBoundAcrossProcesses
+// share: a lease of 25 from a bucket of 100 refilling 1,000 a second.
+var procPlan = Plan{Name: "hot", Capacity: 100, Rate: 1000, Lease: 25}
+
+// leaseTotals is what one child process reports: its decisions, and the
+// Redis TIME, in µs, when its goroutines started and stopped.
+type leaseTotals struct {
+	Allowed, Denied, Leased int64
+	Start, End              int64
+}
+
+// TestLeaseBoundAcrossProcessesOnRealRedis runs 4 processes of 8
+// goroutines deciding one key through leases for a second. They admit at
+// most capacity + rate × elapsed, as without leases, and no fewer than
+// rate × the time all four ran less a lease per process: the tokens a
+// lease may hold back from the others (ADR 27).
+func TestLeaseBoundAcrossProcessesOnRealRedis(t *testing.T) {
+	if os.Getenv(leaseChildEnv) != "" {
+		t.Skip("a child runs only TestLeaseChildProcess")
+	}
+	addr := redistest.Addr(t)
+	c := redistest.NewClient(t, &redis.Options{Addr: addr})
+	prefix := redistest.KeyPrefix()
+	start := redistest.Time(t, c)
+	var total leaseTotals
+	var common [2]int64 // the span all four ran: the latest start, the earliest end
+	for i, line := range runChildren(t, 4, "TestLeaseChildProcess", leaseChildEnv,
+		windowJob{Addr: addr, Prefix: prefix, Workers: 8, Run: time.Second}) {
+		var part leaseTotals
+		require.NoError(t, json.Unmarshal([]byte(line), &part), line)
+		total.Allowed += part.Allowed
+		total.Denied += part.Denied
+		total.Leased += part.Leased
+		if i == 0 || part.Start > common[0] {
+			common[0] = part.Start
+		}
+		if i == 0 || part.End < common[1] {
+			common[1] = part.End
+		}
+	}
+	end := redistest.Time(t, c)
+	upper := float64(procPlan.Capacity) + procPlan.Rate*float64(end-start)/1e6
+	lower := procPlan.Rate*float64(common[1]-common[0])/1e6 - float64(4*procPlan.Lease)
+	t.Logf("%d allowed (%d from leases), %d denied; at most %.1f (capacity %d + %.0f/s × %.3f s), at least %.1f (%.0f/s × %.3f s all four ran − 4 × %d)",
+		total.Allowed, total.Leased, total.Denied, upper, procPlan.Capacity, procPlan.Rate, float64(end-start)/1e6,
+		lower, procPlan.Rate, float64(common[1]-common[0])/1e6, procPlan.Lease)
+	assert.LessOrEqual(t, float64(total.Allowed), upper+1, "admitted more than the bucket allows")
+	assert.GreaterOrEqual(t, float64(total.Allowed), lower, "leases held back more than a lease per process")
+	assert.Positive(t, total.Denied, "the load must push past the limit")
+	assert.Positive(t, total.Leased, "leases served decisions")
+}
+
+// TestLeaseChildProcess is one process of
+// TestLeaseBoundAcrossProcessesOnRealRedis.
+func TestLeaseChildProcess(t *testing.T) {
+	spec := os.Getenv(leaseChildEnv)
+	if spec == "" {
+		t.Skip("runs only as a child of TestLeaseBoundAcrossProcessesOnRealRedis")
+	}
+	var job windowJob
+	require.NoError(t, json.Unmarshal([]byte(spec), &job))
+	c := redis.NewClient(&redis.Options{Addr: job.Addr})
+	defer c.Close()
+	l, err := New(NewRedisStore(c, WithKeyPrefix(job.Prefix)), []Plan{procPlan}, WithFailurePolicy(FailClosed),
+		WithLeaseTTL(100*time.Millisecond), WithLogger(nil))
+	require.NoError(t, err)
+	ctx := context.Background()
+	var allowed, denied, leased atomic.Int64
+	var wg sync.WaitGroup
+	startTime := redistest.Time(t, c)
+	deadline := time.Now().Add(job.Run)
+	for range job.Workers {
+		wg.Go(func() {
+			for time.Now().Before(deadline) {
+				r, err := l.Allow(ctx, "shared")
+				require.NoError(t, err)
+				switch {
+				case !r.Allowed:
+					denied.Add(1)
+				case r.Source == SourceLease:
+					leased.Add(1)
+					allowed.Add(1)
+				default:
+					allowed.Add(1)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	endTime := redistest.Time(t, c)
+	require.NoError(t, l.Close())
+	out, err := json.Marshal(leaseTotals{Allowed: allowed.Load(), Denied: denied.Load(), Leased: leased.Load(), Start: startTime, End: endTime})
+	require.NoError(t, err)
+	fmt.Printf("%s\n", out)
+}
