@@ -65,7 +65,7 @@ func (l *Limiter) decideOn(ctx context.Context, r *Result, t *planTable, key str
 		}
 	} else if l.leases != nil && len(plans) == 1 && plans[0].Lease >= cost && cost > 0 {
 		if decided, err := l.leases.decide(ctx, r, t, key, cost, plans, entry); decided || err != nil {
-			if err == nil && r.Source == SourceLease { // a new lease was recorded as the store's decision
+			if err == nil {
 				l.record(ctx, r, cost, entry, t)
 			}
 			return err
@@ -79,7 +79,9 @@ func (l *Limiter) decideOn(ctx context.Context, r *Result, t *planTable, key str
 	if cache {
 		pk, asked = planKey(plans, entry), l.now()
 		if l.cached(r, key, pk, cost, asked) {
-			l.record(ctx, r, cost, entry, t)
+			if h == nil || !h.lease {
+				l.record(ctx, r, cost, entry, t)
+			}
 			return nil
 		}
 	}
@@ -100,7 +102,9 @@ func (l *Limiter) decideOn(ctx context.Context, r *Result, t *planTable, key str
 	if cache {
 		l.remember(key, pk, cost, r, asked)
 	}
-	l.record(ctx, r, cost, entry, t)
+	if h == nil || !h.lease {
+		l.record(ctx, r, cost, entry, t)
+	}
 	return nil
 }
 

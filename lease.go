@@ -39,12 +39,15 @@ type lease struct {
 	// the one caller that gives the lease back and takes the next.
 	renew chan struct{}
 
-	mu      sync.Mutex   // guards what follows
-	r       *Reservation // nil: no lease held
-	left    int64        // tokens not yet handed out
-	ends    int64        // when the lease stops serving, on the Limiter's clock
-	backoff int64        // until when no lease is taken, after Redis had too few tokens
-	gone    bool         // dropped from the map: look the lease up again
+	mu       sync.Mutex   // guards what follows
+	r        *Reservation // nil: no lease held
+	left     int64        // tokens not yet handed out
+	ends     int64        // when the lease stops serving, on the Limiter's clock
+	ended    bool         // the sweeper found it past ends
+	next     *Reservation // the lease taken ahead, to serve when r runs out
+	fetching bool         // a goroutine is taking next
+	backoff  int64        // until when no lease is taken, after Redis had too few tokens
+	gone     bool         // dropped from the map: look the lease up again
 }
 
 func newLeases(l *Limiter, ttl time.Duration) *leases {
@@ -62,7 +65,7 @@ func (ls *leases) decide(ctx context.Context, r *Result, t *planTable, key strin
 		if e == nil {
 			return false, nil
 		}
-		if e.spend(r, cost, ls.l.now()) {
+		if ls.spend(e, r, cost, key, plans, t, entry) {
 			return true, nil
 		}
 		select {
@@ -99,17 +102,61 @@ func (ls *leases) get(key, plan string) *lease {
 	return e
 }
 
-// spend hands out cost tokens of the lease into *r, if it holds them and
-// has not ended by now.
-func (e *lease) spend(r *Result, cost, now int64) bool {
+// spend hands out cost tokens of e's lease into *r, if it holds them and
+// the sweeper has not ended it. It reads no clock: a lease serves until
+// the sweeper, every half TTL, finds it past its end. Once half of
+// the lease is left, a goroutine takes the next one ahead, of what the
+// lease has handed out, so that the tokens held stay at most a lease and
+// no request waits for Redis while a lease follows a lease.
+func (ls *leases) spend(e *lease, r *Result, cost int64, key string, plans []Plan, t *planTable, entry *planEntry) bool {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if e.gone || e.r == nil || e.left < cost || now >= e.ends {
+	if e.gone || e.r == nil || e.ended {
 		return false
+	}
+	if e.left < cost {
+		if e.next == nil {
+			return false
+		}
+		ls.giveBack(e.r, e.left)
+		e.r, e.left, e.ends, e.next = e.next, e.next.n, ls.l.now()+int64(ls.ttl), nil
+		if e.left < cost {
+			return false
+		}
 	}
 	e.left -= cost
 	e.result(r, SourceLease)
+	if size := plans[0].Lease; e.next == nil && !e.fetching && e.left <= size/2 {
+		e.fetching = true
+		ls.done.Add(1)
+		go ls.fetch(e, e.r, size-e.left, key, plans, t, entry)
+	}
 	return true
+}
+
+// fetch takes the next lease of e, of n tokens, ahead of need, to follow
+// the lease cur; if cur is gone meanwhile, it gives it back.
+func (ls *leases) fetch(e *lease, cur *Reservation, n int64, key string, plans []Plan, t *planTable, entry *planEntry) {
+	defer ls.done.Done()
+	ctx, cancel := context.WithTimeout(context.Background(), ls.ttl+time.Second)
+	defer cancel()
+	l := ls.l
+	rv := l.newReservation(key, n)
+	rv.hold.lease = true
+	err := l.decideOn(ctx, &rv.result, t, key, n, 1, plans, entry, &rv.hold)
+	if err == nil {
+		l.held(rv)
+	}
+	ok := err == nil && rv.result.Allowed && rv.result.Source == SourceStore
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.fetching = false
+	switch {
+	case ok && !e.gone && e.r == cur && !e.ended:
+		e.next = rv
+	case err == nil && rv.result.Allowed:
+		ls.giveBack(rv, n) // not needed any more, or from the fallback
+	}
 }
 
 // result writes the Result of a decision the lease served: the
@@ -131,7 +178,7 @@ func (ls *leases) take(ctx context.Context, e *lease, r *Result, t *planTable, k
 		e.mu.Unlock()
 		return false, true, nil
 	}
-	if e.r != nil && e.left >= cost && now < e.ends { // another caller took one meanwhile
+	if e.r != nil && e.left >= cost && !e.ended { // another caller took one meanwhile
 		e.left -= cost
 		e.result(r, SourceLease)
 		e.mu.Unlock()
@@ -141,15 +188,19 @@ func (ls *leases) take(ctx context.Context, e *lease, r *Result, t *planTable, k
 		e.mu.Unlock()
 		return false, false, nil
 	}
-	old, left := e.r, e.left
-	e.r, e.left = nil, 0
+	old, left, next := e.r, e.left, e.next
+	e.r, e.left, e.next, e.ended = nil, 0, nil, false
 	e.mu.Unlock()
 	if old != nil {
 		ls.giveBack(old, left)
 	}
+	if next != nil {
+		ls.giveBack(next, next.n)
+	}
 
 	size := plans[0].Lease
 	rv := l.newReservation(key, size)
+	rv.hold.lease = true
 	if err := l.decideOn(ctx, &rv.result, t, key, size, 1, plans, entry, &rv.hold); err != nil {
 		return true, false, err
 	}
@@ -207,14 +258,15 @@ func (ls *leases) sweeper() {
 	}
 }
 
-// sweepOnce drops the leases that ended by now, giving their rest back,
-// and the keys with no lease and no backoff. It passes over a key whose
-// next lease is being taken, unless wait says to wait for it.
-func (ls *leases) sweepOnce(now int64, wait bool) {
+// sweepOnce ends the leases past their end by now, and drops those it
+// ended before, giving their rest back, and the keys with no lease and no
+// backoff. It passes over a key whose next lease is being taken. Closing,
+// it waits for those, and drops every lease.
+func (ls *leases) sweepOnce(now int64, closing bool) {
 	ls.mu.Lock()
 	defer ls.mu.Unlock()
 	for k, e := range ls.m {
-		if wait {
+		if closing {
 			e.renew <- struct{}{}
 		} else {
 			select {
@@ -224,12 +276,21 @@ func (ls *leases) sweepOnce(now int64, wait bool) {
 			}
 		}
 		e.mu.Lock()
-		if (e.r == nil && now >= e.backoff) || (e.r != nil && now >= e.ends) {
+		switch {
+		case !closing && e.r != nil && now >= e.ends && !e.ended:
+			// Ended: the next decision takes a new lease; the sweep after
+			// gives it back if none comes.
+			e.ended = true
+		case closing || (e.r == nil && now >= e.backoff) || e.ended:
 			e.gone = true
 			delete(ls.m, k)
 			if e.r != nil {
 				ls.giveBack(e.r, e.left)
 				e.r = nil
+			}
+			if e.next != nil {
+				ls.giveBack(e.next, e.next.n)
+				e.next = nil
 			}
 		}
 		e.mu.Unlock()

@@ -36,6 +36,8 @@ type hold struct {
 	plans []Plan
 	skip  uint64 // bit i: the reservation took nothing from plan i (a shadowed plan that would deny)
 
+	lease bool // a lease's: Stats counts the decisions it serves, not it
+
 	store   Store  // the store that granted it; nil when none did (FailOpen)
 	id      string // a RedisStore's name for it
 	expires int64  // a MemoryStore's: when it expires, µs on its clock
