@@ -159,7 +159,7 @@ func TestBatchLeavesOutEndedContexts(t *testing.T) {
 	s := NewRedisStore(redis.NewClient(&redis.Options{Addr: mr.Addr()}), WithBatching())
 	ended, cancel := context.WithCancel(context.Background())
 	cancel()
-	calls := []*batchCall{
+	calls := []*scriptCall{
 		{Call: redisscript.Call{Keys: []string{s.Key("a", gold.Name)}, Args: s.args(1, []Plan{gold})}, ctx: context.Background(), done: make(chan struct{}, 1)},
 		{Call: redisscript.Call{Keys: []string{s.Key("b", gold.Name)}, Args: s.args(4, []Plan{gold})}, ctx: ended, done: make(chan struct{}, 1)},
 	}
