@@ -3,9 +3,11 @@ package tollgate
 import (
 	"context"
 	"fmt"
+	"maps"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 
 	"github.com/redis/go-redis/v9"
 
@@ -39,6 +41,7 @@ type RedisStore struct {
 	script       *redisscript.Script
 	settleScript *redisscript.Script
 	random       func() uint64 // draws for suppressed plans; tests replace it
+	planArgs     planArgCache  // each plan's ARGV numbers, boxed
 	batch        *batcher      // nil unless WithBatching (batch.go)
 }
 
@@ -162,12 +165,14 @@ func (s *RedisStore) args(cost int64, plans []Plan) []any {
 // appendArgs appends the script's ARGV for a decision to dst (see
 // scripts/limit.lua): for buckets alone, the cost and each plan's
 // capacity and rate; with windows, the cost, a random number drawn if a
-// plan is suppressed, and four numbers per plan.
+// plan is suppressed, and four numbers per plan. Each plan's numbers
+// come boxed from the store's planArgs, so that they cost no allocation
+// once the plan has been seen.
 func (s *RedisStore) appendArgs(dst []any, cost int64, plans []Plan) []any {
 	dst = append(dst, cost)
 	if !windowIn(plans) && !versionedIn(plans) {
 		for i := range plans {
-			a := newPlanArgs(&plans[i])
+			a := s.planArgs.get(&plans[i])
 			dst = append(dst, a[:2]...)
 		}
 		return dst
@@ -178,11 +183,26 @@ func (s *RedisStore) appendArgs(dst []any, cost int64, plans []Plan) []any {
 		dst = append(dst, 0)
 	}
 	for i := range plans {
-		a := newPlanArgs(&plans[i])
+		a := s.planArgs.get(&plans[i])
 		dst = append(dst, a[:]...)
 	}
 	return dst
 }
+
+// planArgCache keeps the ARGV numbers of the plans a store has seen,
+// boxed once: putting an int64 of 256 or more, or a string, in an `any`
+// allocates, and a plan's numbers are the same in every decision. It is a
+// map that is copied on write and holds at most maxCachedPlans plans, so
+// that reading it takes no lock; plans beyond those (a resolver that
+// makes a plan per user, say) are boxed on every decision, as they were
+// before it. It is safe for concurrent use.
+type planArgCache struct {
+	m  atomic.Pointer[map[Plan]planArgs]
+	mu sync.Mutex // serializes writers
+}
+
+// maxCachedPlans bounds a planArgCache: about 100 bytes a plan.
+const maxCachedPlans = 256
 
 // planArgs are one plan's four numbers in the script's wide ARGV layout:
 // for a token bucket, its capacity (negative if shadowed, see
@@ -190,6 +210,33 @@ func (s *RedisStore) appendArgs(dst []any, cost int64, plans []Plan) []any {
 // slots, and hard limit if suppressed, else 0. The narrow layout, for
 // buckets alone, takes the first two.
 type planArgs [4]any
+
+// get returns the boxed numbers of plan p.
+func (c *planArgCache) get(p *Plan) planArgs {
+	m := c.m.Load()
+	if m != nil {
+		if a, ok := (*m)[*p]; ok {
+			return a
+		}
+		if len(*m) >= maxCachedPlans {
+			return newPlanArgs(p)
+		}
+	}
+	a := newPlanArgs(p)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	old := c.m.Load()
+	if old != nil && len(*old) >= maxCachedPlans {
+		return a
+	}
+	next := make(map[Plan]planArgs)
+	if old != nil {
+		next = maps.Clone(*old)
+	}
+	next[*p] = a
+	c.m.Store(&next)
+	return a
+}
 
 // newPlanArgs boxes the numbers of plan p (see planArgs).
 func newPlanArgs(p *Plan) planArgs {

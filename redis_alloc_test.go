@@ -1,0 +1,63 @@
+package tollgate
+
+import (
+	"context"
+	"fmt"
+	"testing"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// TestRedisDecisionAllocatesOnlyItsKey pins the client's allocations of a
+// Redis decision: a hook answers every command with a canned reply, so
+// what is counted is go-redis building its command (measured alone, on
+// the same keys and ARGV) and tollgate's own work, which is one
+// allocation, the Redis key's string. Keys and ARGV are built in a pooled
+// scriptCall, and the plan's numbers come boxed from the store's cache.
+func TestRedisDecisionAllocatesOnlyItsKey(t *testing.T) {
+	if raceEnabled {
+		t.Skip("the race detector makes sync.Pool drop calls at random")
+	}
+	ctx := context.Background()
+	c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
+	t.Cleanup(func() { _ = c.Close() })
+	c.AddHook(cannedReply{[]any{int64(1), int64(1 << 50), int64(1 << 40), int64(1 << 50)}})
+	s := NewRedisStore(c)
+	l, err := New(s, benchPlan)
+	require.NoError(t, err)
+
+	keys, args := s.keys("user-42", benchPlan), s.args(1, benchPlan)
+	goRedis := testing.AllocsPerRun(1000, func() { _, _ = s.script.Run(ctx, c, keys, args...) })
+
+	_, err = l.Allow(ctx, "user-42")
+	require.NoError(t, err)
+	decision := testing.AllocsPerRun(1000, func() { _, _ = l.Allow(ctx, "user-42") })
+	assert.Equal(t, goRedis+1, decision, "go-redis's %v and one for the key", goRedis)
+}
+
+// TestPlanArgCache checks that the boxed numbers the store caches are those
+// of each plan, for every layout, and that the cache stops growing at
+// maxCachedPlans while further plans still get their own numbers.
+func TestPlanArgCache(t *testing.T) {
+	plans := []Plan{
+		gold,
+		{Name: "shadow", Capacity: 1000, Rate: 0.001, Shadow: true},
+		{Name: "versioned", Capacity: 300, Rate: 12.5, Version: 70, Inherit: InheritProportional},
+		{Name: "window", Capacity: 500, Window: 90 * 1e9},
+		{Name: "suppressed", Capacity: 500, Window: 1e9, Slots: 10, Suppress: 1.5},
+	}
+	var c planArgCache
+	for range 2 { // a miss, then a hit
+		for i := range plans {
+			assert.Equal(t, newPlanArgs(&plans[i]), c.get(&plans[i]), "plan %s", plans[i].Name)
+		}
+	}
+	for i := range maxCachedPlans + 10 {
+		p := Plan{Name: fmt.Sprint("p", i), Capacity: int64(1 + i), Rate: 1}
+		assert.Equal(t, newPlanArgs(&p), c.get(&p), "plan %s", p.Name)
+	}
+	assert.Len(t, *c.m.Load(), maxCachedPlans)
+	assert.Equal(t, newPlanArgs(&plans[0]), c.get(&plans[0]), "cached before the bound")
+}
