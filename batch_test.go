@@ -312,3 +312,29 @@ func BenchmarkRedisBatching(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkRedisBatchingOneCaller is BenchmarkRedisBatching with one
+// caller, deciding on 10,000 keys in turn: a lone caller never waits for
+// a batch, so both send each decision alone.
+func BenchmarkRedisBatchingOneCaller(b *testing.B) {
+	for _, tc := range []struct {
+		name string
+		opts []RedisOption
+	}{{"alone", nil}, {"batched", []RedisOption{WithBatching()}}} {
+		b.Run(tc.name, func(b *testing.B) {
+			c := redis.NewClient(&redis.Options{Addr: redistest.Addr(b)})
+			defer c.Close()
+			l, err := New(NewRedisStore(c, append(tc.opts, WithKeyPrefix(redistest.KeyPrefix()))...), benchPlan)
+			require.NoError(b, err)
+			ctx, keys := context.Background(), benchKeys(10_000)
+			b.ReportAllocs()
+			i := 0
+			for b.Loop() {
+				i++
+				if _, err := l.Allow(ctx, keys[i%len(keys)]); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
