@@ -49,15 +49,20 @@ func TestPlanArgCache(t *testing.T) {
 		{Name: "suppressed", Capacity: 500, Window: 1e9, Slots: 10, Suppress: 1.5},
 	}
 	var c planArgCache
+	get := func(p *Plan) []any { return c.appendTo([]any{"before"}, p, 4)[1:] }
 	for range 2 { // a miss, then a hit
 		for i := range plans {
-			assert.Equal(t, newPlanArgs(&plans[i]), c.get(&plans[i]), "plan %s", plans[i].Name)
+			want := newPlanArgs(&plans[i])
+			assert.Equal(t, want[:], get(&plans[i]), "plan %s", plans[i].Name)
 		}
 	}
 	for i := range maxCachedPlans + 10 {
 		p := Plan{Name: fmt.Sprint("p", i), Capacity: int64(1 + i), Rate: 1}
-		assert.Equal(t, newPlanArgs(&p), c.get(&p), "plan %s", p.Name)
+		want := newPlanArgs(&p)
+		assert.Equal(t, want[:], get(&p), "plan %s", p.Name)
 	}
 	assert.Len(t, *c.m.Load(), maxCachedPlans)
-	assert.Equal(t, newPlanArgs(&plans[0]), c.get(&plans[0]), "cached before the bound")
+	want := newPlanArgs(&plans[0])
+	assert.Equal(t, want[:], get(&plans[0]), "cached before the bound")
+	assert.Equal(t, want[:2], c.appendTo(nil, &plans[0], 2), "the narrow layout")
 }

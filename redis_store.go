@@ -172,8 +172,7 @@ func (s *RedisStore) appendArgs(dst []any, cost int64, plans []Plan) []any {
 	dst = append(dst, cost)
 	if !windowIn(plans) && !versionedIn(plans) {
 		for i := range plans {
-			a := s.planArgs.get(&plans[i])
-			dst = append(dst, a[:2]...)
+			dst = s.planArgs.appendTo(dst, &plans[i], 2)
 		}
 		return dst
 	}
@@ -183,8 +182,7 @@ func (s *RedisStore) appendArgs(dst []any, cost int64, plans []Plan) []any {
 		dst = append(dst, 0)
 	}
 	for i := range plans {
-		a := s.planArgs.get(&plans[i])
-		dst = append(dst, a[:]...)
+		dst = s.planArgs.appendTo(dst, &plans[i], 4)
 	}
 	return dst
 }
@@ -197,7 +195,7 @@ func (s *RedisStore) appendArgs(dst []any, cost int64, plans []Plan) []any {
 // makes a plan per user, say) are boxed on every decision, as they were
 // before it. It is safe for concurrent use.
 type planArgCache struct {
-	m  atomic.Pointer[map[Plan]planArgs]
+	m  atomic.Pointer[map[Plan]*planArgs]
 	mu sync.Mutex // serializes writers
 }
 
@@ -211,29 +209,35 @@ const maxCachedPlans = 256
 // buckets alone, takes the first two.
 type planArgs [4]any
 
-// get returns the boxed numbers of plan p.
-func (c *planArgCache) get(p *Plan) planArgs {
-	m := c.m.Load()
-	if m != nil {
-		if a, ok := (*m)[*p]; ok {
-			return a
-		}
-		if len(*m) >= maxCachedPlans {
-			return newPlanArgs(p)
+// appendTo appends the first n of plan p's boxed numbers to dst.
+func (c *planArgCache) appendTo(dst []any, p *Plan, n int) []any {
+	if m := c.m.Load(); m != nil {
+		if a := (*m)[*p]; a != nil {
+			return append(dst, a[:n]...)
 		}
 	}
+	a := c.add(p)
+	return append(dst, a[:n]...)
+}
+
+// add boxes the numbers of plan p and keeps them if the cache has room.
+func (c *planArgCache) add(p *Plan) planArgs {
 	a := newPlanArgs(p)
+	if m := c.m.Load(); m != nil && len(*m) >= maxCachedPlans {
+		return a
+	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	old := c.m.Load()
 	if old != nil && len(*old) >= maxCachedPlans {
 		return a
 	}
-	next := make(map[Plan]planArgs)
+	next := make(map[Plan]*planArgs)
 	if old != nil {
 		next = maps.Clone(*old)
 	}
-	next[*p] = a
+	kept := a
+	next[*p] = &kept
 	c.m.Store(&next)
 	return a
 }
