@@ -37,6 +37,32 @@ func TestRedisDecisionAllocatesOnlyItsKey(t *testing.T) {
 	assert.Equal(t, goRedis+1, decision, "go-redis's %v and one for the key", goRedis)
 }
 
+// TestScriptCallAllocatesOnlyKeys pins what building a decision's script
+// call costs, on both the narrow ARGV layout and the wide one: a string
+// per Redis key, whatever the plans, once each plan has been seen.
+func TestScriptCallAllocatesOnlyKeys(t *testing.T) {
+	if raceEnabled {
+		t.Skip("the race detector makes sync.Pool drop calls at random")
+	}
+	s := NewRedisStore(redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"}))
+	t.Cleanup(func() { _ = s.client.Close() })
+	for _, plans := range [][]Plan{
+		benchPlan,
+		{gold, {Name: "shadowed", Capacity: 1000, Rate: 0.25, Shadow: true}},
+		{gold, benchWindow[0], {Name: "versioned", Capacity: 300, Rate: 12.5, Version: 70}},
+	} {
+		build := func() {
+			c := newScriptCall()
+			c.Keys = s.appendKeys(c.keys[:0], "user-42", plans)
+			c.Args = s.appendArgs(c.args[:0], 1000, plans)
+			c.recycle()
+		}
+		build()
+		// 1000, the cost, is boxed too: a cost of 256 or more costs one.
+		assert.Equal(t, float64(len(plans)+1), testing.AllocsPerRun(1000, build), "%d plans", len(plans))
+	}
+}
+
 // TestPlanArgCache checks that the boxed numbers the store caches are those
 // of each plan, for every layout, and that the cache stops growing at
 // maxCachedPlans while further plans still get their own numbers.
