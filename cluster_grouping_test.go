@@ -25,12 +25,14 @@ func BenchmarkClusterSlotGrouping(b *testing.B) {
 	cl := redistest.StartCluster(b, 3, 0)
 	c := cl.Client(b, &redis.ClusterOptions{PoolSize: 64})
 	ctx := context.Background()
-	slots, err := c.ClusterSlots(ctx).Result()
+	shards, err := c.ClusterShards(ctx).Result()
 	require.NoError(b, err)
 	g := &slotGauge{}
-	for i, s := range slots {
-		for slot := s.Start; slot <= s.End; slot++ {
-			g.node[slot] = i
+	for i, shard := range shards {
+		for _, r := range shard.Slots {
+			for slot := r.Start; slot <= r.End; slot++ {
+				g.node[slot] = i
+			}
 		}
 	}
 	c.AddHook(g)
