@@ -48,43 +48,36 @@ type batcher struct {
 	many   *redisscript.Batch
 
 	mu       sync.Mutex
-	pending  []*batchCall // waiting for a call slot, oldest first
-	inFlight int          // script calls under way, at most maxInFlight
+	pending  []*scriptCall // waiting for a call slot, oldest first
+	inFlight int           // script calls under way, at most maxInFlight
 }
 
-// batchCall is one decision waiting in a batcher.
-type batchCall struct {
-	redisscript.Call
-	ctx  context.Context
-	done chan struct{} // receives once Reply or Err is set
-}
-
-// batchCalls recycles batchCall values, with their channels, between
-// decisions.
-var batchCalls = sync.Pool{New: func() any { return &batchCall{done: make(chan struct{}, 1)} }}
-
-// eval runs the limit script for one decision on keys with args and
-// returns its reply: through the batcher if there is one.
-func (s *RedisStore) eval(ctx context.Context, keys []string, args []any) (any, error) {
+// eval runs the limit script for the decision c and returns its reply:
+// through the batcher if there is one. It recycles c once nothing else
+// can read it.
+func (s *RedisStore) eval(ctx context.Context, c *scriptCall) (any, error) {
 	if s.batch == nil {
-		return s.script.Run(ctx, s.client, keys, args...)
+		reply, err := s.script.Run(ctx, s.client, c.Keys, c.Args...)
+		c.recycle()
+		return reply, err
 	}
-	return s.batch.do(ctx, keys, args)
+	return s.batch.do(ctx, c)
 }
 
 // do decides one request: at once on the caller's goroutine if a call slot
-// is free and nobody waits, or else in the next batch.
-func (b *batcher) do(ctx context.Context, keys []string, args []any) (any, error) {
+// is free and nobody waits, or else in the next batch. It recycles c
+// unless c is left to a sender after its caller gave up.
+func (b *batcher) do(ctx context.Context, c *scriptCall) (any, error) {
 	b.mu.Lock()
 	if b.inFlight < maxInFlight && len(b.pending) == 0 {
 		b.inFlight++
 		b.mu.Unlock()
-		reply, err := b.one.Run(ctx, b.client, keys, args...)
+		reply, err := b.one.Run(ctx, b.client, c.Keys, c.Args...)
+		c.recycle()
 		b.release()
 		return reply, err
 	}
-	c := batchCalls.Get().(*batchCall)
-	c.Keys, c.Args, c.ctx = keys, args, ctx
+	c.ctx = ctx
 	b.pending = append(b.pending, c)
 	if b.inFlight < maxInFlight {
 		b.inFlight++
@@ -94,8 +87,7 @@ func (b *batcher) do(ctx context.Context, keys []string, args []any) (any, error
 	select {
 	case <-c.done:
 		reply, err := c.Reply, c.Err
-		*c = batchCall{done: c.done}
-		batchCalls.Put(c)
+		c.recycle()
 		return reply, err
 	case <-ctx.Done():
 		// Still waiting, it is withdrawn; already sent, its answer is
@@ -135,7 +127,7 @@ func (b *batcher) flush() {
 			b.mu.Unlock()
 			return
 		}
-		batch := make([]*batchCall, n)
+		batch := make([]*scriptCall, n)
 		copy(batch, b.pending)
 		rest := copy(b.pending, b.pending[n:])
 		clear(b.pending[rest:])
@@ -148,7 +140,7 @@ func (b *batcher) flush() {
 // send decides a batch in one script call and hands each caller its
 // answer. Callers whose context has ended are left out: a decision takes
 // nothing for them.
-func (b *batcher) send(batch []*batchCall) {
+func (b *batcher) send(batch []*scriptCall) {
 	live := make([]*redisscript.Call, 0, len(batch))
 	var latest time.Time
 	bounded := true

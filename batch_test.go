@@ -159,7 +159,7 @@ func TestBatchLeavesOutEndedContexts(t *testing.T) {
 	s := NewRedisStore(redis.NewClient(&redis.Options{Addr: mr.Addr()}), WithBatching())
 	ended, cancel := context.WithCancel(context.Background())
 	cancel()
-	calls := []*batchCall{
+	calls := []*scriptCall{
 		{Call: redisscript.Call{Keys: []string{s.Key("a", gold.Name)}, Args: s.args(1, []Plan{gold})}, ctx: context.Background(), done: make(chan struct{}, 1)},
 		{Call: redisscript.Call{Keys: []string{s.Key("b", gold.Name)}, Args: s.args(4, []Plan{gold})}, ctx: ended, done: make(chan struct{}, 1)},
 	}
@@ -309,6 +309,32 @@ func BenchmarkRedisBatching(b *testing.B) {
 			require.NoError(b, err)
 			b.SetParallelism(32)
 			allowParallel(b, l)
+		})
+	}
+}
+
+// BenchmarkRedisBatchingOneCaller is BenchmarkRedisBatching with one
+// caller, deciding on 10,000 keys in turn: a lone caller never waits for
+// a batch, so both send each decision alone.
+func BenchmarkRedisBatchingOneCaller(b *testing.B) {
+	for _, tc := range []struct {
+		name string
+		opts []RedisOption
+	}{{"alone", nil}, {"batched", []RedisOption{WithBatching()}}} {
+		b.Run(tc.name, func(b *testing.B) {
+			c := redis.NewClient(&redis.Options{Addr: redistest.Addr(b)})
+			defer c.Close()
+			l, err := New(NewRedisStore(c, append(tc.opts, WithKeyPrefix(redistest.KeyPrefix()))...), benchPlan)
+			require.NoError(b, err)
+			ctx, keys := context.Background(), benchKeys(10_000)
+			b.ReportAllocs()
+			i := 0
+			for b.Loop() {
+				i++
+				if _, err := l.Allow(ctx, keys[i%len(keys)]); err != nil {
+					b.Fatal(err)
+				}
+			}
 		})
 	}
 }

@@ -51,7 +51,10 @@ func (s *RedisStore) check(ctx context.Context) error {
 	// "=" opens a base64 key, and the empty key is no caller's: the
 	// encoding of the empty key, "=", is reserved.
 	plans := []Plan{checkPlan}
-	_, err := s.run(ctx, []string{s.prefix + ":{=}:" + checkPlan.Name}, s.args(1, plans), 1, plans)
+	c := newScriptCall()
+	c.Keys = append(c.keys[:0], s.prefix+":{=}:"+checkPlan.Name)
+	c.Args = s.appendArgs(c.args[:0], 1, plans)
+	_, err := s.run(ctx, c, 1, plans)
 	if err == nil {
 		return nil
 	}

@@ -3,8 +3,11 @@ package tollgate
 import (
 	"context"
 	"fmt"
+	"maps"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 
 	"github.com/redis/go-redis/v9"
 
@@ -38,6 +41,7 @@ type RedisStore struct {
 	script       *redisscript.Script
 	settleScript *redisscript.Script
 	random       func() uint64 // draws for suppressed plans; tests replace it
+	planArgs     planArgCache  // each plan's ARGV numbers, boxed
 	batch        *batcher      // nil unless WithBatching (batch.go)
 }
 
@@ -89,13 +93,17 @@ func (s *RedisStore) take(ctx context.Context, key string, cost int64, plans []P
 	if s.err != nil {
 		return Result{}, s.err
 	}
-	return s.run(ctx, s.keys(key, plans), s.args(cost, plans), cost, plans)
+	c := newScriptCall()
+	c.Keys = s.appendKeys(c.keys[:0], key, plans)
+	c.Args = s.appendArgs(c.args[:0], cost, plans)
+	return s.run(ctx, c, cost, plans)
 }
 
-// run runs the script with keys and args on the state of plans, through
-// the batcher if there is one, and describes its decision.
-func (s *RedisStore) run(ctx context.Context, keys []string, args []any, cost int64, plans []Plan) (Result, error) {
-	reply, err := s.eval(ctx, keys, args)
+// run runs the script for c, through the batcher if there is one, on the
+// state of plans, and describes its decision. c is the batcher's or
+// recycled once run returns.
+func (s *RedisStore) run(ctx context.Context, c *scriptCall, cost int64, plans []Plan) (Result, error) {
+	reply, err := s.eval(ctx, c)
 	if err != nil {
 		return Result{}, err
 	}
@@ -113,36 +121,138 @@ func (s *RedisStore) run(ctx context.Context, keys []string, args []any, cost in
 	return newResult(plans, buckets, windows, now, cost, allowed, wd), nil
 }
 
-// args returns the script's ARGV for a decision (see scripts/limit.lua):
-// for buckets alone, the cost and each plan's capacity and rate; with
-// windows, the cost, a random number drawn if a plan is suppressed, and
-// four numbers per plan.
+// pooledPlans is how many plans a scriptCall holds the keys and ARGV of
+// without allocating: the four that run keeps on the stack too.
+const pooledPlans = 4
+
+// scriptCall is one decision's call of the limit script: its keys and
+// ARGV, and, with batching, what its waiting caller needs. The keys and
+// ARGV are built in the call's own arrays, and calls are recycled through
+// scriptCalls, so that a decision allocates neither slice: go-redis copies
+// both into a command of its own before EvalSha returns, and a batch into
+// its own slices before it is sent.
+type scriptCall struct {
+	redisscript.Call
+	ctx  context.Context // with batching, the waiting caller's
+	done chan struct{}   // with batching, receives once Reply or Err is set
+
+	keys [pooledPlans + 1]string    // + 1 for a hold's key
+	args [2 + 4*pooledPlans + 1]any // the wide layout, + 1 for a hold's TTL
+}
+
+// scriptCalls recycles scriptCall values, with their arrays and channels,
+// between decisions.
+var scriptCalls = sync.Pool{New: func() any { return &scriptCall{done: make(chan struct{}, 1)} }}
+
+// newScriptCall returns an empty scriptCall from scriptCalls.
+func newScriptCall() *scriptCall { return scriptCalls.Get().(*scriptCall) }
+
+// recycle empties c and puts it back in scriptCalls. Only the owner of c
+// may call it, once nothing else can read or write c: not a batcher's
+// waiting caller that gave up while its call may still be sent.
+func (c *scriptCall) recycle() {
+	clear(c.keys[:]) // keep no caller's key or reply alive in the pool
+	clear(c.args[:])
+	c.Call, c.ctx = redisscript.Call{}, nil
+	scriptCalls.Put(c)
+}
+
+// args returns the script's ARGV for a decision, in a slice of its own.
 func (s *RedisStore) args(cost int64, plans []Plan) []any {
+	return s.appendArgs(nil, cost, plans)
+}
+
+// appendArgs appends the script's ARGV for a decision to dst (see
+// scripts/limit.lua): for buckets alone, the cost and each plan's
+// capacity and rate; with windows, the cost, a random number drawn if a
+// plan is suppressed, and four numbers per plan. Each plan's numbers
+// come boxed from the store's planArgs, so that they cost no allocation
+// once the plan has been seen.
+func (s *RedisStore) appendArgs(dst []any, cost int64, plans []Plan) []any {
+	dst = append(dst, cost)
 	if !windowIn(plans) && !versionedIn(plans) {
-		args := make([]any, 1+2*len(plans))
-		args[0] = cost
 		for i := range plans {
-			args[1+2*i], args[2+2*i] = capacityArg(&plans[i]), formatRate(plans[i].Rate)
+			dst = s.planArgs.appendTo(dst, &plans[i], 2)
 		}
-		return args
+		return dst
 	}
-	args := make([]any, 2+4*len(plans))
-	args[0], args[1] = cost, 0
 	if suppressedIn(plans) {
-		args[1] = s.random()
+		dst = append(dst, s.random())
+	} else {
+		dst = append(dst, 0)
 	}
 	for i := range plans {
-		p, a := &plans[i], args[2+4*i:6+4*i]
-		switch {
-		case !p.isWindow():
-			a[0], a[1], a[2], a[3] = capacityArg(p), formatRate(p.Rate), 0, versionArg(p)
-		case p.Suppress != 0:
-			a[0], a[1], a[2], a[3] = capacityArg(p), p.width(), p.slots(), p.hardLimit()
-		default:
-			a[0], a[1], a[2], a[3] = capacityArg(p), p.width(), p.slots(), 0
+		dst = s.planArgs.appendTo(dst, &plans[i], 4)
+	}
+	return dst
+}
+
+// planArgCache keeps the ARGV numbers of the plans a store has seen,
+// boxed once: putting an int64 of 256 or more, or a string, in an `any`
+// allocates, and a plan's numbers are the same in every decision. It is a
+// map that is copied on write and holds at most maxCachedPlans plans, so
+// that reading it takes no lock; plans beyond those (a resolver that
+// makes a plan per user, say) are boxed on every decision, as they were
+// before it. It is safe for concurrent use.
+type planArgCache struct {
+	m  atomic.Pointer[map[Plan]*planArgs]
+	mu sync.Mutex // serializes writers
+}
+
+// maxCachedPlans bounds a planArgCache: about 200 bytes a plan (its
+// 72-byte key, 64 bytes of boxes and what they box), 50 KB when full.
+const maxCachedPlans = 256
+
+// planArgs are one plan's four numbers in the script's wide ARGV layout:
+// for a token bucket, its capacity (negative if shadowed, see
+// capacityArg), rate, 0 and version; for a window, its capacity, width,
+// slots, and hard limit if suppressed, else 0. The narrow layout, for
+// buckets alone, takes the first two.
+type planArgs [4]any
+
+// appendTo appends the first n of plan p's boxed numbers to dst.
+func (c *planArgCache) appendTo(dst []any, p *Plan, n int) []any {
+	if m := c.m.Load(); m != nil {
+		if a := (*m)[*p]; a != nil {
+			return append(dst, a[:n]...)
 		}
 	}
-	return args
+	a := c.add(p)
+	return append(dst, a[:n]...)
+}
+
+// add boxes the numbers of plan p and keeps them if the cache has room.
+func (c *planArgCache) add(p *Plan) planArgs {
+	a := newPlanArgs(p)
+	if m := c.m.Load(); m != nil && len(*m) >= maxCachedPlans {
+		return a
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	old := c.m.Load()
+	if old != nil && len(*old) >= maxCachedPlans {
+		return a
+	}
+	next := make(map[Plan]*planArgs)
+	if old != nil {
+		next = maps.Clone(*old)
+	}
+	kept := a
+	next[*p] = &kept
+	c.m.Store(&next)
+	return a
+}
+
+// newPlanArgs boxes the numbers of plan p (see planArgs).
+func newPlanArgs(p *Plan) planArgs {
+	switch {
+	case !p.isWindow():
+		return planArgs{capacityArg(p), formatRate(p.Rate), 0, versionArg(p)}
+	case p.Suppress != 0:
+		return planArgs{capacityArg(p), p.width(), p.slots(), p.hardLimit()}
+	default:
+		return planArgs{capacityArg(p), p.width(), p.slots(), 0}
+	}
 }
 
 // formatRate writes a rate as the shortest decimal that parses back to it

@@ -83,8 +83,10 @@ func (s *RedisStore) hold(ctx context.Context, key string, cost int64, plans []P
 		return Result{}, s.err
 	}
 	h.id = strconv.FormatUint(rand.Uint64(), 36)
-	keys := s.keys(key, plans, "~"+h.id)
-	r, err := s.run(ctx, keys, append(s.args(cost, plans), h.ttl.Milliseconds()), cost, plans)
+	c := newScriptCall()
+	c.Keys = s.appendKeys(c.keys[:0], key, plans, "~"+h.id)
+	c.Args = append(s.appendArgs(c.args[:0], cost, plans), h.ttl.Milliseconds())
+	r, err := s.run(ctx, c, cost, plans)
 	if err == nil {
 		h.granted(s, 0)
 	}
@@ -94,14 +96,19 @@ func (s *RedisStore) hold(ctx context.Context, key string, cost int64, plans []P
 // keys returns the Redis keys of plans for key, and then of extra, which
 // is not a plan's name.
 func (s *RedisStore) keys(key string, plans []Plan, extra ...string) []string {
-	keys := make([]string, len(plans), len(plans)+len(extra))
-	for i, p := range plans {
-		keys[i] = s.Key(key, p.Name)
+	return s.appendKeys(make([]string, 0, len(plans)+len(extra)), key, plans, extra...)
+}
+
+// appendKeys appends the Redis keys of plans for key, and then of extra,
+// to dst.
+func (s *RedisStore) appendKeys(dst []string, key string, plans []Plan, extra ...string) []string {
+	for i := range plans {
+		dst = append(dst, s.Key(key, plans[i].Name))
 	}
 	for _, x := range extra {
-		keys = append(keys, s.Key(key, x))
+		dst = append(dst, s.Key(key, x))
 	}
-	return keys
+	return dst
 }
 
 // settle runs scripts/settle.lua for the hold h of n tokens on plans for
