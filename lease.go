@@ -8,8 +8,12 @@ import (
 )
 
 // defaultLeaseTTL is how long a lease lives unless WithLeaseTTL says
-// otherwise.
-const defaultLeaseTTL = time.Second
+// otherwise; maxLeaseTTL bounds WithLeaseTTL: a lease is for a hot key,
+// whose tokens other instances should not wait minutes for.
+const (
+	defaultLeaseTTL = time.Second
+	maxLeaseTTL     = time.Minute
+)
 
 // leases are a Limiter's leases of plans with Plan.Lease, on a RedisStore
 // (ADR 27). A lease is a reservation of Plan.Lease tokens of one key,
@@ -48,6 +52,18 @@ type lease struct {
 	fetching bool         // a goroutine is taking next
 	backoff  int64        // until when no lease is taken, after Redis had too few tokens
 	gone     bool         // dropped from the map: look the lease up again
+}
+
+// reservation returns a lease's reservation of n tokens of key. Its hold
+// lives 4 TTLs, past the longest a lease is held (one taken ahead serves
+// after the one before, each up to 1.5 TTLs, and is given back within
+// half a TTL more), so that the tombstones of leases given back leave
+// Redis soon; a hold that expired first refunds nothing, which only
+// under-admits.
+func (ls *leases) reservation(key string, n int64) *Reservation {
+	rv := ls.l.newReservation(key, n)
+	rv.hold.ttl, rv.hold.lease = 4*ls.ttl, true
+	return rv
 }
 
 func newLeases(l *Limiter, ttl time.Duration) *leases {
@@ -141,8 +157,7 @@ func (ls *leases) fetch(e *lease, cur *Reservation, n int64, key string, plans [
 	ctx, cancel := context.WithTimeout(context.Background(), ls.ttl+time.Second)
 	defer cancel()
 	l := ls.l
-	rv := l.newReservation(key, n)
-	rv.hold.lease = true
+	rv := ls.reservation(key, n)
 	err := l.decideOn(ctx, &rv.result, t, key, n, 1, plans, entry, &rv.hold)
 	if err == nil {
 		l.held(rv)
@@ -199,8 +214,7 @@ func (ls *leases) take(ctx context.Context, e *lease, r *Result, t *planTable, k
 	}
 
 	size := plans[0].Lease
-	rv := l.newReservation(key, size)
-	rv.hold.lease = true
+	rv := ls.reservation(key, size)
 	if err := l.decideOn(ctx, &rv.result, t, key, size, 1, plans, entry, &rv.hold); err != nil {
 		return true, false, err
 	}

@@ -150,7 +150,7 @@ func TestLeaseValidation(t *testing.T) {
 		assert.ErrorIs(t, err, ErrInvalidPlan, "%+v", p)
 	}
 	rs, _, _ := newMiniredisStore(t)
-	for _, d := range []time.Duration{0, time.Microsecond, 16 * time.Minute} {
+	for _, d := range []time.Duration{0, time.Microsecond, time.Minute + 1} {
 		_, err := New(rs, []Plan{leasedPlan}, WithLeaseTTL(d))
 		assert.ErrorIs(t, err, ErrInvalidOption, "%v", d)
 	}

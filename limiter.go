@@ -103,8 +103,8 @@ func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
 	if c.holdTTL < time.Millisecond || c.holdTTL > MaxRefillPeriod {
 		return nil, fmt.Errorf("%w: hold TTL %v is outside 1ms to MaxRefillPeriod", ErrInvalidOption, c.holdTTL)
 	}
-	if c.leaseTTL < time.Millisecond || c.leaseTTL > c.holdTTL {
-		return nil, fmt.Errorf("%w: lease TTL %v is outside 1ms to the hold TTL", ErrInvalidOption, c.leaseTTL)
+	if c.leaseTTL < time.Millisecond || c.leaseTTL > maxLeaseTTL {
+		return nil, fmt.Errorf("%w: lease TTL %v is outside 1ms to 1m", ErrInvalidOption, c.leaseTTL)
 	}
 	if err := wiringError(c.fallback); err != nil {
 		return nil, fmt.Errorf("fallback store: %w", err)

@@ -98,11 +98,13 @@ func WithHoldTTL(d time.Duration) Option {
 	return func(c *config) { c.holdTTL = d }
 }
 
-// WithLeaseTTL sets how long a lease of a plan with Plan.Lease lives: a
-// lease older than this serves no decision, and its unused rest goes
-// back to Redis within half as long again, so that other instances never
-// wait longer for tokens this one took and does not need. It must be 1ms
-// to the hold TTL (WithHoldTTL). The default is 1 second.
+// WithLeaseTTL sets how long a lease of a plan with Plan.Lease lives: it
+// serves decisions for this long, up to half as long again (a sweeper
+// checks every half TTL), and its unused rest goes back to Redis within
+// another half TTL, so that other instances never wait long for tokens
+// this one took and does not need. A lease's hold
+// in Redis lives 4 lease TTLs, whatever WithHoldTTL says. It must be 1ms
+// to 1 minute. The default is 1 second.
 func WithLeaseTTL(d time.Duration) Option {
 	return func(c *config) { c.leaseTTL = d }
 }

@@ -30,6 +30,12 @@ var chaosFull = os.Getenv("TOLLGATE_CHAOS_FULL") == "1"
 // processes included (they inherit the environment).
 var chaosBatching = os.Getenv("TOLLGATE_CHAOS_BATCHING") == "1"
 
+// chaosLease gives the plan of TestChaosProcesses's children a lease
+// (Plan.Lease, ADR 27) under TOLLGATE_CHAOS_LEASE=1. Only that scenario
+// takes it: the others' Limiters are not closed, and a lease's sweeper
+// would fail their goroutine check.
+var chaosLease = os.Getenv("TOLLGATE_CHAOS_LEASE") == "1"
+
 // storeOptions returns the options of every RedisStore of the suite: the
 // key prefix, and WithBatching under TOLLGATE_CHAOS_BATCHING=1.
 func storeOptions(prefix string) []tollgate.RedisOption {

@@ -57,9 +57,14 @@ func TestChaosChildProcess(t *testing.T) {
 	require.NoError(t, json.Unmarshal([]byte(spec), &job))
 	c := redis.NewClient(&redis.Options{Addr: job.Addr})
 	defer c.Close()
-	lim, err := tollgate.New(tollgate.NewRedisStore(c, storeOptions(job.Prefix)...), []tollgate.Plan{chaosPlan},
+	plan := chaosPlan
+	if chaosLease {
+		plan.Lease = 4 // of a capacity of 10: leases are often denied, and the key decided request by request
+	}
+	lim, err := tollgate.New(tollgate.NewRedisStore(c, storeOptions(job.Prefix)...), []tollgate.Plan{plan},
 		tollgate.WithFailurePolicy(tollgate.FailClosed), tollgate.WithLogger(nil))
 	require.NoError(t, err)
+	defer lim.Close()
 
 	var mu sync.Mutex
 	rep := childReport{Allowed: map[string]int{}, Denied: map[string]int{}}
