@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -63,6 +64,9 @@ func TestLeaseServesDecisionsLocally(t *testing.T) {
 	assert.Equal(t, 25, sources[SourceStore]+sources[SourceLease])
 	assert.LessOrEqual(t, sources[SourceStore], 3, "at most one decision in 10 waits for a lease")
 	require.NoError(t, l.Close())
+	stacks := make([]byte, 1<<20)
+	stacks = stacks[:runtime.Stack(stacks, true)]
+	assert.NotContains(t, string(stacks), "(*leases)", "Close stopped the sweeper and waited for every give-back")
 	st := l.Stats()
 	assert.Equal(t, uint64(sources[SourceStore]), st.Plans[0].Allowed[SourceStore])
 	assert.Equal(t, uint64(sources[SourceLease]), st.Plans[0].Allowed[SourceLease])
