@@ -81,8 +81,9 @@ func (ls *leases) decide(ctx context.Context, r *Result, t *planTable, key strin
 		if e == nil {
 			return false, nil
 		}
-		if ls.spend(e, r, cost, key, plans, t, entry) {
-			return true, nil
+		served, backingOff := ls.spend(e, r, cost, key, plans, t, entry)
+		if served || backingOff {
+			return served, nil
 		}
 		select {
 		case e.renew <- struct{}{}:
@@ -123,21 +124,26 @@ func (ls *leases) get(key, plan string) *lease {
 // the sweeper, every half TTL, finds it past its end. Once half of
 // the lease is left, a goroutine takes the next one ahead, of what the
 // lease has handed out, so that the tokens held stay at most a lease and
-// no request waits for Redis while a lease follows a lease.
-func (ls *leases) spend(e *lease, r *Result, cost int64, key string, plans []Plan, t *planTable, entry *planEntry) bool {
+// no request waits for Redis while a lease follows a lease. backingOff
+// reports a key that takes no lease for now (Redis had too few tokens),
+// whose requests go to Redis without queueing for the next lease.
+func (ls *leases) spend(e *lease, r *Result, cost int64, key string, plans []Plan, t *planTable, entry *planEntry) (served, backingOff bool) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if e.gone || e.r == nil || e.ended {
-		return false
+	if e.r == nil && !e.gone {
+		return false, ls.l.now() < e.backoff
+	}
+	if e.gone || e.ended {
+		return false, false
 	}
 	if e.left < cost {
 		if e.next == nil {
-			return false
+			return false, false
 		}
 		ls.giveBack(e.r, e.left)
 		e.r, e.left, e.ends, e.next = e.next, e.next.n, ls.l.now()+int64(ls.ttl), nil
 		if e.left < cost {
-			return false
+			return false, false
 		}
 	}
 	e.left -= cost
@@ -147,7 +153,7 @@ func (ls *leases) spend(e *lease, r *Result, cost int64, key string, plans []Pla
 		ls.done.Add(1)
 		go ls.fetch(e, e.r, size-e.left, key, plans, t, entry)
 	}
-	return true
+	return true, false
 }
 
 // fetch takes the next lease of e, of n tokens, ahead of need, to follow

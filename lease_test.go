@@ -103,6 +103,31 @@ func TestLeaseNearTheLimitDecidesEachRequest(t *testing.T) {
 	assert.Equal(t, int64(0), remaining(t, rs, "k"))
 }
 
+// TestLeaseBackoffDoesNotQueue: while a key takes no lease (Redis had too
+// few tokens), its requests go to Redis at once, even while another
+// caller holds the key's renewal.
+func TestLeaseBackoffDoesNotQueue(t *testing.T) {
+	rs, _, _ := newMiniredisStore(t)
+	plan := Plan{Name: "hot", Capacity: 10, Rate: 1, Lease: 8}
+	l, err := New(rs, []Plan{plan}, WithLogger(nil))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = l.Close() })
+	for range 9 { // the lease of 8, then a lease refused: the key backs off
+		r, err := l.Allow(context.Background(), "k")
+		require.NoError(t, err)
+		require.True(t, r.Allowed)
+	}
+	e := l.leases.get("k", "hot")
+	e.renew <- struct{}{} // another caller holds the renewal
+	defer func() { <-e.renew }()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	r, err := l.Allow(ctx, "k")
+	require.NoError(t, err, "decided without waiting for the renewal")
+	assert.True(t, r.Allowed, "the last token")
+	assert.Equal(t, SourceStore, r.Source)
+}
+
 // TestLeaseSweeperGivesBack: a lease no decision comes back for is given
 // back once its TTL has passed, without Close.
 func TestLeaseSweeperGivesBack(t *testing.T) {
