@@ -261,13 +261,7 @@ func (m *MemoryStore) takeInto(r *Result, key string, cost int64, plans []Plan) 
 	// keeps up to four plans off the heap.
 	var buf [4]TokenBucket
 	buckets := buf[:0]
-	s := m.shard(key)
-	s.mu.Lock()
-	now := m.now() // under the lock: see lock
-	e := s.keys[key]
-	if e != nil {
-		e.seen = now
-	}
+	s, e, now := m.lock(key)
 	for i := range plans {
 		buckets = append(buckets, e.bucket(&plans[i], now))
 	}
@@ -292,15 +286,18 @@ func (m *MemoryStore) takeInto(r *Result, key string, cost int64, plans []Plan) 
 }
 
 // lock locks the shard of key and returns it, the key's entry (nil if
-// none) and the time. The clock is read under the lock, so no decision on
-// this key can have stamped a bucket later than now: a stale now, after a
-// long preemption, could pass for a garbage stamp a whole refill ahead.
+// none) and the time. The clock is read before the lock, which it would
+// otherwise lengthen, and the time is at least the key's last decision:
+// a decision that read the clock later but took the lock first must not
+// see its stamps from the future, where a stamp a whole refill ahead
+// would pass for garbage. Per key, time never runs backwards.
 func (m *MemoryStore) lock(key string) (*memShard, *memEntry, int64) {
+	now := m.now()
 	s := m.shard(key)
 	s.mu.Lock()
-	now := m.now()
 	e := s.keys[key]
 	if e != nil {
+		now = max(now, e.seen)
 		e.seen = now
 	}
 	return s, e, now
@@ -426,7 +423,7 @@ func (s *memShard) evict(now int64) *memEntry {
 		// What it would get back if it returned after as long as it has
 		// been away, per µs away: a key seen once long ago is a better
 		// victim than a drained key that keeps asking.
-		away := now - e.seen
+		away := max(now-e.seen, 0) // its last decision may have read the clock after ours
 		if harm := float64(at-now-away) / float64(away+1); harm < victimHarm {
 			victim, ve, victimHarm = k, e, harm
 		}
