@@ -287,17 +287,20 @@ func (m *MemoryStore) takeInto(r *Result, key string, cost int64, plans []Plan) 
 
 // lock locks the shard of key and returns it, the key's entry (nil if
 // none) and the time. The clock is read before the lock, which it would
-// otherwise lengthen, and the time is at least the key's last decision:
-// a decision that read the clock later but took the lock first must not
-// see its stamps from the future, where a stamp a whole refill ahead
-// would pass for garbage. Per key, time never runs backwards.
+// otherwise lengthen. If a decision that read the clock later took the
+// lock first, the clock is read again under the lock, where it can only
+// be later than that decision's: a stale now would see that decision's
+// stamps from the future, and a stamp a whole refill ahead passes for
+// garbage.
 func (m *MemoryStore) lock(key string) (*memShard, *memEntry, int64) {
 	now := m.now()
 	s := m.shard(key)
 	s.mu.Lock()
 	e := s.keys[key]
 	if e != nil {
-		now = max(now, e.seen)
+		if now < e.seen {
+			now = m.now()
+		}
 		e.seen = now
 	}
 	return s, e, now
