@@ -272,6 +272,35 @@ func TestBatchingExactOnRealRedis(t *testing.T) {
 	}
 }
 
+// TestBatchDecidesAtOneRedisTimeOnRealRedis sends decisions on 16 keys as
+// one batch: the script reads Redis TIME once, so every bucket is stamped
+// with the same µs, which 16 reads of TIME on a real clock would not give.
+// Decisions sent alone each read TIME again: the next batch is later.
+func TestBatchDecidesAtOneRedisTimeOnRealRedis(t *testing.T) {
+	c := redistest.NewClient(t, &redis.Options{Addr: redistest.Addr(t)})
+	s := NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix()), WithBatching())
+	plans := []Plan{{Name: "p", Capacity: 1 << 30, Rate: 1}}
+	stamps := func(first int) []int64 {
+		reqs := make([]batchReq, 16)
+		for i := range reqs {
+			reqs[i] = batchReq{"k" + strconv.Itoa(first+i), 1, plans}
+		}
+		_, errs := gather(t, s, background(len(reqs)), reqs)()
+		var ts []int64
+		for i, r := range reqs {
+			require.NoError(t, errs[i])
+			ts = append(ts, storedBucket(t, c, s.Key(r.key, "p")).Stamp)
+		}
+		return ts
+	}
+	first, second := stamps(0), stamps(16)
+	for i := range first {
+		assert.Equal(t, first[0], first[i], "decision %d of the first batch", i)
+		assert.Equal(t, second[0], second[i], "decision %d of the second batch", i)
+	}
+	assert.Greater(t, second[0], first[0], "each batch reads TIME")
+}
+
 // TestBatchingNoscriptStormOnRealRedis flushes the script cache every 5 ms
 // under batched load: no decision fails, under FailClosed.
 func TestBatchingNoscriptStormOnRealRedis(t *testing.T) {

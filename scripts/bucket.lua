@@ -16,6 +16,19 @@
 local floor, tonumber = math.floor, tonumber
 local max53 = 9007199254740992
 
+-- clock returns Redis TIME in µs, read once per script call: a batch
+-- (redisscript.Batch) runs this prelude once, so every decision in it is
+-- made at the instant the batch began (ADR 26). TIME's fields are decimal
+-- strings that arithmetic converts once, where tonumber converts twice.
+local clock_us
+local function clock()
+  if not clock_us then
+    local time = redis.call('TIME')
+    clock_us = time[1] * 1000000 + time[2]
+  end
+  return clock_us
+end
+
 -- width returns how many bytes hold t, 1 to 7.
 local function width(t)
   if t < 4294967296 then

@@ -66,11 +66,10 @@
 -- another shape (the plan's width, k or suppression changed) is replaced
 -- too, but what it still counts moves into the current sub-window.
 
--- TIME's fields and the numbers the store sends are decimal strings that
--- arithmetic converts (x + 0): once, where tonumber converts twice (Lua
--- 5.1 checks, then converts), and strtod was a tenth of a decision's cost.
-local time = redis.call('TIME')
-local now = time[1] * 1000000 + time[2]
+-- The numbers the store sends are decimal strings that arithmetic
+-- converts (x + 0): once, where tonumber converts twice (Lua 5.1 checks,
+-- then converts), and strtod was a tenth of a decision's cost.
+local now = clock()
 local cost = ARGV[1] + 0
 local need = cost * 1000000
 -- A hold adds one key and one argument to either layout (see above); a

@@ -23,8 +23,9 @@ var settle string
 var Limit = bucket + limit
 
 // BucketFunctions is the prelude of Limit and Settle: bucket.lua, which
-// only defines functions, so a frame that runs Limit many times in one
-// script call (redisscript.Batch) makes them once.
+// only defines functions and the clock they read, so a frame that runs
+// Limit many times in one script call (redisscript.Batch) makes them once
+// and reads Redis TIME once.
 var BucketFunctions = bucket
 
 // LimitBody is Limit without its prelude, BucketFunctions.

@@ -27,8 +27,7 @@
 -- passed one capacity}. Status: 0 settled a live hold; 1 already settled:
 -- nothing changed; 2 the hold was gone; 3 the hold held data not ours.
 
-local time = redis.call('TIME')
-local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
+local now = clock()
 local hold = KEYS[#KEYS]
 local n, actual = tonumber(ARGV[1]), tonumber(ARGV[2])
 
