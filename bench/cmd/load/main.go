@@ -14,6 +14,11 @@
 // between runs.
 //
 //	go run ./cmd/load -redis redis://127.0.0.1:6379/0 -duration 5s -callers 1,8,64 -rounds 3
+//
+// With -instr N, it also counts redis-server's instructions per decision
+// in callgrind (valgrind must be on PATH), which timing noise cannot move:
+//
+//	go run ./cmd/load -callers '' -memkeys 0 -instr 20000 -only tollgate,tollgate-batched,redis_rate
 package main
 
 import (
@@ -24,6 +29,7 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -152,6 +158,7 @@ func main() {
 	nkeys := flag.Int("keys", 10_000, "distinct keys")
 	only := flag.String("only", "", "comma-separated contenders to run (default all)")
 	memKeys := flag.Int("memkeys", 100_000, "keys for the memory-per-bucket measure; 0 skips it")
+	instr := flag.Int("instr", 0, "decisions per contender for the redis-server instructions measure, which needs valgrind; 0 skips it")
 	rounds := flag.Int("rounds", 3, "rounds per concurrency; medians are reported")
 	baseName := flag.String("base", "redis_rate", "the contender each round's ratio is to")
 	flag.Parse()
@@ -168,16 +175,19 @@ func main() {
 	info := redis.NewClient(opt) // reads Redis's CPU around each run
 	defer info.Close()
 	fmt.Printf("%-22s %7s %12s %10s %10s %10s %7s %11s %s\n", "contender", "callers", "decisions/s", "p50", "p99", "p99.9", "errors", "redis-cpu", "× "+*baseName+" (range)")
+	var active []contender
+	for _, c := range contenders {
+		if *only == "" || slices.Contains(strings.Split(*only, ","), c.name) {
+			active = append(active, c)
+		}
+	}
 	for _, n := range strings.Split(*callersFlag, ",") {
+		if n == "" {
+			continue // -callers '': the measures alone
+		}
 		callers, err := strconv.Atoi(n)
 		if err != nil {
 			log.Fatal(err)
-		}
-		var active []contender
-		for _, c := range contenders {
-			if *only == "" || slices.Contains(strings.Split(*only, ","), c.name) {
-				active = append(active, c)
-			}
 		}
 		results := make([][]result, len(active)) // by contender, then round
 		for round := range *rounds {
@@ -218,6 +228,9 @@ func main() {
 	}
 	if *memKeys > 0 {
 		memory(*memKeys)
+	}
+	if *instr > 0 {
+		instructions(active, keys, *instr)
 	}
 }
 
@@ -335,7 +348,7 @@ func memory(n int) {
 			return func(ctx context.Context, key string) error { _, err := l.Get(ctx, key); return err }
 		}},
 	} {
-		c, stop := freshRedis()
+		c, _, stop := freshRedis()
 		prefix := "m:"
 		decide := ct.setup(c, prefix)
 		before := usedMemory(ctx, c)
@@ -359,30 +372,105 @@ func memory(n int) {
 	}
 }
 
-// freshRedis starts an empty redis-server on a free loopback port.
-func freshRedis() (*redis.Client, func()) {
+// freshRedis starts an empty redis-server on a free loopback port, run by
+// the command wrapper if any (such as valgrind), and returns a client of
+// it, the server's process and a function that stops it.
+func freshRedis(wrapper ...string) (*redis.Client, *os.Process, func()) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		log.Fatal(err)
 	}
 	port := l.Addr().(*net.TCPAddr).Port
 	l.Close()
-	cmd := exec.Command("redis-server", "--port", strconv.Itoa(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no")
+	args := append(wrapper, "redis-server", "--port", strconv.Itoa(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no")
+	cmd := exec.Command(args[0], args[1:]...)
 	if err := cmd.Start(); err != nil {
-		log.Fatalf("memory measure needs redis-server on PATH: %v", err)
+		log.Fatalf("the measures need %s on PATH: %v", args[0], err)
 	}
-	c := redis.NewClient(&redis.Options{Addr: fmt.Sprint("127.0.0.1:", port)})
-	for i := 0; c.Ping(context.Background()).Err() != nil; i++ {
-		if i == 200 {
+	addr := fmt.Sprint("127.0.0.1:", port)
+	for i := 0; ; i++ { // a client would log each refused dial
+		conn, err := net.Dial("tcp", addr)
+		if err == nil {
+			conn.Close()
+			break
+		}
+		if i == 1000 {
 			log.Fatal("redis-server did not start")
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-	return c, func() {
+	c := redis.NewClient(&redis.Options{Addr: addr, PoolSize: 128})
+	return c, cmd.Process, func() {
 		_ = c.Close()
 		_ = cmd.Process.Kill()
 		_ = cmd.Wait()
 	}
+}
+
+// instructions counts the instructions redis-server runs per decision, in
+// callgrind, for each contender on a fresh server of its own: n decisions
+// on keys from 64 callers, after n/4 that load the scripts and create the
+// keys. Unlike time, the count does not depend on what else the machine
+// runs, so it shows a change to the scripts that timing noise would hide.
+func instructions(active []contender, keys []string, n int) {
+	fmt.Printf("\n%-22s %s\n", "contender", "redis-server instructions per decision (callgrind, 64 callers)")
+	for _, ct := range active {
+		dir, err := os.MkdirTemp("", "tollgate-callgrind")
+		if err != nil {
+			log.Fatal(err)
+		}
+		out := filepath.Join(dir, "cg")
+		c, server, stop := freshRedis("valgrind", "--tool=callgrind", "--callgrind-out-file="+out)
+		decide, cleanup := ct.setup(&redis.Options{Addr: c.Options().Addr, PoolSize: 128}, "i:")
+		decideN(decide, keys, 64, n/4)
+		control := func(flag string) {
+			if err := exec.Command("callgrind_control", flag, strconv.Itoa(server.Pid)).Run(); err != nil {
+				log.Fatalf("callgrind_control %s: %v", flag, err)
+			}
+		}
+		control("-z") // counts from here
+		decideN(decide, keys, 64, n)
+		control("-d") // writes out.1
+		cleanup()
+		stop()
+		fmt.Printf("%-22s %.0f\n", ct.name, float64(callgrindTotal(out+".1"))/float64(n))
+		_ = os.RemoveAll(dir)
+	}
+}
+
+// decideN makes n decisions on keys from callers goroutines.
+func decideN(decide decider, keys []string, callers, n int) {
+	var seq atomic.Int64
+	var wg sync.WaitGroup
+	for range callers {
+		wg.Go(func() {
+			for i := seq.Add(1); i <= int64(n); i = seq.Add(1) {
+				if err := decide(context.Background(), keys[int(i)%len(keys)]); err != nil {
+					log.Fatal(err)
+				}
+			}
+		})
+	}
+	wg.Wait()
+}
+
+// callgrindTotal reads the instructions counted in a callgrind dump.
+func callgrindTotal(path string) int64 {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		log.Fatal(err)
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "summary: "); ok {
+			n, err := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
+			if err != nil {
+				log.Fatalf("callgrind summary %q: %v", v, err)
+			}
+			return n
+		}
+	}
+	log.Fatalf("no summary in %s", path)
+	return 0
 }
 
 func usedMemory(ctx context.Context, c *redis.Client) int64 {
