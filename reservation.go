@@ -307,8 +307,9 @@ func (l *Limiter) settleOnRedis(ctx context.Context, s *RedisStore, r *Reservati
 		return Settlement{}, 0, fmt.Errorf("%w: %w", ErrStoreUnavailable, cause)
 	}
 	// The fallback store holds no hold of Redis's: it charges the excess
-	// as for a hold gone, and the refund is dropped.
-	st, _ = l.fallback.(*MemoryStore).settle(r.key, plans, r.hold.skip, r.n, actual, 0)
+	// as for a hold gone, and the refund is dropped. It charges this
+	// instance's share of each plan, which is what it decides on.
+	st, _ = l.fallback.(*MemoryStore).settle(r.key, share(plans, l.fleetSize(), r.n), r.hold.skip, r.n, actual, 0)
 	st.Source = SourceFallback
 	return st, holdLive, nil
 }
