@@ -290,7 +290,10 @@ for i = 1, plans do
   end
 end
 if held and allowed and need > 0 then
-  redis.call('SET', KEYS[#KEYS], cost, 'PX', ARGV[#ARGV])
+  -- ARGV[1], the digits the store sent: a Lua number would reach Redis
+  -- 7.2.0 to 7.2.4 as '1e+8' for 100,000,000, which settle.lua does not
+  -- read as a hold.
+  redis.call('SET', KEYS[#KEYS], ARGV[1], 'PX', ARGV[#ARGV])
 end
 out[1] = out[1] + 2 * wd
 return out
