@@ -177,28 +177,35 @@ func accrualMicros(deficit int64, rate float64) int64 {
 // delta < 0, which may take the bucket below empty. What a bucket owes is
 // kept as its stamp moved ahead of now, by the time the debt takes to
 // accrue: a bucket in debt holds no tokens and refills nothing until its
-// stamp, so its RetryAfter counts the debt. Debt is rounded up and its
-// stamp ahead at most floor(Capacity / Rate) µs, one full refill, which
-// Refill would read as garbage beyond; uncharged is the part of a charge,
-// in micro-tokens, that did not fit. No adjustment mints tokens beyond
-// delta. scripts/bucket.lua repeats it.
+// stamp, so its RetryAfter counts the debt. A bucket that holds tokens
+// with its stamp ahead of now is not in debt but behind a clock that
+// stepped back: it is adjusted at its stamp, its own time, as Refill
+// keeps it. Debt is rounded up and its stamp ahead of now at most
+// floor(Capacity / Rate) µs, one full refill, which Refill would read as
+// garbage beyond; uncharged is the part of a charge, in micro-tokens, that
+// did not fit. No adjustment mints tokens beyond delta.
+// scripts/bucket.lua repeats it.
 func (b TokenBucket) adjust(p Plan, now, delta int64) (_ TokenBucket, uncharged int64) {
 	b = b.Refill(p, now)
 	full := p.Capacity * microTokens
+	at := now // the bucket's time
 	balance := b.Tokens
-	if b.Stamp > now { // in debt: what it owes at now, rounded up
+	switch {
+	case b.Stamp > now && b.Tokens == 0: // in debt: what it owes at now, rounded up
 		balance = -int64(math.Ceil(float64(float64(b.Stamp-now) * p.Rate)))
+	case b.Stamp > now:
+		at = b.Stamp
 	}
 	balance += delta
 	switch {
 	case balance >= full:
-		return TokenBucket{Tokens: full, Stamp: now}, 0
+		return TokenBucket{Tokens: full, Stamp: at}, 0
 	case balance >= 0:
-		return TokenBucket{Tokens: balance, Stamp: min(b.Stamp, now)}, 0
+		return TokenBucket{Tokens: balance, Stamp: min(b.Stamp, at)}, 0
 	}
-	ahead := int64(math.Floor(float64(full) / p.Rate)) // the most a stamp may be ahead
+	ahead := int64(math.Floor(float64(full)/p.Rate)) - (at - now) // the most a stamp may be ahead of at
 	if w := accrualMicros(-balance, p.Rate); w <= ahead {
-		return TokenBucket{Stamp: now + w}, 0
+		return TokenBucket{Stamp: at + w}, 0
 	}
-	return TokenBucket{Stamp: now + ahead}, -balance - int64(math.Floor(float64(float64(ahead)*p.Rate)))
+	return TokenBucket{Stamp: at + ahead}, -balance - int64(math.Floor(float64(float64(ahead)*p.Rate)))
 }

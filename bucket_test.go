@@ -310,6 +310,7 @@ func FuzzAdjust(f *testing.F) {
 	f.Add(uint64(10), 2.0, int64(3_000_000), int64(-15_000_000), int64(0), int64(700_000))
 	f.Add(uint64(1), 0.001, int64(0), int64(-1_000_000), int64(5), int64(1))
 	f.Add(uint64(7), 3.3, int64(5_000_000), int64(2_500_000), int64(123_456), int64(9_000_000))
+	f.Add(uint64(1000), 10.0, int64(900_000_000), int64(-100_000_000), int64(-1000), int64(1000)) // a step back
 	f.Fuzz(func(t *testing.T, capacity uint64, rate float64, tokens, delta, lag, later int64) {
 		p := Plan{Name: "p", Capacity: int64(capacity%1000) + 1, Rate: rate}
 		if p.validateNumbers() != nil {
@@ -318,7 +319,7 @@ func FuzzAdjust(f *testing.F) {
 		full := p.Capacity * microTokens
 		tokens = min(max(tokens, 0), full)
 		delta = max(min(delta, 2*full), -2*full)
-		lag = min(max(lag, 0), 10_000_000)
+		lag = min(max(lag, -10_000_000), 10_000_000) // below 0: the clock stepped back since the write
 		later = min(max(later, 0), 10_000_000_000)
 		now := t0 + lag
 		b := TokenBucket{Tokens: tokens, Stamp: t0}
@@ -334,8 +335,27 @@ func FuzzAdjust(f *testing.F) {
 		// What the bucket holds at now+later, against the exact balance:
 		// the refilled tokens plus delta (less what was not charged), plus
 		// what accrues, capped at full.
-		exact := before.Tokens + delta + uncharged + int64(math.Floor(float64(float64(now+later-before.Stamp)*p.Rate))) - int64(math.Floor(float64(float64(now-before.Stamp)*p.Rate)))
+		accrued := func(at int64) int64 { // since the stamp, which is ahead of now after a step back
+			return int64(math.Floor(float64(float64(max(at-before.Stamp, 0)) * p.Rate)))
+		}
+		exact := before.Tokens + delta + uncharged + accrued(now+later) - accrued(now)
 		have := got.Refill(p, now+later).Tokens
 		require.LessOrEqual(t, have, max(min(exact+1, full), 0), "adjust minted tokens")
 	})
+}
+
+// TestAdjustAfterAClockStepKeepsTheTokens adjusts a bucket that holds
+// tokens with its stamp ahead of now, as after Redis's clock steps back
+// (Refill keeps both, so that a step back mints nothing): it is not in
+// debt, which only a bucket holding nothing is (ADR 21), so a refund adds
+// to its tokens and a charge takes from them.
+func TestAdjustAfterAClockStepKeepsTheTokens(t *testing.T) {
+	p := Plan{Name: "p", Capacity: 1000, Rate: 10}
+	now := t0
+	b := TokenBucket{Tokens: 900 * microTokens, Stamp: now + 1000} // written 1 ms "later", before the step back
+	require.Equal(t, b, b.Refill(p, now), "Refill keeps both")
+	got, _ := b.adjust(p, now, 100*microTokens)
+	assert.GreaterOrEqual(t, got.Refill(p, now+1000).Tokens, int64(900*microTokens), "a refund never takes tokens away")
+	got, _ = b.adjust(p, now, -100*microTokens)
+	assert.GreaterOrEqual(t, got.Refill(p, now+1000).Tokens, int64(799*microTokens), "a charge of 100 takes 100")
 }

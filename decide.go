@@ -348,7 +348,9 @@ func (l *Limiter) degrade(ctx context.Context, r *Result, key string, cost int64
 		*r = Result{}
 		return fmt.Errorf("%w: %w", ErrStoreUnavailable, cause)
 	}
-	if err := take(ctx, r, l.fallback, key, cost, share(plans, l.fleetSize(), cost), h); err != nil {
+	// The share holds at least the tokens asked about: a read for n
+	// (PeekN's cost of -n) as much as a take of n.
+	if err := take(ctx, r, l.fallback, key, cost, share(plans, l.fleetSize(), asked(cost)), h); err != nil {
 		*r = Result{}
 		return fmt.Errorf("%w: fallback store failed too: %w", ErrStoreUnavailable, err)
 	}

@@ -187,3 +187,24 @@ func BenchmarkFleet(b *testing.B) {
 		}
 	})
 }
+
+// TestPeekNOnTheFleetShareAgreesWithAllowN: during an outage with
+// WithFleet, AllowN(n) is decided on a share of each plan of at least n
+// tokens, and PeekN(n), which sends a cost of -n, reads the same share: it
+// does not say "wait 100 s" to a request that AllowN admits at once.
+func TestPeekNOnTheFleetShareAgreesWithAllowN(t *testing.T) {
+	ctx := context.Background()
+	mr := miniredis.RunT(t)
+	now := t0
+	l := newFleetLimiter(t, mr, []Plan{{Name: "p", Capacity: 100, Rate: 1}}, WithFallback(newClockedMemoryStore(&now)), WithDenialCache(0))
+	l.fleet.size.Store(4) // a share of 25 tokens, lifted to a cost above it
+	mr.SetError("LOADING Redis is loading the dataset in memory")
+	peek, err := l.PeekN(ctx, "k", 50)
+	require.NoError(t, err)
+	require.Equal(t, SourceFallback, peek.Source)
+	r, err := l.AllowN(ctx, "k", 50)
+	require.NoError(t, err)
+	require.True(t, r.Allowed, "the fallback admits 50 on a share lifted to 50")
+	assert.True(t, peek.Allowed, "PeekN said to wait %v", peek.RetryAfter)
+	assert.Zero(t, peek.RetryAfter)
+}

@@ -259,7 +259,11 @@ func (l *Limiter) settle(ctx context.Context, r *Reservation, actual int64) (st 
 	case nil: // granted by FailOpen, or exempt (ErrExempt): nothing was held
 		return Settlement{Result: r.result}, nil
 	case *MemoryStore:
-		st, status = s.settle(r.key, h.plans, h.skip, r.n, actual, h.expires)
+		plans := h.plans
+		if s != l.mem { // the fallback, which decides on this instance's share
+			plans = l.fallbackShare(plans)
+		}
+		st, status = s.settle(r.key, plans, h.skip, r.n, actual, h.expires)
 		st.Source = r.result.Source
 	case *RedisStore:
 		if st, status, err = l.settleOnRedis(ctx, s, r, actual); err != nil {
@@ -307,9 +311,17 @@ func (l *Limiter) settleOnRedis(ctx context.Context, s *RedisStore, r *Reservati
 		return Settlement{}, 0, fmt.Errorf("%w: %w", ErrStoreUnavailable, cause)
 	}
 	// The fallback store holds no hold of Redis's: it charges the excess
-	// as for a hold gone, and the refund is dropped. It charges this
-	// instance's share of each plan, which is what it decides on.
-	st, _ = l.fallback.(*MemoryStore).settle(r.key, share(plans, l.fleetSize(), r.n), r.hold.skip, r.n, actual, 0)
+	// as for a hold gone, and the refund is dropped.
+	st, _ = l.fallback.(*MemoryStore).settle(r.key, l.fallbackShare(plans), r.hold.skip, r.n, actual, 0)
 	st.Source = SourceFallback
 	return st, holdLive, nil
+}
+
+// fallbackShare returns the plans a settlement on the fallback adjusts:
+// this instance's share of each (WithFleet), as the fallback decides one
+// token. Not the share a reservation of n was decided on, whose capacity
+// share lifts to n: a debt as long as that capacity allows would read as
+// garbage, that is, as a full bucket, to the next decision on the share.
+func (l *Limiter) fallbackShare(plans []Plan) []Plan {
+	return share(plans, l.fleetSize(), 1)
 }

@@ -37,12 +37,9 @@ func settleDelta(n, actual int64, status settleStatus) int64 {
 }
 
 // holdInto is takeInto for Reserve. The hold is the Reservation itself,
-// in this process: the store only dates its expiry, and keeps the plans
-// it took from, which are a fleet's share of the Limiter's when it is the
-// fallback (WithFleet), so that settling adjusts the buckets it drained.
+// in this process: the store only dates its expiry.
 func (m *MemoryStore) holdInto(r *Result, key string, cost int64, plans []Plan, h *hold) {
 	m.takeInto(r, key, cost, plans)
-	h.plans = plans
 	h.granted(m, m.now()+h.ttl.Microseconds())
 }
 

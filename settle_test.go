@@ -2,6 +2,7 @@ package tollgate
 
 import (
 	"context"
+	"path"
 	"testing"
 	"time"
 
@@ -18,63 +19,93 @@ func FuzzHold(f *testing.F) {
 	f.Add(uint8(3), 1000.0, []byte{0, 3, 0, 0, 3, 0, 1, 9, 0, 1, 0, 1, 2, 50, 0})
 	f.Add(uint8(50), 0.01, []byte{0, 50, 0, 1, 120, 0, 3, 0, 0, 2, 255, 0, 1, 1, 0})
 	f.Fuzz(func(t *testing.T, capacity uint8, rate float64, ops []byte) {
-		plans := []Plan{{Name: "p", Capacity: int64(capacity) + 1, Rate: rate}, {Name: "q", Capacity: 40, Rate: 3}}
-		if plans[0].validateNumbers() != nil || len(ops) > 3*40 {
-			return
-		}
-		ctx := context.Background()
-		rs, mr, setTime := newMiniredisStore(t)
-		now := t0
-		ms := newClockedMemoryStore(&now)
-		type pair struct {
-			n              int64
-			mem, red       hold
-			settled, taken bool
-		}
-		var holds []*pair
-		for i := 0; i+2 < len(ops); i += 3 {
-			what, x, which := ops[i]%4, int64(ops[i+1]), int(ops[i+2])
-			cost := min(x%(plans[0].Capacity+1), 40)
-			switch what {
-			case 0: // reserve
-				if cost == 0 {
-					continue
-				}
-				p := &pair{n: cost, mem: hold{ttl: time.Second}, red: hold{ttl: time.Second}}
-				var mr Result
-				ms.holdInto(&mr, "k", cost, plans, &p.mem)
-				rr, err := rs.hold(ctx, "k", cost, plans, &p.red)
-				require.NoError(t, err)
-				require.Equal(t, mr, rr, "op %d: reserve %d", i/3, cost)
-				p.taken = mr.Allowed
-				holds = append(holds, p)
-			case 1: // settle
-				if len(holds) == 0 {
-					continue
-				}
-				p := holds[which%len(holds)]
-				if !p.taken || p.settled {
-					continue
-				}
-				p.settled = true
-				mst, mstatus := ms.settle("k", plans, 0, p.n, x, p.mem.expires)
-				rst, rstatus, err := rs.settle(ctx, "k", plans, &p.red, p.n, x)
-				require.NoError(t, err)
-				require.Equal(t, mstatus, rstatus, "op %d: settle %d of %d", i/3, x, p.n)
-				require.Equal(t, mst, rst, "op %d: settle %d of %d", i/3, x, p.n)
-			case 2: // the clock moves, by up to about 2.5s
-				now += x * x * 40
-				setTime(now)
-				mr.FastForward(time.Duration(x*x*40) * time.Microsecond)
-			case 3: // a decision, or a read
-				mres, err := ms.Take(ctx, "k", cost, plans)
-				require.NoError(t, err)
-				rres, err := rs.Take(ctx, "k", cost, plans)
-				require.NoError(t, err)
-				require.Equal(t, mres, rres, "op %d: take %d", i/3, cost)
-			}
-		}
+		runHoldOps(t, capacity, rate, ops, false)
 	})
+}
+
+// TestSettleAfterAClockStepAgrees settles reservations, a refund and a
+// charge, after Redis's clock stepped back, while the buckets hold tokens
+// with their stamps ahead: Go and Lua agree. FuzzHold does not step back:
+// Redis forgets a bucket once it is full and the MemoryStore keeps it,
+// which reads the same until the clock steps back past that moment.
+func TestSettleAfterAClockStepAgrees(t *testing.T) {
+	runHoldOps(t, 100, 10, []byte{
+		0, 20, 0, // reserve 20
+		0, 30, 0, // reserve 30
+		3, 5, 0, // take 5
+		2, 245, 0, // step back 0.6 s
+		1, 3, 0, // settle the first with 3: a refund of 17
+		1, 90, 1, // settle the second with 90: a charge of 60
+		3, 1, 0, // take 1
+		2, 100, 0, // forward 0.4 s: still behind the stamps
+		3, 40, 0, // take 40
+	}, true)
+}
+
+// runHoldOps runs FuzzHold's ops. With backwards, a clock op of 240 or more
+// steps the clock back by up to 1.6 s, keys' expiries too, as Redis keeps
+// them at absolute times of its clock.
+func runHoldOps(t *testing.T, capacity uint8, rate float64, ops []byte, backwards bool) {
+	plans := []Plan{{Name: "p", Capacity: int64(capacity) + 1, Rate: rate}, {Name: "q", Capacity: 40, Rate: 3}}
+	if plans[0].validateNumbers() != nil || len(ops) > 3*40 {
+		return
+	}
+	ctx := context.Background()
+	rs, mr, setTime := newMiniredisStore(t)
+	now := t0
+	ms := newClockedMemoryStore(&now)
+	type pair struct {
+		n              int64
+		mem, red       hold
+		settled, taken bool
+	}
+	var holds []*pair
+	for i := 0; i+2 < len(ops); i += 3 {
+		what, x, which := ops[i]%4, int64(ops[i+1]), int(ops[i+2])
+		cost := min(x%(plans[0].Capacity+1), 40)
+		switch what {
+		case 0: // reserve
+			if cost == 0 {
+				continue
+			}
+			p := &pair{n: cost, mem: hold{ttl: time.Second}, red: hold{ttl: time.Second}}
+			var mr Result
+			ms.holdInto(&mr, "k", cost, plans, &p.mem)
+			rr, err := rs.hold(ctx, "k", cost, plans, &p.red)
+			require.NoError(t, err)
+			require.Equal(t, mr, rr, "op %d: reserve %d", i/3, cost)
+			p.taken = mr.Allowed
+			holds = append(holds, p)
+		case 1: // settle
+			if len(holds) == 0 {
+				continue
+			}
+			p := holds[which%len(holds)]
+			if !p.taken || p.settled {
+				continue
+			}
+			p.settled = true
+			mst, mstatus := ms.settle("k", plans, 0, p.n, x, p.mem.expires)
+			rst, rstatus, err := rs.settle(ctx, "k", plans, &p.red, p.n, x)
+			require.NoError(t, err)
+			require.Equal(t, mstatus, rstatus, "op %d: settle %d of %d", i/3, x, p.n)
+			require.Equal(t, mst, rst, "op %d: settle %d of %d", i/3, x, p.n)
+		case 2: // the clock moves, by up to about 2.6s
+			step := x * x * 40
+			if backwards && x >= 240 {
+				step = -(x - 239) * 100_000
+			}
+			now += step
+			setTime(now)
+			mr.FastForward(time.Duration(step) * time.Microsecond)
+		case 3: // a decision, or a read
+			mres, err := ms.Take(ctx, "k", cost, plans)
+			require.NoError(t, err)
+			rres, err := rs.Take(ctx, "k", cost, plans)
+			require.NoError(t, err)
+			require.Equal(t, mres, rres, "op %d: take %d", i/3, cost)
+		}
+	}
 }
 
 // TestSettleStatusesAgree checks settleDelta and settlement against the
@@ -101,4 +132,32 @@ func TestSettleStatusesAgree(t *testing.T) {
 		assert.Equal(t, tt.refunded, st.Refunded, "%+v", tt)
 		assert.Equal(t, tt.charged, st.Charged, "%+v", tt)
 	}
+}
+
+// TestUnchargedAgreesNearTheLargestCapacity charges a bucket whose debt is
+// at its cap, on a plan near the largest capacity, where a sum in
+// settle.lua's adjust would pass 2^53 and round: Go and Lua report the
+// same Uncharged.
+func TestUnchargedAgreesNearTheLargestCapacity(t *testing.T) {
+	ctx := context.Background()
+	plan := Plan{Name: "big", Capacity: 9_007_198_840, Rate: 13}
+	got := map[string]Settlement{}
+	eachStore(t, []Plan{plan}, func(t *testing.T, l clockedLimiter) {
+		var rs [3]*Reservation
+		for i := range rs {
+			r, err := l.Reserve(ctx, "k", 1)
+			require.NoError(t, err)
+			require.True(t, r.OK())
+			rs[i] = r
+		}
+		var st Settlement
+		for _, r := range rs { // the second reaches the cap on debt, the third is all uncharged
+			var err error
+			st, err = r.Settle(ctx, plan.Capacity)
+			require.NoError(t, err)
+		}
+		got[path.Base(t.Name())] = st
+		assert.Equal(t, plan.Capacity-1, st.Uncharged, "the third charge found the debt at its cap")
+	})
+	assert.Equal(t, got["memory"].Uncharged, got["redis"].Uncharged, "Go and Lua agree")
 }

@@ -29,6 +29,16 @@ local function clock()
   return clock_us
 end
 
+-- whole returns whole number x as a command argument. Redis 7.2.0 to
+-- 7.2.4 pass a Lua number with 8 or more trailing zeros as '1e+8', which
+-- no command reads as an integer (fixed by redis/redis#13115 in 7.2.5),
+-- so a number that large goes as its digits; below, the compare costs less
+-- than formatting.
+local function whole(x)
+  if x < 100000000 then return x end
+  return string.format('%d', x)
+end
+
 -- width returns how many bytes hold t, 1 to 7.
 local function width(t)
   if t < 4294967296 then
@@ -143,22 +153,29 @@ local function accrual(deficit, rate)
 end
 
 -- adjust is TokenBucket.adjust: the bucket refilled to now with delta
--- micro-tokens added, debt as a stamp ahead, at most a full refill ahead;
--- and the micro-tokens of a charge that did not fit.
+-- micro-tokens added, debt as a stamp ahead, at most a full refill ahead
+-- of now, a bucket that holds tokens with its stamp ahead (TIME stepped
+-- back) adjusted at its stamp; and the micro-tokens of a charge that did
+-- not fit.
 local function adjust(t, ts, full, rate, now, delta)
   t, ts = refill(t, ts, full, rate, now)
-  local balance = t
-  if ts > now then balance = -math.ceil((ts - now) * rate) end
-  balance = balance + delta
-  if balance >= full then
-    return full, now, 0
-  elseif balance >= 0 then
-    return balance, math.min(ts, now), 0
+  local at, held = now, t -- the bucket's time, and what it holds there
+  if ts > now then
+    if t == 0 then held = -math.ceil((ts - now) * rate) else at = ts end
   end
-  local ahead = floor(full / rate)
+  local balance = held + delta
+  if balance >= full then
+    return full, at, 0
+  elseif balance >= 0 then
+    return balance, math.min(ts, at), 0
+  end
+  local ahead = floor(full / rate) - (at - now)
   local w = accrual(-balance, rate)
-  if w <= ahead then return 0, now + w, 0 end
-  return 0, now + ahead, -balance - floor(ahead * rate)
+  if w <= ahead then return 0, at + w, 0 end
+  -- Not -balance - floor(ahead * rate): a charge onto a debt at its cap
+  -- makes -balance pass 2^53, where a double rounds it. held plus the
+  -- most debt is below -delta here, so below 2^53, and exact.
+  return 0, at + ahead, -delta - (held + floor(ahead * rate))
 end
 
 -- writeBucket stores a bucket, with its plan version pv and capacity c
@@ -168,5 +185,5 @@ end
 -- from now, the key would expire, and read as full, that much early. SET
 -- replaces whatever the key held.
 local function writeBucket(key, t, ts, full, rate, now, pv, c)
-  redis.call('SET', key, encode(ts, t, pv, c), 'PX', floor(((full - t) / rate + math.max(0, ts - now)) / 1000) + 2)
+  redis.call('SET', key, encode(ts, t, pv, c), 'PX', whole(floor(((full - t) / rate + math.max(0, ts - now)) / 1000) + 2))
 end

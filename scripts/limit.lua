@@ -5,8 +5,9 @@
 -- windows, the window type and suppression from window.go, and chain from
 -- chain.go; a test feeds both the same steps and demands the same answers.
 -- Numbers are whole micro-tokens, tokens and microseconds, below 2^53, so
--- Lua's doubles hold them exactly, and both Redis and miniredis pass whole
--- numbers to commands digit for digit. It is written for speed: flat
+-- Lua's doubles hold them exactly; numbers of 10^8 and more go to
+-- commands as digits (whole, in bucket.lua), which Redis 7.2.0 to 7.2.4
+-- would otherwise write as '1e+8'. It is written for speed: flat
 -- arrays rather than a table per plan, and nothing for windows allocated
 -- in a chain of buckets alone (ADR 16).
 --
@@ -268,19 +269,19 @@ for i = 1, plans do
         redis.call('HSET', KEYS[i], 'v', (hard > 0 and 's' or 'w') .. ARGV[a + 1] .. '/' .. ARGV[a + 2])
       end
       if carry and carry[i] then
-        if carry[i][1] > 0 then redis.call('HINCRBY', KEYS[i], field, carry[i][1]) end
-        if hard > 0 and carry[i][2] > 0 then redis.call('HINCRBY', KEYS[i], 'o' .. field, carry[i][2]) end
+        if carry[i][1] > 0 then redis.call('HINCRBY', KEYS[i], field, whole(carry[i][1])) end
+        if hard > 0 and carry[i][2] > 0 then redis.call('HINCRBY', KEYS[i], 'o' .. field, whole(carry[i][2])) end
       end
       if take then
-        redis.call('HINCRBY', KEYS[i], field, cost)
+        redis.call('HINCRBY', KEYS[i], field, whole(cost))
         if l == nil or bi > l then l = bi end
       end
-      if hard > 0 then redis.call('HINCRBY', KEYS[i], 'o' .. field, cost) end
+      if hard > 0 then redis.call('HINCRBY', KEYS[i], 'o' .. field, whole(cost)) end
       if stale[i] then redis.call('HDEL', KEYS[i], unpack(stale[i])) end
       -- The key expires once its newest sub-window stops counting, plus a
       -- millisecond for the expiry clock; until then it keeps its expiry.
       if newest[i] == nil or bi > newest[i] then
-        redis.call('PEXPIRE', KEYS[i], floor(((bi + 1 + k) * g - now) / 1000) + 2)
+        redis.call('PEXPIRE', KEYS[i], whole(floor(((bi + 1 + k) * g - now) / 1000) + 2))
       end
     end
     -- Nothing admitted counts once the newest sub-window with a count has

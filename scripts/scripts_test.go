@@ -1,4 +1,4 @@
-package tollgate
+package scripts
 
 import (
 	"math"
@@ -8,9 +8,10 @@ import (
 
 	"github.com/stretchr/testify/require"
 	lua "github.com/yuin/gopher-lua"
-
-	"github.com/tollgate-go/tollgate/scripts"
 )
+
+// t0 is the fake Redis's TIME, in µs.
+const t0 = int64(1_700_000_000_000_000)
 
 // redis72Number is how Redis 7.2.0 to 7.2.4 pass a Lua number to a
 // command (fpconv_dtoa, before redis/redis#13115 in 7.2.5): a whole number
@@ -71,6 +72,9 @@ func runScriptAs72(t *testing.T, data map[string]string, src string, keys, argv 
 				L.Push(lua.LFalse)
 			}
 		case "SET":
+			if len(args) == 5 && !isInteger(args[4]) { // SET key value PX ms
+				L.RaiseError("ERR value is not an integer or out of range")
+			}
 			data[args[1]] = args[2]
 			L.Push(lua.LString("OK"))
 		default:
@@ -95,8 +99,8 @@ func runScriptAs72(t *testing.T, data map[string]string, src string, keys, argv 
 	return reply
 }
 
-// Review of issue 15: limit.lua sets a hold to the cost as a Lua number,
-// which Redis 7.2.0 to 7.2.4 (inside README's "Redis 5.0 or later") write
+// TestHoldOfALargeRoundCostSettlesOnRedis72: a hold set to the cost as a
+// Lua number, which Redis 7.2.0 to 7.2.4 (inside README's "Redis 5.0 or later") write
 // as "1e+8" for a reservation of 100,000,000 (a download of 100 MB
 // reserved in bytes, say). settle.lua reads only digits as a hold of
 // ours, so it settles that reservation as a bad hold: the refund is
@@ -105,12 +109,30 @@ func runScriptAs72(t *testing.T, data map[string]string, src string, keys, argv 
 func TestHoldOfALargeRoundCostSettlesOnRedis72(t *testing.T) {
 	data := map[string]string{}
 	keys := []string{"tg:{k}:2:p", "tg:{k}:2:~h"}
-	reply := runScriptAs72(t, data, scripts.Limit, keys, []string{"100000000", "1000000000", "1000000", "900000"})
+	reply := runScriptAs72(t, data, Limit, keys, []string{"100000000", "1000000000", "1000000", "900000"})
 	require.Equal(t, lua.LNumber(1), reply.RawGetInt(1), "allowed")
 	require.Contains(t, data, keys[1], "the hold is set")
 	hold := data[keys[1]]
 
-	reply = runScriptAs72(t, data, scripts.Settle, keys, []string{"100000000", "0", "900000", "0", "1000000000", "1000000", "0"})
-	require.Equal(t, lua.LNumber(holdLive), reply.RawGetInt(1), "settled as a live hold, not as data not ours (hold %q)", hold)
+	reply = runScriptAs72(t, data, Settle, keys, []string{"100000000", "0", "900000", "0", "1000000000", "1000000", "0"})
+	require.Equal(t, lua.LNumber(0), reply.RawGetInt(1), "status 0: settled as a live hold, not as data not ours (hold %q)", hold)
 	require.Equal(t, "s", data[keys[1]], "the tombstone")
+}
+
+// isInteger reports whether s is what Redis reads as an integer argument.
+func isInteger(s string) bool {
+	_, err := strconv.ParseInt(s, 10, 64)
+	return err == nil
+}
+
+// TestBucketExpiryOfARoundNumberOnRedis72 writes a bucket whose expiry
+// is 100,000,000 ms: on Redis 7.2.0 to 7.2.4 a Lua number would reach SET
+// as 'PX 1e+8', which Redis refuses, and the decision would fail.
+func TestBucketExpiryOfARoundNumberOnRedis72(t *testing.T) {
+	data := map[string]string{}
+	// 99,999,998 tokens refill at 1,000 a second in 99,999,998 ms, and the
+	// expiry adds 2 ms.
+	reply := runScriptAs72(t, data, Limit, []string{"tg:{k}:2:p"}, []string{"99999998", "99999998", "1000"})
+	require.Equal(t, lua.LNumber(1), reply.RawGetInt(1), "allowed")
+	require.Contains(t, data, "tg:{k}:2:p", "the bucket is written")
 }
