@@ -70,7 +70,9 @@ type Stats struct {
 	Reservations ReservationStats
 }
 
-// ReservationStats counts reservations (Reserve) and their settlements.
+// ReservationStats counts reservations and their settlements: those of
+// Reserve, and the leases a Limiter takes for plans with Lease (ADR 27),
+// which are reservations too.
 type ReservationStats struct {
 	// Held is the number of reservations granted.
 	Held uint64
