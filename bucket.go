@@ -36,10 +36,14 @@ func fullBucket(p Plan, now int64) TokenBucket {
 // Refill returns the bucket as of now: the tokens accrued at p.Rate since
 // Stamp are added, up to p.Capacity. A now before Stamp refills nothing and
 // leaves Stamp where it is, so a clock that steps back cannot mint tokens;
-// but a Stamp more than a full refill (Capacity / Rate) ahead of now reads
-// as a full bucket, so a garbage stamp cannot block a key for ever. Read
-// the clock under the bucket's lock, as MemoryStore does: a now read
-// before a long pause could look like such garbage.
+// but a Stamp more than a full refill (Capacity / Rate) ahead of now is
+// brought back to a full refill ahead, tokens kept (ADR 29): a garbage
+// stamp blocks a key for at most one full refill, and a debt that another
+// plan of the name, with a longer refill, ran up reads as the most debt
+// this plan allows, never as a full bucket. A decision that finds such a
+// stamp writes the bucket back, allowed or not. Read the clock under the
+// bucket's lock, as MemoryStore does: a now read before a long pause could
+// look like such a stamp.
 func (b TokenBucket) Refill(p Plan, now int64) TokenBucket {
 	return b.refill(&p, now)
 }
@@ -50,13 +54,10 @@ func (b TokenBucket) Refill(p Plan, now int64) TokenBucket {
 func (b TokenBucket) refill(p *Plan, now int64) TokenBucket {
 	full := p.Capacity * microTokens
 	if now <= b.Stamp {
-		// A stamp more than a whole refill ahead is no clock step but
-		// garbage, or a clock so far back that the bucket would have
-		// refilled anyway: either way it reads as full.
-		if float64(b.Stamp-now) > float64(full)/p.Rate {
-			return TokenBucket{Tokens: full, Stamp: now}
-		}
 		b.Tokens = min(b.Tokens, full)
+		if b.tooFarAhead(p, now) {
+			b.Stamp = now + int64(math.Floor(float64(full)/p.Rate))
+		}
 		return b
 	}
 	if b.Tokens >= full {
@@ -73,6 +74,14 @@ func (b TokenBucket) refill(p *Plan, now int64) TokenBucket {
 	}
 	carry := math.Floor((gain - whole) / p.Rate) // microseconds not yet worth a micro-token
 	return TokenBucket{Tokens: b.Tokens + int64(whole), Stamp: now - int64(carry)}
+}
+
+// tooFarAhead reports whether the bucket's stamp is more than a full
+// refill of p ahead of now: garbage, a clock that stepped back that far,
+// or a debt run up under a plan of the name with a longer refill. Refill
+// brings it back to a full refill ahead.
+func (b TokenBucket) tooFarAhead(p *Plan, now int64) bool {
+	return float64(b.Stamp-now) > float64(p.Capacity*microTokens)/p.Rate
 }
 
 // Take refills the bucket to now and takes cost tokens from it if it holds
@@ -129,12 +138,16 @@ func (b TokenBucket) ReadyAt(p Plan, now, cost int64) int64 {
 
 // readyWhen is ReadyAt with the plan by pointer (see refill).
 func (b TokenBucket) readyWhen(p *Plan, now, cost int64) int64 {
-	if b.refill(p, now).Tokens >= cost*microTokens {
+	r := b.refill(p, now)
+	if r.Tokens >= cost*microTokens {
 		return now
 	}
-	// Not there yet, so Refill did not find the stamp garbage: the tokens
-	// accrue from Stamp until floor(elapsed × rate) covers the deficit,
-	// which is also when a refill would reach a full bucket.
+	if b.Stamp >= now { // nothing accrued: r is b, its stamp brought back if too far ahead
+		return r.readyAt(p, now, cost)
+	}
+	// Not there yet: the tokens accrue from Stamp until floor(elapsed ×
+	// rate) covers the deficit, which is also when a refill would reach a
+	// full bucket.
 	b.Tokens = min(b.Tokens, p.Capacity*microTokens)
 	return b.readyAt(p, now, cost)
 }
@@ -181,8 +194,8 @@ func accrualMicros(deficit int64, rate float64) int64 {
 // with its stamp ahead of now is not in debt but behind a clock that
 // stepped back: it is adjusted at its stamp, its own time, as Refill
 // keeps it. Debt is rounded up and its stamp ahead of now at most
-// floor(Capacity / Rate) µs, one full refill, which Refill would read as
-// garbage beyond; uncharged is the part of a charge, in micro-tokens, that
+// floor(Capacity / Rate) µs, one full refill, which Refill would bring
+// back to that beyond; uncharged is the part of a charge, in micro-tokens, that
 // did not fit. No adjustment mints tokens beyond delta.
 // scripts/bucket.lua repeats it.
 func (b TokenBucket) adjust(p Plan, now, delta int64) (_ TokenBucket, uncharged int64) {

@@ -1,6 +1,7 @@
 package tollgate
 
 import (
+	"context"
 	"encoding/binary"
 	"math"
 	"testing"
@@ -161,14 +162,18 @@ func TestAccrualMicrosIsSmallestSufficient(t *testing.T) {
 	}
 }
 
-func TestFarFutureStampReadsFull(t *testing.T) {
+// TestFarFutureStampIsBroughtBack: a stamp more than a full refill ahead
+// is brought back to a full refill ahead, its tokens kept (ADR 29).
+func TestFarFutureStampIsBroughtBack(t *testing.T) {
 	p := Plan{Name: "p", Capacity: 2, Rate: 1} // refills in 2 s
 	b := TokenBucket{Tokens: 0, Stamp: t0 + 2_000_000}
 	assert.Equal(t, TokenBucket{Tokens: 0, Stamp: t0 + 2_000_000}, b.Refill(p, t0), "a clock step of a full refill is kept")
 	b.Stamp++
-	assert.Equal(t, fullBucket(p, t0), b.Refill(p, t0), "beyond a full refill the stamp is garbage")
-	b.Stamp = t0 + 10*365*24*3600*1_000_000
-	assert.Equal(t, t0, b.ReadyAt(p, t0, 2), "a stamp ten years ahead must not block the key")
+	assert.Equal(t, TokenBucket{Tokens: 0, Stamp: t0 + 2_000_000}, b.Refill(p, t0), "beyond a full refill it is brought back")
+	b = TokenBucket{Tokens: 1_000_000, Stamp: t0 + 10*365*24*3600*1_000_000}
+	assert.Equal(t, TokenBucket{Tokens: 1_000_000, Stamp: t0 + 2_000_000}, b.Refill(p, t0), "its tokens kept")
+	assert.Equal(t, t0, b.ReadyAt(p, t0, 1))
+	assert.Equal(t, t0+3_000_000, b.ReadyAt(p, t0, 2), "a stamp ten years ahead blocks the key for one refill, not ten years")
 }
 
 // FuzzBucket drives one bucket through a fuzzed plan and a fuzzed sequence
@@ -194,8 +199,7 @@ func FuzzBucket(f *testing.F) {
 		b := fullBucket(p, t0)
 		now, reached := t0, t0
 		admitted, steps := int64(0), int64(0) // micro-tokens admitted
-		resets := int64(0)                    // clock steps back by more than a full refill
-		segment, accrued := t0, 0.0           // a reset starts a new span of time to accrue in
+		segment, accrued := t0, 0.0           // a step back past a full refill starts a new span of time to accrue in
 		for len(ops) >= 4 {
 			op := ops[:4]
 			ops = ops[4:]
@@ -217,12 +221,11 @@ func FuzzBucket(f *testing.F) {
 				t.Fatalf("step %d: %d micro-tokens, outside 0..%d", steps, next.Tokens, full)
 			}
 			if next.Stamp < b.Stamp {
-				// Only a stamp more than a full refill ahead gives way: the
-				// bucket then reads as full as of now.
-				if float64(b.Stamp-now) <= float64(full)/rate || b.Refill(p, now) != fullBucket(p, now) {
+				// Only a stamp more than a full refill ahead gives way: it is
+				// brought back to a full refill ahead, its tokens kept.
+				if !b.tooFarAhead(&p, now) || next.Stamp != now+int64(math.Floor(float64(full)/rate)) {
 					t.Fatalf("step %d: stamp moved back from %d to %d", steps, b.Stamp, next.Stamp)
 				}
-				resets++
 				accrued += rate * float64(reached-segment)
 				segment, reached = now, now
 			}
@@ -233,13 +236,17 @@ func FuzzBucket(f *testing.F) {
 				t.Fatalf("step %d: Take(%d) = %v but ReadyAt = %d (now %d)", steps, cost, ok, ready, now)
 			}
 			if !ok {
-				if _, ok := b.Take(p, ready, cost); !ok {
-					t.Fatalf("step %d: denied at ReadyAt %d (bucket %+v, cost %d)", steps, ready, b, cost)
+				stored := b // as the denial leaves it: a stamp too far ahead is written back
+				if b.tooFarAhead(&p, now) {
+					stored = b.Refill(p, now)
+				}
+				if _, ok := stored.Take(p, ready, cost); !ok {
+					t.Fatalf("step %d: denied at ReadyAt %d (bucket %+v, cost %d)", steps, ready, stored, cost)
 				}
 				// ReadyAt is the first microsecond at which Take finds the
 				// tokens in the bucket as stored: no earlier.
-				if _, early := b.Take(p, ready-1, cost); early && ready-1 > now {
-					t.Fatalf("step %d: passes at %d, before ReadyAt %d (bucket %+v, cost %d)", steps, ready-1, ready, b, cost)
+				if _, early := stored.Take(p, ready-1, cost); early && ready-1 > now {
+					t.Fatalf("step %d: passes at %d, before ReadyAt %d (bucket %+v, cost %d)", steps, ready-1, ready, stored, cost)
 				}
 			}
 			if ok {
@@ -248,11 +255,12 @@ func FuzzBucket(f *testing.F) {
 			b, reached = next, max(reached, now)
 		}
 		// Each refill may round up by less than a micro-token; steps covers
-		// it. Each reset by a clock step back gives one more bucketful.
+		// it. A clock step back gives no bucketful: time accrues again from
+		// the step (a new segment), and only from a full refill after it.
 		accrued += rate * float64(reached-segment)
-		bound := float64(full)*float64(1+resets) + accrued + float64(steps)
+		bound := float64(full) + accrued + float64(steps)
 		if float64(admitted) > bound {
-			t.Fatalf("admitted %d micro-tokens after %d resets; bound %.0f", admitted, resets, bound)
+			t.Fatalf("admitted %d micro-tokens; bound %.0f", admitted, bound)
 		}
 	})
 }
@@ -358,4 +366,32 @@ func TestAdjustAfterAClockStepKeepsTheTokens(t *testing.T) {
 	assert.GreaterOrEqual(t, got.Refill(p, now+1000).Tokens, int64(900*microTokens), "a refund never takes tokens away")
 	got, _ = b.adjust(p, now, -100*microTokens)
 	assert.GreaterOrEqual(t, got.Refill(p, now+1000).Tokens, int64(799*microTokens), "a charge of 100 takes 100")
+}
+
+// TestClockFarBackBlocksForOneRefill drains a key, then steps the clock
+// back by an hour, far more than the plan's full refill of 2 s: the stamp
+// is brought back to 2 s ahead and written back by the denial, so the key
+// gets its tokens 2 s and a token's time later, on both stores, not an
+// hour later and not at once.
+func TestClockFarBackBlocksForOneRefill(t *testing.T) {
+	ctx := context.Background()
+	eachStore(t, []Plan{{Name: "p", Capacity: 2, Rate: 1}}, func(t *testing.T, l clockedLimiter) {
+		r, err := l.AllowN(ctx, "k", 2)
+		require.NoError(t, err)
+		require.True(t, r.Allowed)
+		l.advance(-time.Hour)
+		r, err = l.Allow(ctx, "k")
+		require.NoError(t, err)
+		assert.False(t, r.Allowed, "a step back mints nothing")
+		assert.Equal(t, 3*time.Second, r.RetryAfter)
+		l.advance(2 * time.Second)
+		r, err = l.Allow(ctx, "k")
+		require.NoError(t, err)
+		assert.False(t, r.Allowed)
+		assert.Equal(t, time.Second, r.RetryAfter, "the denial wrote the stamp back: the wait counts down")
+		l.advance(time.Second)
+		r, err = l.Allow(ctx, "k")
+		require.NoError(t, err)
+		assert.True(t, r.Allowed)
+	}, WithDenialCache(0))
 }

@@ -84,6 +84,18 @@ func (e *memEntry) bucket(p *Plan, now int64) TokenBucket {
 	return fullBucket(*p, now)
 }
 
+// bringBack writes back the bucket of plan p, refilled to now, if its
+// stamp is too far ahead (TokenBucket.Refill): a decision that is not
+// allowed writes nothing else, and the stamp must not stay out of reach
+// of a clock that only catches up with it. e may be nil.
+func (e *memEntry) bringBack(p *Plan, now int64) {
+	if b := e.find(p); b != nil && b.win == nil {
+		if tb := b.ver.inherit(b.TokenBucket, p, now); tb.tooFarAhead(p, now) {
+			e.store(p, tb.refill(p, now))
+		}
+	}
+}
+
 // window returns the stored window of plan p, or nil, which counts
 // nothing, if there is none. A window kept for a plan of another shape
 // reads as carry makes it, as the script reads it.
@@ -273,11 +285,16 @@ func (m *MemoryStore) takeInto(r *Result, key string, cost int64, plans []Plan) 
 		for i := range plans {
 			if wd&(1<<i) == 0 { // a shadowed plan that would deny is left as it was
 				e.store(&plans[i], buckets[i])
+			} else {
+				e.bringBack(&plans[i], now)
 			}
 		}
 	} else {
 		// A denial or a read leaves the buckets as they were.
 		for i := range plans {
+			if cost > 0 {
+				e.bringBack(&plans[i], now)
+			}
 			buckets[i] = e.bucket(&plans[i], now)
 		}
 	}
@@ -362,6 +379,8 @@ func (m *MemoryStore) takeWindows(r *Result, key string, cost int64, plans []Pla
 				if taken {
 					buckets[i].Tokens -= cost * microTokens
 					e.store(p, buckets[i])
+				} else {
+					e.bringBack(p, now)
 				}
 			case taken:
 				windows[i] = e.storeWindow(p, now)
@@ -379,6 +398,9 @@ func (m *MemoryStore) takeWindows(r *Result, key string, cost int64, plans []Pla
 			states[i] = describeWindow(p, windows[i], now, cost, allowed && wd&(1<<i) == 0)
 		case !taken:
 			// A denial or a read leaves the buckets as they were.
+			if cost > 0 {
+				e.bringBack(p, now)
+			}
 			buckets[i] = e.bucket(p, now)
 		}
 	}

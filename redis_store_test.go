@@ -662,7 +662,14 @@ func runAgreement(t *testing.T, steps []agreementOp) {
 			}
 		}
 		if !got.Allowed || s.cost == 0 {
-			continue // no bucket is written
+			if s.cost > 0 { // a denial writes back only a stamp brought back
+				for j, p := range bplans {
+					if stored[j].tooFarAhead(&p, now) {
+						pure[key+"/"+p.Name] = stored[j].Refill(p, now)
+					}
+				}
+			}
+			continue
 		}
 		for j, p := range bplans {
 			pure[key+"/"+p.Name] = buckets[j]

@@ -320,8 +320,9 @@ func (l *Limiter) settleOnRedis(ctx context.Context, s *RedisStore, r *Reservati
 // fallbackShare returns the plans a settlement on the fallback adjusts:
 // this instance's share of each (WithFleet), as the fallback decides one
 // token. Not the share a reservation of n was decided on, whose capacity
-// share lifts to n: a debt as long as that capacity allows would read as
-// garbage, that is, as a full bucket, to the next decision on the share.
+// share lifts to n: a debt as long as that capacity allows would be more
+// than the next decision's share could read, which brings it back to one
+// refill of the share (ADR 29) and forgives the rest.
 func (l *Limiter) fallbackShare(plans []Plan) []Plan {
 	return share(plans, l.fleetSize(), 1)
 }

@@ -793,3 +793,31 @@ func TestFallbackSettlementKeepsTheFleetShare(t *testing.T) {
 		assert.Equal(t, 5, admitted(t, l))
 	})
 }
+
+// TestDebtSurvivesAFasterPlan runs up 100 tokens of debt, then doubles the
+// plan's rate (SetPlans; a tier or a Version does the same): the stamp is
+// now more than the new plan's full refill ahead, and is brought back to
+// one (ADR 29). It reads as the most debt the new plan allows, never as
+// the full bucket it read as before, which handed out 100 tokens at once.
+func TestDebtSurvivesAFasterPlan(t *testing.T) {
+	ctx := context.Background()
+	plan := Plan{Name: "p", Capacity: 100, Rate: 1}
+	eachStore(t, []Plan{plan}, func(t *testing.T, l clockedLimiter) {
+		r, err := l.Reserve(ctx, "k", 100)
+		require.NoError(t, err)
+		st, err := r.Settle(ctx, 200) // 100 tokens of debt: the stamp 100 s ahead
+		require.NoError(t, err)
+		require.Zero(t, st.Uncharged)
+		faster := plan
+		faster.Rate = 2 // a full refill in 50 s
+		require.NoError(t, l.SetPlans([]Plan{faster}))
+		res, err := l.Allow(ctx, "k")
+		require.NoError(t, err)
+		assert.False(t, res.Allowed, "a bucket in debt admits nothing (Remaining %d)", res.Remaining)
+		assert.Equal(t, 50500*time.Millisecond, res.RetryAfter, "50 s of debt at the new rate, then half a second for the token")
+		l.advance(50500 * time.Millisecond)
+		res, err = l.Allow(ctx, "k")
+		require.NoError(t, err)
+		assert.True(t, res.Allowed)
+	}, WithDenialCache(0))
+}

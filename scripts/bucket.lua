@@ -122,11 +122,17 @@ local function inherit(t, ts, full, now, vs, pv, oc)
   return t, ts
 end
 
+-- tooFarAhead is TokenBucket.tooFarAhead: whether stamp ts is more than a
+-- full refill ahead of now.
+local function tooFarAhead(ts, full, rate, now)
+  return ts - now > full / rate
+end
+
 -- refill is TokenBucket.Refill: the bucket as of now.
 local function refill(t, ts, full, rate, now)
   if now <= ts then
-    if ts - now > full / rate then
-      return full, now -- a stamp more than a full refill ahead: garbage
+    if tooFarAhead(ts, full, rate, now) then
+      return math.min(t, full), now + floor(full / rate) -- brought back (ADR 29)
     end
     return math.min(t, full), ts
   elseif t >= full then

@@ -95,6 +95,7 @@ end
 local after = {} -- bucket plans: the state refilled to now, full and rate
 local foreign -- window plans whose key holds data not ours, replaced on write
 local pvs -- bucket plans with a version: the version and capacity to write
+local back -- bucket plans whose stamp Refill brought back: written, allowed or not
 -- Window plans, by plan: the current sub-window (b), the counts (adm,
 -- off), the newest sub-window (newest), the newest with an admitted count
 -- (last), stale fields to delete (stale), and the fields read (xs).
@@ -121,6 +122,10 @@ for i = 1, plans do
       pvs[2 * i - 1], pvs[2 * i] = pv, oc
     end
     reply[2 * i + 1], reply[2 * i + 2] = t, ts
+    if cost > 0 and tooFarAhead(ts, full, rate, now) then
+      back = back or {}
+      back[i] = true
+    end
     t, ts = refill(t, ts, full, rate, now)
     after[4 * i - 3], after[4 * i - 2], after[4 * i - 1], after[4 * i] = t, ts, full, rate
     if t < need then refuse(i, shadow) end
@@ -230,6 +235,9 @@ for i = 1, plans do
       writeBucket(KEYS[i], t, ts, after[4 * i - 1], after[4 * i], now, pvs and pvs[2 * i - 1] or 0, pvs and pvs[2 * i])
     else
       out[n + 1], out[n + 2] = reply[2 * i + 1], reply[2 * i + 2]
+      if back and back[i] then
+        writeBucket(KEYS[i], after[4 * i - 3], after[4 * i - 2], after[4 * i - 1], after[4 * i], now, pvs and pvs[2 * i - 1] or 0, pvs and pvs[2 * i])
+      end
     end
     n = n + 2
   else -- a window
