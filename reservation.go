@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 )
@@ -213,6 +214,12 @@ func (r *Reservation) Result() Result {
 // Settle changes nothing. A refund makes this Limiter forget the key's
 // remembered denials; other instances see it once the RetryAfter they
 // remember has passed.
+//
+// The buckets are adjusted with the plans in force at Settle, of the names
+// the reservation was decided on (after SetPlans, or a PlanResolver that
+// now answers another tier), so a refund refills at today's rate; a plan
+// whose name is gone, or that the resolver now exempts or fails on, is
+// settled as it was reserved.
 func (r *Reservation) Settle(ctx context.Context, actual int64) (Settlement, error) {
 	if !r.result.Allowed {
 		return Settlement{}, ErrNotGranted
@@ -259,7 +266,7 @@ func (l *Limiter) settle(ctx context.Context, r *Reservation, actual int64) (st 
 	case nil: // granted by FailOpen, or exempt (ErrExempt): nothing was held
 		return Settlement{Result: r.result}, nil
 	case *MemoryStore:
-		plans := h.plans
+		plans := l.plansInForce(ctx, r)
 		if s != l.mem { // the fallback, which decides on this instance's share
 			plans = l.fallbackShare(plans)
 		}
@@ -288,7 +295,7 @@ func (l *Limiter) settle(ctx context.Context, r *Reservation, actual int64) (st 
 // settleOnRedis settles r on s behind the breaker; while s fails, the
 // failure policy settles it.
 func (l *Limiter) settleOnRedis(ctx context.Context, s *RedisStore, r *Reservation, actual int64) (st Settlement, status settleStatus, err error) {
-	plans := r.hold.plans
+	plans := l.plansInForce(ctx, r)
 	b := l.health.forKey(ctx, r.key, plans)
 	cause := errBreakerOpen
 	if ok, probe := b.Allow(); ok {
@@ -315,6 +322,48 @@ func (l *Limiter) settleOnRedis(ctx context.Context, s *RedisStore, r *Reservati
 	st, _ = l.fallback.(*MemoryStore).settle(r.key, l.fallbackShare(plans), r.hold.skip, r.n, actual, 0)
 	st.Source = SourceFallback
 	return st, holdLive, nil
+}
+
+// plansInForce returns the plans a settlement of r adjusts: for each plan
+// the reservation was decided on, the plan of that name that a decision
+// on r's key would use now (SetPlans, the PlanResolver), so that a refund
+// refills, and a debt accrues, at the rate in force. A plan whose name
+// left the table, that the resolver exempts or fails on, or that is a
+// window now, keeps the reservation's; so does its Shadow flag, since the
+// reservation took from it or not by that flag (hold.skip).
+func (l *Limiter) plansInForce(ctx context.Context, r *Reservation) []Plan {
+	was := r.hold.plans
+	t := l.table.Load()
+	var now []Plan // a copy, once a plan differs
+	for i := range was {
+		e := t.byName[was[i].Name]
+		if e == nil {
+			continue
+		}
+		p := e.one[0]
+		if l.resolver != nil {
+			if l.callResolver(ctx, r.key, &p, &p) != nil {
+				continue
+			}
+			v, err := l.variantOf(e, &p)
+			if err != nil {
+				continue
+			}
+			p = v.one[0]
+		}
+		p.Shadow = was[i].Shadow
+		if p.isWindow() || p == was[i] {
+			continue
+		}
+		if now == nil {
+			now = slices.Clone(was)
+		}
+		now[i] = p
+	}
+	if now == nil {
+		return was
+	}
+	return now
 }
 
 // fallbackShare returns the plans a settlement on the fallback adjusts:

@@ -821,3 +821,54 @@ func TestDebtSurvivesAFasterPlan(t *testing.T) {
 		assert.True(t, res.Allowed)
 	}, WithDenialCache(0))
 }
+
+// TestSettleUsesThePlanInForce reserves, lowers the plan's rate from 10/s
+// to 1/s, and settles 10 s later with a refund of 1: the bucket refills at
+// the rate in force, 10 tokens, not at the reservation's, which left 100
+// where the plan allows 11. The same holds when a PlanResolver moves the
+// key to a slower tier.
+func TestSettleUsesThePlanInForce(t *testing.T) {
+	ctx := context.Background()
+	plan := Plan{Name: "p", Capacity: 100, Rate: 10}
+	slower := plan
+	slower.Rate = 1
+	t.Run("SetPlans", func(t *testing.T) {
+		eachStore(t, []Plan{plan}, func(t *testing.T, l clockedLimiter) {
+			r, err := l.Reserve(ctx, "k", 100)
+			require.NoError(t, err)
+			require.True(t, r.OK())
+			require.NoError(t, l.SetPlans([]Plan{slower}))
+			l.advance(10 * time.Second)
+			st, err := r.Settle(ctx, 99) // a refund of 1
+			require.NoError(t, err)
+			assert.Equal(t, int64(11), st.Remaining, "10 refilled at 1/s, and 1 refunded")
+		}, WithDenialCache(0))
+	})
+	t.Run("resolver", func(t *testing.T) {
+		var tier atomic.Pointer[Plan]
+		tier.Store(&plan)
+		resolver := WithPlanResolver(func(_ context.Context, _ string, _ Plan) (Plan, error) { return *tier.Load(), nil })
+		eachStore(t, []Plan{plan}, func(t *testing.T, l clockedLimiter) {
+			tier.Store(&plan)
+			r, err := l.Reserve(ctx, "k", 100)
+			require.NoError(t, err)
+			require.True(t, r.OK())
+			tier.Store(&slower)
+			l.advance(10 * time.Second)
+			st, err := r.Settle(ctx, 99)
+			require.NoError(t, err)
+			assert.Equal(t, int64(11), st.Remaining)
+		}, WithDenialCache(0), resolver)
+	})
+	t.Run("a plan that left the table", func(t *testing.T) {
+		eachStore(t, []Plan{plan, {Name: "other", Capacity: 5, Rate: 1}}, func(t *testing.T, l clockedLimiter) {
+			r, err := l.Reserve(ctx, "k", 100, "p")
+			require.NoError(t, err)
+			require.NoError(t, l.SetPlans([]Plan{{Name: "other", Capacity: 5, Rate: 1}}))
+			l.advance(time.Second)
+			st, err := r.Settle(ctx, 99)
+			require.NoError(t, err)
+			assert.Equal(t, int64(11), st.Remaining, "settled on the reservation's plan: 10 refilled at 10/s, and 1 refunded")
+		}, WithDenialCache(0))
+	})
+}
