@@ -148,10 +148,19 @@ func TestBatchChecksTheReply(t *testing.T) {
 }
 
 func TestPackedInts(t *testing.T) {
-	got, err := Ints(nil, "0,9007199254740992,17", 3)
+	seven := func(xs ...int64) string { // 7 big-endian bytes each
+		var b []byte
+		for _, x := range xs {
+			for i := 6; i >= 0; i-- {
+				b = append(b, byte(x>>(8*i)))
+			}
+		}
+		return string(b)
+	}
+	got, err := Ints(nil, seven(0, MaxExact, 17), 3)
 	require.NoError(t, err)
 	assert.Equal(t, []int64{0, MaxExact, 17}, got)
-	for _, bad := range []string{"", "1,2", "1,2,3,4", "1,,3", "1,2,x", "-1,2,3", "1,2,9007199254740993", "1.5,2,3", "1,2,3,"} {
+	for _, bad := range []string{"", seven(1, 2), seven(1, 2, 3, 4), seven(1, 2, 3)[1:], seven(1, 2, 3) + "x", seven(1, MaxExact+1, 3), seven(1<<56-1, 2, 3)} {
 		_, err := Ints(nil, bad, 3)
 		assert.ErrorIs(t, err, ErrBadReply, "%q", bad)
 	}
