@@ -5,8 +5,8 @@ import (
 	"hash/maphash"
 	"math"
 	"slices"
+	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 )
 
@@ -40,16 +40,17 @@ type MemoryStore struct {
 	random     func() uint64 // draws for suppressed plans; tests replace it
 }
 
+type memShard struct {
+	mu   sync.Mutex
+	keys map[string]*memEntry
+	_    [48]byte // keeps neighbouring shard locks off one cache line
+}
+
 // memEntry holds the buckets and windows of one key, one per plan it was
-// charged to. Its lock guards everything but hash, which probes read
-// without it (memShard).
+// charged to.
 type memEntry struct {
-	mu      sync.Mutex
-	hash    atomic.Uint64 // of key, with the store's seed
-	key     string
-	gone    bool        // evicted or reset away: its slot holds a tombstone
-	seen    int64       // µs: the last decision on the key, denials and reads included
-	buckets []memBucket // one per plan
+	buckets []memBucket
+	seen    int64 // µs: the last decision on the key, denials and reads included
 }
 
 // memBucket is the state of one plan: its bucket, or its window when the
@@ -215,7 +216,7 @@ func NewMemoryStore(opts ...MemoryOption) *MemoryStore {
 	}
 	m.shards = make([]memShard, n)
 	for i := range m.shards {
-		m.shards[i].init()
+		m.shards[i].keys = make(map[string]*memEntry)
 	}
 	m.perCap = maxKeys / n
 	return m
@@ -237,16 +238,14 @@ func (m *MemoryStore) Len() int {
 	for i := range m.shards {
 		s := &m.shards[i]
 		s.mu.Lock()
-		n += s.n
+		n += len(s.keys)
 		s.mu.Unlock()
 	}
 	return n
 }
 
-// shard returns the shard of key and the key's hash.
-func (m *MemoryStore) shard(key string) (*memShard, uint64) {
-	h := maphash.String(m.seed, key)
-	return &m.shards[h&uint64(len(m.shards)-1)], h
+func (m *MemoryStore) shard(key string) *memShard {
+	return &m.shards[maphash.String(m.seed, key)&uint64(len(m.shards)-1)]
 }
 
 // Take implements Store. The store never blocks on I/O; like a RedisStore,
@@ -274,12 +273,15 @@ func (m *MemoryStore) takeInto(r *Result, key string, cost int64, plans []Plan) 
 	// keeps up to four plans off the heap.
 	var buf [4]TokenBucket
 	buckets := buf[:0]
-	e, now := m.lock(key, cost > 0, len(plans))
+	s, e, now := m.lock(key)
 	for i := range plans {
 		buckets = append(buckets, e.bucket(&plans[i], now))
 	}
 	allowed, wd := takeAll(plans, buckets, now, cost)
 	if allowed && cost > 0 {
+		if e == nil {
+			e = s.entry(key, len(plans), m.perCap, now)
+		}
 		for i := range plans {
 			if wd&(1<<i) == 0 { // a shadowed plan that would deny is left as it was
 				e.store(&plans[i], buckets[i])
@@ -296,62 +298,48 @@ func (m *MemoryStore) takeInto(r *Result, key string, cost int64, plans []Plan) 
 			buckets[i] = e.bucket(&plans[i], now)
 		}
 	}
-	e.unlock()
+	s.mu.Unlock()
 	r.describe(plans, buckets, nil, now, cost, allowed, wd)
 }
 
-// lock returns key's entry, locked, and the time. With create, a key
-// without an entry gets one, room for n plans, at the shard's bound in
-// the place of the key evict chooses; without, it gets nil, and nothing is
-// locked. The clock is read before the entry's lock, which it would
-// otherwise lengthen; if a decision that read the clock later took the
-// lock first, it is read again, where it can only be later than that
-// decision's: a stale now would see that decision's stamps from the
-// future, and a stamp a whole refill ahead would be brought back.
-func (m *MemoryStore) lock(key string, create bool, n int) (*memEntry, int64) {
+// lock locks the shard of key and returns it, the key's entry (nil if
+// none) and the time. The clock is read before the lock, which it would
+// otherwise lengthen. If a decision that read the clock later took the
+// lock first, the clock is read again under the lock, where it can only
+// be later than that decision's: a stale now would see that decision's
+// stamps from the future, and a stamp a whole refill ahead passes for
+// garbage.
+func (m *MemoryStore) lock(key string) (*memShard, *memEntry, int64) {
 	now := m.now()
-	s, h := m.shard(key)
-	e, _ := s.find(key, h)
-	if e == nil {
-		if !create {
-			return nil, now
+	s := m.shard(key)
+	s.mu.Lock()
+	e := s.keys[key]
+	if e != nil {
+		if now < e.seen {
+			now = m.now()
 		}
-		e = m.insert(s, key, h, n, now)
+		e.seen = now
 	}
-	if now < e.seen {
-		now = m.now()
-	}
-	e.seen = now
-	return e, now
+	return s, e, now
 }
 
-// insert returns key's entry, locked: the one another decision inserted
-// since find looked, or a new one, which at the bound reuses the entry of
-// the key it evicts, so that the key's copy is the only allocation.
-func (m *MemoryStore) insert(s *memShard, key string, h uint64, n int, now int64) *memEntry {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if e, _ := s.find(key, h); e != nil {
-		return e
-	}
+// entry inserts an empty entry for key, with room for n plans, and
+// returns it. At the bound it reuses the entry of the key it evicts, so
+// that the key's copy is the only allocation. Requires s.mu.
+func (s *memShard) entry(key string, n, perCap int, now int64) *memEntry {
 	var e *memEntry
-	if s.n >= m.perCap {
-		e = s.evict(now) // locked
+	if len(s.keys) >= perCap {
+		e = s.evict(now)
 	}
 	if e == nil {
 		e = &memEntry{buckets: make([]memBucket, 0, n)}
-		e.mu.Lock()
+	} else {
+		clear(e.buckets) // the evicted key's windows and plans go with it
+		e.buckets = e.buckets[:0]
 	}
-	e.claim(key, h, now)
-	s.insert(e, h)
+	e.seen = now
+	s.keys[strings.Clone(key)] = e
 	return e
-}
-
-// unlock unlocks e, if there is one.
-func (e *memEntry) unlock() {
-	if e != nil {
-		e.mu.Unlock()
-	}
 }
 
 // takeWindows is takeInto for a chain with window plans.
@@ -370,7 +358,7 @@ func (m *MemoryStore) takeWindows(r *Result, key string, cost int64, plans []Pla
 		u = m.random()
 	}
 
-	e, now := m.lock(key, cost > 0, len(plans))
+	s, e, now := m.lock(key)
 	for i := range plans {
 		if p := &plans[i]; p.isWindow() {
 			windows[i] = e.window(p, now)
@@ -380,6 +368,9 @@ func (m *MemoryStore) takeWindows(r *Result, key string, cost int64, plans []Pla
 	}
 	allowed, wd := chain(plans, buckets, windows, now, cost, u)
 	taken := allowed && cost > 0
+	if (taken || suppressed && cost > 0) && e == nil {
+		e = s.entry(key, len(plans), m.perCap, now)
+	}
 	if taken || suppressed && cost > 0 {
 		for i := range plans {
 			taken := taken && wd&(1<<i) == 0 // a shadowed plan that would deny takes nothing
@@ -413,7 +404,7 @@ func (m *MemoryStore) takeWindows(r *Result, key string, cost int64, plans []Pla
 			buckets[i] = e.bucket(p, now)
 		}
 	}
-	e.unlock()
+	s.mu.Unlock()
 	r.describe(plans, buckets, states, now, cost, allowed, wd)
 }
 
@@ -434,36 +425,38 @@ func describeWindow(p *Plan, w *window, now, cost int64, allowed bool) planState
 	return windowState(p, admitted, offered, ready, w.resetAt(now), now, cost, allowed)
 }
 
-// evict drops a key to make room, and returns its entry, locked, or nil
-// if the shard is empty: the first full key of a sample of evictSample,
-// which gives nothing back, or else the one that would get back the
-// fewest tokens, per µs it has been away, if it returned after as long
-// again (ADR 15). Requires s.mu.
+// evict drops a key to make room, and returns its entry, or nil if the
+// shard is empty: the first full key of a sample of evictSample, which
+// gives nothing back, or else the one that would get back the fewest
+// tokens, per µs it has been away, if it returned after as long again
+// (ADR 15). Requires s.mu.
 func (s *memShard) evict(now int64) *memEntry {
-	victim, at := (*memEntry)(nil), -1
+	examined := 0
+	var victim string
+	var ve *memEntry
 	victimHarm := math.Inf(1)
-	s.sample(evictSample, func(e *memEntry, i int) bool {
-		e.mu.Lock()
-		full := e.fullAt(now)
-		away := max(now-e.seen, 0) // its last decision may have read the clock after ours
-		e.mu.Unlock()
-		if full <= now {
-			victim, at = e, i
-			return false
+	for k, e := range s.keys {
+		if examined == evictSample {
+			break
+		}
+		examined++
+		at := e.fullAt(now)
+		if at <= now {
+			victim, ve = k, e
+			break
 		}
 		// What it would get back if it returned after as long as it has
 		// been away, per µs away: a key seen once long ago is a better
 		// victim than a drained key that keeps asking.
-		if harm := float64(full-now-away) / float64(away+1); harm < victimHarm {
-			victim, at, victimHarm = e, i, harm
+		away := max(now-e.seen, 0) // its last decision may have read the clock after ours
+		if harm := float64(at-now-away) / float64(away+1); harm < victimHarm {
+			victim, ve, victimHarm = k, e, harm
 		}
-		return true
-	})
-	if victim != nil {
-		victim.mu.Lock()
-		s.remove(victim, at)
 	}
-	return victim
+	if ve != nil {
+		delete(s.keys, victim)
+	}
+	return ve
 }
 
 // Reset implements Store: it drops the buckets, which then read as full.
@@ -471,24 +464,22 @@ func (m *MemoryStore) Reset(_ context.Context, key string, plans []Plan) error {
 	if err := checkKey(key); err != nil {
 		return err
 	}
-	s, h := m.shard(key)
+	s := m.shard(key)
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	e, i := s.find(key, h)
+	e := s.keys[key]
 	if e == nil {
 		return nil
 	}
-	defer e.mu.Unlock()
 	kept := e.buckets[:0]
 	for _, b := range e.buckets {
 		if !slices.ContainsFunc(plans, func(p Plan) bool { return p.Name == b.plan.Name }) {
 			kept = append(kept, b)
 		}
 	}
-	clear(e.buckets[len(kept):])
 	e.buckets = kept
 	if len(kept) == 0 {
-		s.remove(e, i)
+		delete(s.keys, key)
 	}
 	return nil
 }

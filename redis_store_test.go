@@ -700,9 +700,9 @@ func assertSameWindow(t *testing.T, rs *RedisStore, ms *MemoryStore, key string,
 		clear(inRedis) // a window ahead of the clock: garbage, read as empty
 	}
 	inMemory := map[string]string{}
-	s, h := ms.shard(key)
-	e, _ := s.find(key, h)
-	w := e.window(&p, now)
+	s := ms.shard(key)
+	s.mu.Lock()
+	w := s.keys[key].window(&p, now)
 	lo, hi := w.span(now)
 	for i := lo; i <= hi; i++ {
 		n := int64(len(w.admitted))
@@ -713,7 +713,7 @@ func assertSameWindow(t *testing.T, rs *RedisStore, ms *MemoryStore, key string,
 			inMemory["o"+strconv.FormatInt(i, 10)] = strconv.FormatInt(w.offered[i%n], 10)
 		}
 	}
-	e.unlock()
+	s.mu.Unlock()
 	if len(inMemory) > 0 {
 		shape := "w"
 		if p.Suppress != 0 {
@@ -742,9 +742,8 @@ func keysInOwnShards(m *MemoryStore, steps []agreementOp) []string {
 	taken := map[*memShard]bool{}
 	var keys []string
 	for i := 0; len(keys) < n; i++ {
-		k := fmt.Sprint("user-", i)
-		if s, _ := m.shard(k); !taken[s] {
-			taken[s] = true
+		if k := fmt.Sprint("user-", i); !taken[m.shard(k)] {
+			taken[m.shard(k)] = true
 			keys = append(keys, k)
 		}
 	}

@@ -51,11 +51,14 @@ func (m *MemoryStore) holdInto(r *Result, key string, cost int64, plans []Plan, 
 func (m *MemoryStore) settle(key string, plans []Plan, skip uint64, n, actual, expires int64) (Settlement, settleStatus) {
 	var buf [4]TokenBucket
 	buckets := buf[:0]
-	e, now := m.lock(key, false, len(plans))
-	status, delta := holdStatus(now, expires, n, actual)
-	if delta != 0 && e == nil { // a key without state gets some
-		e, now = m.lock(key, true, len(plans))
-		status, delta = holdStatus(now, expires, n, actual)
+	s, e, now := m.lock(key)
+	status := holdLive
+	if now >= expires { // as a key with that expiry would have gone
+		status = holdGone
+	}
+	delta := settleDelta(n, actual, status)
+	if delta != 0 && e == nil {
+		e = s.entry(key, len(plans), m.perCap, now)
 	}
 	var lost int64
 	for i := range plans {
@@ -69,19 +72,8 @@ func (m *MemoryStore) settle(key string, plans []Plan, skip uint64, n, actual, e
 		}
 		buckets = append(buckets, b)
 	}
-	e.unlock()
+	s.mu.Unlock()
 	return settlement(plans, buckets, now, n, actual, lost, status), status
-}
-
-// holdStatus returns how a MemoryStore finds a hold that expires at
-// expires, as of now, and the settlement's delta for n held and actual
-// used.
-func holdStatus(now, expires, n, actual int64) (settleStatus, int64) {
-	status := holdLive
-	if now >= expires { // as a key with that expiry would have gone
-		status = holdGone
-	}
-	return status, settleDelta(n, actual, status)
 }
 
 // hold is take for Reserve: the script also sets the hold, named by a new
