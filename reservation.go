@@ -38,6 +38,7 @@ type hold struct {
 	skip  uint64 // bit i: the reservation took nothing from plan i (a shadowed plan that would deny)
 
 	lease bool // a lease's: Stats counts the decisions it serves, not it
+	given bool // plans AllowPlans's caller gave: settled with them (plansInForce)
 
 	store   Store  // the store that granted it; nil when none did (FailOpen)
 	id      string // a RedisStore's name for it
@@ -330,9 +331,14 @@ func (l *Limiter) settleOnRedis(ctx context.Context, s *RedisStore, r *Reservati
 // refills, and a debt accrues, at the rate in force. A plan whose name
 // left the table, that the resolver exempts or fails on, or that is a
 // window now, keeps the reservation's; so does its Shadow flag, since the
-// reservation took from it or not by that flag (hold.skip).
+// reservation took from it or not by that flag (hold.skip). The plans of
+// a lease that AllowPlans took are its caller's, which the Limiter cannot
+// look up: they are kept as they were.
 func (l *Limiter) plansInForce(ctx context.Context, r *Reservation) []Plan {
 	was := r.hold.plans
+	if r.hold.given {
+		return was
+	}
 	t := l.table.Load()
 	var now []Plan // a copy, once a plan differs
 	for i := range was {
