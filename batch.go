@@ -22,8 +22,9 @@ const (
 // WithBatching makes a RedisStore on a standalone Redis or Sentinel
 // decide concurrent requests together: while maxInFlight (2) script calls
 // are under way, further decisions wait, and the next call decides up to
-// 32 of them, each independently, all or nothing, with its own read of
-// Redis TIME, as a call of its own would. A decision that finds a call
+// 32 of them, each independently, all or nothing, as a call of its own
+// would, all at one read of Redis TIME, when the batch began (ADR 26).
+// A decision that finds a call
 // slot free is sent at once, on its own. Each caller's context bounds its
 // own wait; a batch is bounded by the latest deadline among its callers,
 // so that one caller's cancellation or deadline fails no other decision.

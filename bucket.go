@@ -40,10 +40,11 @@ func fullBucket(p Plan, now int64) TokenBucket {
 // brought back to a full refill ahead, tokens kept (ADR 29): a garbage
 // stamp blocks a key for at most one full refill, and a debt that another
 // plan of the name, with a longer refill, ran up reads as the most debt
-// this plan allows, never as a full bucket. A decision that finds such a
-// stamp writes the bucket back, allowed or not. Read the clock under the
-// bucket's lock, as MemoryStore does: a now read before a long pause could
-// look like such a stamp.
+// this plan allows, never as a full bucket. A decision that asks for
+// tokens (cost > 0) and finds such a stamp writes the bucket back,
+// allowed or not; a read writes nothing. Read the clock no earlier
+// than the bucket's last write, as MemoryStore's lock does: a now read
+// before a long pause could look like such a stamp.
 func (b TokenBucket) Refill(p Plan, now int64) TokenBucket {
 	return b.refill(&p, now)
 }

@@ -226,8 +226,10 @@ func FuzzBucket(f *testing.F) {
 				if !b.tooFarAhead(&p, now) || next.Stamp != now+int64(math.Floor(float64(full)/rate)) {
 					t.Fatalf("step %d: stamp moved back from %d to %d", steps, b.Stamp, next.Stamp)
 				}
-				accrued += rate * float64(reached-segment)
-				segment, reached = now, now
+				// Nothing accrues until the stamp brought back, a full
+				// refill from now.
+				accrued += rate * float64(max(reached-segment, 0))
+				segment, reached = next.Stamp, now
 			}
 			if next.Stamp > max(now, b.Stamp) {
 				t.Fatalf("step %d: stamp %d is past now %d", steps, next.Stamp, now)
@@ -257,7 +259,7 @@ func FuzzBucket(f *testing.F) {
 		// Each refill may round up by less than a micro-token; steps covers
 		// it. A clock step back gives no bucketful: time accrues again from
 		// the step (a new segment), and only from a full refill after it.
-		accrued += rate * float64(reached-segment)
+		accrued += rate * float64(max(reached-segment, 0))
 		bound := float64(full) + accrued + float64(steps)
 		if float64(admitted) > bound {
 			t.Fatalf("admitted %d micro-tokens; bound %.0f", admitted, bound)

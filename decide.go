@@ -42,12 +42,15 @@ func (l *Limiter) decide(ctx context.Context, r *Result, key string, cost, minCo
 			return err
 		}
 	}
-	return l.decideOn(ctx, r, t, key, cost, minCost, plans, entry, h)
+	return l.decideOn(ctx, r, t, key, cost, minCost, plans, entry, h, false)
 }
 
 // decideOn makes one decision on plans, resolved, into *r. entry is the
 // plan's when there is one plan, and nil for a chain; h is decide's.
-func (l *Limiter) decideOn(ctx context.Context, r *Result, t *planTable, key string, cost, minCost int64, plans []Plan, entry *planEntry, h *hold) error {
+// given says that the caller gave the plans (AllowPlans): a lease taken
+// for them is settled with them, not with the plans in force of their
+// names (plansInForce).
+func (l *Limiter) decideOn(ctx context.Context, r *Result, t *planTable, key string, cost, minCost int64, plans []Plan, entry *planEntry, h *hold, given bool) error {
 	if err := checkCost(cost, minCost, plans); err != nil {
 		return err
 	}
@@ -64,7 +67,7 @@ func (l *Limiter) decideOn(ctx context.Context, r *Result, t *planTable, key str
 			return err
 		}
 	} else if l.leases != nil && len(plans) == 1 && plans[0].Lease >= cost && cost > 0 {
-		if decided, err := l.leases.decide(ctx, r, t, key, cost, plans, entry); decided || err != nil {
+		if decided, err := l.leases.decide(ctx, r, t, key, cost, plans, entry, given); decided || err != nil {
 			if err == nil {
 				l.record(ctx, r, cost, entry, t)
 			}

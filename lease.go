@@ -59,10 +59,10 @@ type lease struct {
 // after the one before, each up to 1.5 TTLs, and is given back within
 // half a TTL more), so that the tombstones of leases given back leave
 // Redis soon; a hold that expired first refunds nothing, which only
-// under-admits.
-func (ls *leases) reservation(key string, n int64) *Reservation {
+// under-admits. given says that AllowPlans's caller gave the plans.
+func (ls *leases) reservation(key string, n int64, given bool) *Reservation {
 	rv := ls.l.newReservation(key, n)
-	rv.hold.ttl, rv.hold.lease = 4*ls.ttl, true
+	rv.hold.ttl, rv.hold.lease, rv.hold.given = 4*ls.ttl, true, given
 	return rv
 }
 
@@ -74,8 +74,8 @@ func newLeases(l *Limiter, ttl time.Duration) *leases {
 // the lease of key, taking a new lease when it has too few tokens. It
 // reports whether it decided into *r; when not, the request goes to the
 // store as usual: Redis had fewer tokens than a lease, or the Limiter is
-// closed.
-func (ls *leases) decide(ctx context.Context, r *Result, t *planTable, key string, cost int64, plans []Plan, entry *planEntry) (bool, error) {
+// closed. given is decideOn's.
+func (ls *leases) decide(ctx context.Context, r *Result, t *planTable, key string, cost int64, plans []Plan, entry *planEntry, given bool) (bool, error) {
 	for {
 		e := ls.get(key, plans[0].Name)
 		if e == nil {
@@ -90,7 +90,7 @@ func (ls *leases) decide(ctx context.Context, r *Result, t *planTable, key strin
 		case <-ctx.Done():
 			return true, ctx.Err()
 		}
-		decided, again, err := ls.take(ctx, e, r, t, key, cost, plans, entry)
+		decided, again, err := ls.take(ctx, e, r, t, key, cost, plans, entry, given)
 		<-e.renew
 		if !again {
 			return decided, err
@@ -163,8 +163,8 @@ func (ls *leases) fetch(e *lease, cur *Reservation, n int64, key string, plans [
 	ctx, cancel := context.WithTimeout(context.Background(), ls.ttl+time.Second)
 	defer cancel()
 	l := ls.l
-	rv := ls.reservation(key, n)
-	err := l.decideOn(ctx, &rv.result, t, key, n, 1, plans, entry, &rv.hold)
+	rv := ls.reservation(key, n, cur.hold.given)
+	err := l.decideOn(ctx, &rv.result, t, key, n, 1, plans, entry, &rv.hold, cur.hold.given)
 	if err == nil {
 		l.held(rv)
 	}
@@ -192,7 +192,7 @@ func (e *lease) result(r *Result, src Source) {
 // take gives e's lease back and takes a new one, deciding the request
 // from it. again reports that e left the map meanwhile, so the caller
 // must look the lease up again. The caller holds e.renew.
-func (ls *leases) take(ctx context.Context, e *lease, r *Result, t *planTable, key string, cost int64, plans []Plan, entry *planEntry) (decided, again bool, err error) {
+func (ls *leases) take(ctx context.Context, e *lease, r *Result, t *planTable, key string, cost int64, plans []Plan, entry *planEntry, given bool) (decided, again bool, err error) {
 	l, now := ls.l, ls.l.now()
 	e.mu.Lock()
 	if e.gone {
@@ -220,8 +220,8 @@ func (ls *leases) take(ctx context.Context, e *lease, r *Result, t *planTable, k
 	}
 
 	size := plans[0].Lease
-	rv := ls.reservation(key, size)
-	if err := l.decideOn(ctx, &rv.result, t, key, size, 1, plans, entry, &rv.hold); err != nil {
+	rv := ls.reservation(key, size, given)
+	if err := l.decideOn(ctx, &rv.result, t, key, size, 1, plans, entry, &rv.hold, given); err != nil {
 		return true, false, err
 	}
 	l.held(rv)

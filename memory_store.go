@@ -283,14 +283,15 @@ func (m *MemoryStore) takeInto(r *Result, key string, cost int64, plans []Plan) 
 			e = s.entry(key, len(plans), m.perCap, now)
 		}
 		for i := range plans {
-			if wd&(1<<i) == 0 { // a shadowed plan that would deny is left as it was
+			if wd&(1<<i) == 0 { // a shadowed plan that would deny is left as it was, but for bringBack
 				e.store(&plans[i], buckets[i])
 			} else {
 				e.bringBack(&plans[i], now)
 			}
 		}
 	} else {
-		// A denial or a read leaves the buckets as they were.
+		// A denial or a read leaves the buckets as they were, but a
+		// denial brings back a stamp too far ahead.
 		for i := range plans {
 			if cost > 0 {
 				e.bringBack(&plans[i], now)
@@ -397,7 +398,8 @@ func (m *MemoryStore) takeWindows(r *Result, key string, cost int64, plans []Pla
 			// Windows change in place: they are described under the lock.
 			states[i] = describeWindow(p, windows[i], now, cost, allowed && wd&(1<<i) == 0)
 		case !taken:
-			// A denial or a read leaves the buckets as they were.
+			// A denial or a read leaves the buckets as they were, but a
+			// denial brings back a stamp too far ahead.
 			if cost > 0 {
 				e.bringBack(p, now)
 			}

@@ -38,6 +38,7 @@ type hold struct {
 	skip  uint64 // bit i: the reservation took nothing from plan i (a shadowed plan that would deny)
 
 	lease bool // a lease's: Stats counts the decisions it serves, not it
+	given bool // plans AllowPlans's caller gave: settled with them (plansInForce)
 
 	store   Store  // the store that granted it; nil when none did (FailOpen)
 	id      string // a RedisStore's name for it
@@ -219,7 +220,8 @@ func (r *Reservation) Result() Result {
 // the reservation was decided on (after SetPlans, or a PlanResolver that
 // now answers another tier), so a refund refills at today's rate; a plan
 // whose name is gone, or that the resolver now exempts or fails on, is
-// settled as it was reserved.
+// settled as it was reserved, and one whose name is a window now is left
+// alone.
 func (r *Reservation) Settle(ctx context.Context, actual int64) (Settlement, error) {
 	if !r.result.Allowed {
 		return Settlement{}, ErrNotGranted
@@ -266,11 +268,11 @@ func (l *Limiter) settle(ctx context.Context, r *Reservation, actual int64) (st 
 	case nil: // granted by FailOpen, or exempt (ErrExempt): nothing was held
 		return Settlement{Result: r.result}, nil
 	case *MemoryStore:
-		plans := l.plansInForce(ctx, r)
+		plans, skip := l.plansInForce(ctx, r)
 		if s != l.mem { // the fallback, which decides on this instance's share
 			plans = l.fallbackShare(plans)
 		}
-		st, status = s.settle(r.key, plans, h.skip, r.n, actual, h.expires)
+		st, status = s.settle(r.key, plans, skip, r.n, actual, h.expires)
 		st.Source = r.result.Source
 	case *RedisStore:
 		if st, status, err = l.settleOnRedis(ctx, s, r, actual); err != nil {
@@ -295,12 +297,14 @@ func (l *Limiter) settle(ctx context.Context, r *Reservation, actual int64) (st 
 // settleOnRedis settles r on s behind the breaker; while s fails, the
 // failure policy settles it.
 func (l *Limiter) settleOnRedis(ctx context.Context, s *RedisStore, r *Reservation, actual int64) (st Settlement, status settleStatus, err error) {
-	plans := l.plansInForce(ctx, r)
+	plans, skip := l.plansInForce(ctx, r)
+	h := r.hold
+	h.skip = skip
 	b := l.health.forKey(ctx, r.key, plans)
 	cause := errBreakerOpen
 	if ok, probe := b.Allow(); ok {
 		callerErr, storeErr := l.call(ctx, &st.Result, b, probe, l.now(), func() (err error) {
-			st, status, err = s.settle(ctx, r.key, plans, &r.hold, r.n, actual)
+			st, status, err = s.settle(ctx, r.key, plans, &h, r.n, actual)
 			return err
 		})
 		switch {
@@ -319,20 +323,28 @@ func (l *Limiter) settleOnRedis(ctx context.Context, s *RedisStore, r *Reservati
 	}
 	// The fallback store holds no hold of Redis's: it charges the excess
 	// as for a hold gone, and the refund is dropped.
-	st, _ = l.fallback.(*MemoryStore).settle(r.key, l.fallbackShare(plans), r.hold.skip, r.n, actual, 0)
+	st, _ = l.fallback.(*MemoryStore).settle(r.key, l.fallbackShare(plans), skip, r.n, actual, 0)
 	st.Source = SourceFallback
 	return st, holdLive, nil
 }
 
-// plansInForce returns the plans a settlement of r adjusts: for each plan
-// the reservation was decided on, the plan of that name that a decision
-// on r's key would use now (SetPlans, the PlanResolver), so that a refund
+// plansInForce returns the plans a settlement of r adjusts, and the plans
+// it leaves alone (bit i for plan i, as hold.skip): for each plan the
+// reservation was decided on, the plan of that name that a decision on
+// r's key would use now (SetPlans, the PlanResolver), so that a refund
 // refills, and a debt accrues, at the rate in force. A plan whose name
-// left the table, that the resolver exempts or fails on, or that is a
-// window now, keeps the reservation's; so does its Shadow flag, since the
-// reservation took from it or not by that flag (hold.skip).
-func (l *Limiter) plansInForce(ctx context.Context, r *Reservation) []Plan {
-	was := r.hold.plans
+// left the table, or that the resolver exempts or fails on, keeps the
+// reservation's; so does its Shadow flag, since the reservation took from
+// it or not by that flag (hold.skip). A plan of the name that is a window
+// now is left alone: the bucket the reservation took from is gone, and
+// writing one would replace the window's counts. The plans of
+// a lease that AllowPlans took are its caller's, which the Limiter cannot
+// look up: they are kept as they were.
+func (l *Limiter) plansInForce(ctx context.Context, r *Reservation) (_ []Plan, skip uint64) {
+	was, skip := r.hold.plans, r.hold.skip
+	if r.hold.given {
+		return was, skip
+	}
 	t := l.table.Load()
 	var now []Plan // a copy, once a plan differs
 	for i := range was {
@@ -352,7 +364,11 @@ func (l *Limiter) plansInForce(ctx context.Context, r *Reservation) []Plan {
 			p = v.one[0]
 		}
 		p.Shadow = was[i].Shadow
-		if p.isWindow() || p == was[i] {
+		if p.isWindow() {
+			skip |= 1 << i
+			continue
+		}
+		if p == was[i] {
 			continue
 		}
 		if now == nil {
@@ -361,9 +377,9 @@ func (l *Limiter) plansInForce(ctx context.Context, r *Reservation) []Plan {
 		now[i] = p
 	}
 	if now == nil {
-		return was
+		return was, skip
 	}
-	return now
+	return now, skip
 }
 
 // fallbackShare returns the plans a settlement on the fallback adjusts:

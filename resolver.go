@@ -190,7 +190,7 @@ func (l *Limiter) AllowPlans(ctx context.Context, key string, cost int64, plans 
 	if err := checkKey(key); err != nil {
 		return r, err
 	}
-	err = l.decideOn(ctx, &r, t, key, cost, 1, use, entry, nil)
+	err = l.decideOn(ctx, &r, t, key, cost, 1, use, entry, nil, true)
 	return r, err
 }
 

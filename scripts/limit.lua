@@ -16,7 +16,7 @@
 --                -n reads as if asked for n tokens (PeekN)
 -- A capacity below 0 shadows its plan (ADR 23): the plan is decided with
 -- capacity -c and drained if it fits, but never denies; a plan that lacks
--- the tokens is left as it was.
+-- the tokens is left as it was, but for a stamp brought back (ADR 29).
 -- Then, for a chain of buckets alone (#ARGV = 1 + 2 #KEYS), which the
 -- arguments of windows would slow by 13-23% (ADR 16):
 -- ARGV[2i..2i+1] plan i: capacity in tokens, rate in tokens per second
@@ -41,15 +41,18 @@
 -- Reply: {allowed (1 or 0) + 2 × (the sum of 2^(i-1) over the shadowed
 -- plans i that would deny), now (µs, from TIME), then per plan:
 --   a bucket:  tokens, stamp: the bucket as stored after the decision,
---              drained if allowed, as read if not (a missing or foreign
---              bucket reads as full at now);
+--              drained if allowed, as read if not, before a stamp too
+--              far ahead is written back (a missing or foreign bucket
+--              reads as full at now);
 --   a window:  admitted, offered: the counts at now before the decision;
 --              ready: when max(cost, 1) tokens fit, if not taken now;
 --              reset: when nothing admitted counts any more, after the
 --              decision (now if nothing does)}
 --
 -- Bucket: a string of tokens and stamp (see bucket.lua), written only
--- when tokens are taken, expiring when it would be full again. Once a
+-- when tokens are taken, or, by a decision that asks for tokens, when its
+-- stamp was more than a full refill ahead and is brought back (ADR 29),
+-- expiring when it would be full again. Once a
 -- plan with a version wrote it, it also keeps pv, the highest version
 -- that wrote it, never lowered, and c, the capacity of the last such
 -- write: a plan of a higher version than pv applies its inheritance
