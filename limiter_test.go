@@ -279,6 +279,14 @@ func BenchmarkLimiterAllow(b *testing.B) {
 		b.SetParallelism(32)
 		allowParallel(b, l)
 	})
+	b.Run("redis/cluster-parallel", func(b *testing.B) {
+		// Three masters of a cluster the benchmark starts: each decision is
+		// one script call on its key's master (ADR 26: no batching there).
+		c := redistest.StartCluster(b, 3, 0).Client(b, &redis.ClusterOptions{PoolSize: 64})
+		l, _ := New(NewRedisStore(c), benchPlan)
+		b.SetParallelism(32)
+		allowParallel(b, l)
+	})
 }
 
 // allowParallel runs Allow from parallel goroutines over 10,000 keys, each
