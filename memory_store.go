@@ -84,15 +84,14 @@ func (e *memEntry) bucket(p *Plan, now int64) TokenBucket {
 	return fullBucket(*p, now)
 }
 
-// bringBack writes back the bucket of plan p, refilled to now, if its
-// stamp is too far ahead (TokenBucket.Refill): a decision that is not
-// allowed writes nothing else, and the stamp must not stay out of reach
-// of a clock that only catches up with it. e may be nil.
-func (e *memEntry) bringBack(p *Plan, now int64) {
-	if b := e.find(p); b != nil && b.win == nil {
-		if tb := b.ver.inherit(b.TokenBucket, p, now); tb.tooFarAhead(p, now) {
-			e.store(p, tb.refill(p, now))
-		}
+// bringBack writes back b, plan p's bucket as e.bucket reads it, refilled
+// to now, if its stamp is too far ahead (TokenBucket.Refill): a decision
+// that is not allowed writes nothing else, and the stamp must not stay out
+// of reach of a clock that only catches up with it. e may be nil: its
+// buckets read as full, never too far ahead.
+func (e *memEntry) bringBack(p *Plan, b TokenBucket, now int64) {
+	if b.tooFarAhead(p, now) {
+		e.store(p, b.refill(p, now))
 	}
 }
 
@@ -286,17 +285,17 @@ func (m *MemoryStore) takeInto(r *Result, key string, cost int64, plans []Plan) 
 			if wd&(1<<i) == 0 { // a shadowed plan that would deny is left as it was, but for bringBack
 				e.store(&plans[i], buckets[i])
 			} else {
-				e.bringBack(&plans[i], now)
+				e.bringBack(&plans[i], e.bucket(&plans[i], now), now)
 			}
 		}
 	} else {
 		// A denial or a read leaves the buckets as they were, but a
 		// denial brings back a stamp too far ahead.
 		for i := range plans {
-			if cost > 0 {
-				e.bringBack(&plans[i], now)
-			}
 			buckets[i] = e.bucket(&plans[i], now)
+			if cost > 0 {
+				e.bringBack(&plans[i], buckets[i], now)
+			}
 		}
 	}
 	s.mu.Unlock()
@@ -381,7 +380,7 @@ func (m *MemoryStore) takeWindows(r *Result, key string, cost int64, plans []Pla
 					buckets[i].Tokens -= cost * microTokens
 					e.store(p, buckets[i])
 				} else {
-					e.bringBack(p, now)
+					e.bringBack(p, e.bucket(p, now), now)
 				}
 			case taken:
 				windows[i] = e.storeWindow(p, now)
@@ -400,10 +399,10 @@ func (m *MemoryStore) takeWindows(r *Result, key string, cost int64, plans []Pla
 		case !taken:
 			// A denial or a read leaves the buckets as they were, but a
 			// denial brings back a stamp too far ahead.
-			if cost > 0 {
-				e.bringBack(p, now)
-			}
 			buckets[i] = e.bucket(p, now)
+			if cost > 0 {
+				e.bringBack(p, buckets[i], now)
+			}
 		}
 	}
 	s.mu.Unlock()
