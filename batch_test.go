@@ -67,6 +67,21 @@ func background(n int) []context.Context {
 	return ctxs
 }
 
+// batchAgainstCalls sends reqs as one batch through batched, and one call
+// each through plain, on the same Redis at the same Redis time; it demands
+// the same Result for each, and returns the batch's.
+func batchAgainstCalls(t *testing.T, batched, plain *RedisStore, reqs []batchReq) []Result {
+	t.Helper()
+	got, errs := gather(t, batched, background(len(reqs)), reqs)()
+	for i, r := range reqs {
+		require.NoError(t, errs[i], "request %d", i)
+		want, err := plain.Take(context.Background(), r.key, r.cost, r.plans)
+		require.NoError(t, err)
+		assert.Equal(t, want, got[i], "request %d: %+v", i, r)
+	}
+	return got
+}
+
 // TestBatchDecidesAsCallsOfTheirOwn sends buckets, windows, chains,
 // denials and reads, several on one key, as one batch, and the same
 // requests one call each to another prefix of the same miniredis at the
@@ -89,13 +104,7 @@ func TestBatchDecidesAsCallsOfTheirOwn(t *testing.T) {
 		{"a", 0, []Plan{gold}},
 		{"b", 0, testPlans},
 	}
-	got, errs := gather(t, batched, background(len(reqs)), reqs)()
-	for i, r := range reqs {
-		require.NoError(t, errs[i], "request %d", i)
-		want, err := plain.Take(context.Background(), r.key, r.cost, r.plans)
-		require.NoError(t, err)
-		assert.Equal(t, want, got[i], "request %d: %+v", i, r)
-	}
+	got := batchAgainstCalls(t, batched, plain, reqs)
 	assert.False(t, got[1].Allowed)
 	assert.False(t, got[5].Allowed)
 	for _, r := range reqs {
@@ -389,13 +398,7 @@ func TestBatchBringsBackAFarStampAsACallOfItsOwn(t *testing.T) {
 		{"a", 1, []Plan{gold}},
 		{"a", 2, []Plan{gold}},
 	}
-	got, errs := gather(t, batched, background(len(reqs)), reqs)()
-	for i, r := range reqs {
-		require.NoError(t, errs[i], "request %d", i)
-		want, err := plain.Take(context.Background(), r.key, r.cost, r.plans)
-		require.NoError(t, err)
-		assert.Equal(t, want, got[i], "request %d: %+v", i, r)
-	}
+	got := batchAgainstCalls(t, batched, plain, reqs)
 	assert.False(t, got[1].Allowed)
 	assert.True(t, got[3].Allowed, "1.5 tokens kept")
 	assert.Equal(t, storedAt(t, c, plain.Key("a", gold.Name)), storedAt(t, c, batched.Key("a", gold.Name)))

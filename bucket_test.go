@@ -370,6 +370,16 @@ func TestAdjustAfterAClockStepKeepsTheTokens(t *testing.T) {
 	assert.GreaterOrEqual(t, got.Refill(p, now+1000).Tokens, int64(799*microTokens), "a charge of 100 takes 100")
 }
 
+// drainThenStepBack takes both tokens of key k (a plan of capacity 2, 1 a
+// second), then steps the clock back an hour, far more than a full refill.
+func drainThenStepBack(t *testing.T, l clockedLimiter) {
+	t.Helper()
+	r, err := l.AllowN(context.Background(), "k", 2)
+	require.NoError(t, err)
+	require.True(t, r.Allowed)
+	l.advance(-time.Hour)
+}
+
 // TestClockFarBackBlocksForOneRefill drains a key, then steps the clock
 // back by an hour, far more than the plan's full refill of 2 s: the stamp
 // is brought back to 2 s ahead and written back by the denial, so the key
@@ -378,11 +388,8 @@ func TestAdjustAfterAClockStepKeepsTheTokens(t *testing.T) {
 func TestClockFarBackBlocksForOneRefill(t *testing.T) {
 	ctx := context.Background()
 	eachStore(t, []Plan{{Name: "p", Capacity: 2, Rate: 1}}, func(t *testing.T, l clockedLimiter) {
-		r, err := l.AllowN(ctx, "k", 2)
-		require.NoError(t, err)
-		require.True(t, r.Allowed)
-		l.advance(-time.Hour)
-		r, err = l.Allow(ctx, "k")
+		drainThenStepBack(t, l)
+		r, err := l.Allow(ctx, "k")
 		require.NoError(t, err)
 		assert.False(t, r.Allowed, "a step back mints nothing")
 		assert.Equal(t, 3*time.Second, r.RetryAfter)
@@ -405,11 +412,8 @@ func TestClockFarBackBlocksForOneRefill(t *testing.T) {
 func TestReadsDoNotBringBackAFarStamp(t *testing.T) {
 	ctx := context.Background()
 	eachStore(t, []Plan{{Name: "p", Capacity: 2, Rate: 1}}, func(t *testing.T, l clockedLimiter) {
-		r, err := l.AllowN(ctx, "k", 2)
-		require.NoError(t, err)
-		require.True(t, r.Allowed)
-		l.advance(-time.Hour)
-		r, err = l.Peek(ctx, "k")
+		drainThenStepBack(t, l)
+		r, err := l.Peek(ctx, "k")
 		require.NoError(t, err)
 		assert.Equal(t, 3*time.Second, r.RetryAfter)
 		r, err = l.PeekN(ctx, "k", 2)
