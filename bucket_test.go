@@ -208,7 +208,7 @@ func FuzzBucket(f *testing.F) {
 			// sign, op[3] the cost.
 			scale := []int64{1, 1_000, 1_000_000, 1_000_000_000}[op[0]%4]
 			now += int64(int16(binary.BigEndian.Uint16(op[1:3]))) * scale
-			now = min(max(now, 0), t0+MaxRefillPeriod.Microseconds()) // Redis TIME: after 1970, before 2123
+			now = min(max(now, 0), t0+maxRefillPeriod.Microseconds()) // Redis TIME: after 1970, before 2123
 			cost := int64(op[3])
 			if op[0]&4 != 0 {
 				cost = capacity // the largest cost

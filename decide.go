@@ -12,101 +12,96 @@ import (
 	"github.com/tollgate-go/tollgate/internal/redisscript"
 )
 
-// decide makes one decision into *r. It is a pipeline of steps, each
-// readable alone: look the plans up, validate the request, resolve the
-// plans for the key (WithPlanResolver), answer a remembered denial from
-// the cache, ask the store behind its breaker and failure policy (a
-// MemoryStore, which cannot fail, directly), and record the decision.
-// Allow, AllowN and Peek pass the Result they return, so it is built in
-// place rather than copied up the steps. h is nil but for Reserve, whose
-// hold the store that grants it fills in.
-func (l *Limiter) decide(ctx context.Context, r *Result, key string, cost, minCost int64, names []string, h *hold) error {
-	t := l.table.Load()
-	plans, entry := t.defaults.one, t.defaults
-	if len(names) > 0 {
-		var err error
-		if plans, entry, err = t.resolve(names); err != nil {
-			return err
+// decide makes one decision into *r, in steps each readable alone: find
+// the plans (plansFor), check the request, serve it from a lease, answer a
+// remembered denial, ask the store behind its breaker and failure policy,
+// then remember a denial and record the decision. Allow, AllowN and Peek
+// pass the Result they return, so it is built in place rather than copied
+// up the steps.
+func (l *Limiter) decide(ctx context.Context, r *Result, q *request) error {
+	if err := l.plansFor(ctx, q); err != nil {
+		if errors.Is(err, ErrExempt) {
+			*r = exemptResult(q.plans)
+			return nil
 		}
-	}
-	if err := checkKey(key); err != nil {
 		return err
 	}
-	if l.resolver != nil {
-		var err error
-		if plans, entry, err = l.resolveFor(ctx, t, key, plans, entry); err != nil {
-			if errors.Is(err, ErrExempt) {
-				*r = exemptResult(plans)
-				return nil
+	if err := l.check(ctx, q); err != nil {
+		return err
+	}
+	if l.leases != nil && q.mode == modeTake {
+		if served, err := l.leases.serve(ctx, r, q); served || err != nil {
+			if err == nil {
+				l.record(ctx, r, q)
 			}
 			return err
 		}
 	}
-	return l.decideOn(ctx, r, t, key, cost, minCost, plans, entry, h, false)
-}
-
-// decideOn makes one decision on plans, resolved, into *r. entry is the
-// plan's when there is one plan, and nil for a chain; h is decide's.
-// given says that the caller gave the plans (AllowPlans): a lease taken
-// for them is settled with them, not with the plans in force of their
-// names (plansInForce).
-func (l *Limiter) decideOn(ctx context.Context, r *Result, t *planTable, key string, cost, minCost int64, plans []Plan, entry *planEntry, h *hold, given bool) error {
-	if err := checkCost(cost, minCost, plans); err != nil {
+	cache := l.cacheable(q)
+	if cache {
+		q.pk = planKey(q)
+	}
+	if cache && l.cached(r, q) {
+		l.record(ctx, r, q)
+		return nil
+	}
+	asked := l.now()
+	if err := l.ask(ctx, r, &q.op); err != nil {
 		return err
 	}
-	if len(plans) > maxShadowIndex {
-		if err := checkShadow(plans); err != nil {
+	if cache {
+		l.remember(r, q, asked)
+	}
+	l.record(ctx, r, q)
+	return nil
+}
+
+// named decides o on the plans named names, the table's first plan for
+// none, into *r. names stay out of the request, whose content escapes to
+// the heap: a caller's variadic names then stay on its stack.
+func (l *Limiter) named(ctx context.Context, r *Result, o op, names []string) error {
+	q := request{op: o, table: l.table.Load()}
+	q.plans, q.entry = q.table.defaults.one, q.table.defaults
+	if len(names) > 0 {
+		var err error
+		if q.plans, q.entry, err = q.table.resolve(names); err != nil {
+			return err
+		}
+	}
+	return l.decide(ctx, r, &q)
+}
+
+// plansFor checks q's key and has the resolver choose q's plans for it
+// (WithPlanResolver), unless the caller gave them (AllowPlans). It returns
+// ErrExempt, with q's plans as asked, when the resolver exempts the key
+// from every plan.
+func (l *Limiter) plansFor(ctx context.Context, q *request) error {
+	if err := checkKey(q.key); err != nil {
+		return err
+	}
+	if q.given || l.resolver == nil {
+		return nil
+	}
+	var err error
+	q.plans, q.entry, err = l.resolveFor(ctx, q.table, q.key, q.plans, q.entry)
+	return err
+}
+
+// check checks q against its plans, and the caller's context.
+func (l *Limiter) check(ctx context.Context, q *request) error {
+	if err := checkCost(q.n, q.plans); err != nil {
+		return err
+	}
+	if len(q.plans) > maxShadowIndex {
+		if err := checkShadow(q.plans); err != nil {
 			return err
 		}
 	}
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	if h != nil {
-		if err := h.accept(plans); err != nil {
-			return err
-		}
-	} else if l.leases != nil && len(plans) == 1 && plans[0].Lease >= cost && cost > 0 {
-		if decided, err := l.leases.decide(ctx, r, t, key, cost, plans, entry, given); decided || err != nil {
-			if err == nil {
-				l.record(ctx, r, cost, entry, t)
-			}
-			return err
-		}
-	}
-	// Suppressed plans write on every request, so a remembered denial
-	// would not be the store's answer.
-	cache := l.denials != nil && cost > 0 && !suppressedIn(plans)
-	var pk string   // the denial cache's name for plans
-	var asked int64 // when the store was asked, on the Limiter's clock, which the cache shares
-	if cache {
-		pk, asked = planKey(plans, entry), l.now()
-		if l.cached(r, key, pk, cost, asked) {
-			if h == nil || !h.lease {
-				l.record(ctx, r, cost, entry, t)
-			}
-			return nil
-		}
-	}
-	if l.mem != nil { // a MemoryStore cannot fail: no breaker, no policy
-		if h != nil {
-			l.mem.holdInto(r, key, cost, plans, h)
-		} else {
-			l.mem.takeInto(r, key, cost, plans)
-		}
-	} else {
-		if !cache {
-			asked = l.now()
-		}
-		if err := l.ask(ctx, r, key, cost, plans, asked, h); err != nil {
-			return err
-		}
-	}
-	if cache {
-		l.remember(key, pk, cost, r, asked)
-	}
-	if h == nil || !h.lease {
-		l.record(ctx, r, cost, entry, t)
+	if q.mode == modeHold {
+		return q.hold.accept(q.plans)
 	}
 	return nil
 }
@@ -118,13 +113,13 @@ func (t *planTable) resolve(names []string) ([]Plan, *planEntry, error) {
 		if e, ok := t.byName[names[0]]; ok {
 			return e.one, e, nil
 		}
-		return nil, nil, fmt.Errorf("%w: %q", ErrUnknownPlan, names[0])
+		return nil, nil, unknownPlan(names[0])
 	}
 	plans := make([]Plan, len(names))
 	for i, name := range names {
 		e, ok := t.byName[name]
 		if !ok {
-			return nil, nil, fmt.Errorf("%w: %q", ErrUnknownPlan, name)
+			return nil, nil, unknownPlan(name)
 		}
 		for _, q := range plans[:i] {
 			if q.Name == name {
@@ -136,25 +131,39 @@ func (t *planTable) resolve(names []string) ([]Plan, *planEntry, error) {
 	return plans, nil, nil
 }
 
-// planKey names the plans of a request for the denial cache by their
-// fingerprints, so that a remembered denial answers only for the same
-// parameters: a raised limit (a resolver's tier upgrade, SetPlans) is
-// asked of the store at once. One plan, the common case, costs nothing.
-func planKey(plans []Plan, entry *planEntry) string {
-	if entry != nil {
-		return entry.fp
+// unknownPlan is the error of a name no plan has.
+func unknownPlan(name string) error {
+	return fmt.Errorf("%w: %q", ErrUnknownPlan, name)
+}
+
+// cacheable reports whether the denial cache may answer q, and remember
+// its denial: a read takes nothing, so its answer is no denial to
+// remember, and suppressed plans write on every request, so a remembered
+// denial would not be the store's answer.
+func (l *Limiter) cacheable(q *request) bool {
+	return l.denials != nil && q.mode != modeRead && !suppressedIn(q.plans)
+}
+
+// planKey names the plans of q for the denial cache by their fingerprints,
+// so that a remembered denial answers only for the same parameters: a
+// raised limit (a resolver's tier upgrade, SetPlans) is asked of the store
+// at once. One plan, the common case, costs nothing.
+func planKey(q *request) string {
+	if q.entry != nil {
+		return q.entry.fp
 	}
-	fps := make([]string, len(plans))
-	for i, p := range plans {
+	fps := make([]string, len(q.plans))
+	for i, p := range q.plans {
 		fps[i] = fingerprint(p)
 	}
 	return strings.Join(fps, ",") // a comma is in no fingerprint
 }
 
-// cached answers the request from a remembered denial, as of now, and
-// reports whether there was one.
-func (l *Limiter) cached(r *Result, key, pk string, cost, now int64) bool {
-	at, until, ok := l.denials.Get(key, pk, cost, now, r)
+// cached answers q from a remembered denial, as of now, and reports
+// whether there was one.
+func (l *Limiter) cached(r *Result, q *request) bool {
+	now := l.now()
+	at, until, ok := l.denials.Get(q.key, q.pk, q.n, now, r)
 	if !ok {
 		return false
 	}
@@ -174,11 +183,11 @@ func (l *Limiter) cached(r *Result, key, pk string, cost, now int64) bool {
 	return true
 }
 
-// remember keeps a denial the store gave to a request sent at asked. The
-// store read its clock after asked, so counting RetryAfter from asked ends
-// the denial no later than the store would: the round trip must not delay
+// remember keeps a denial the store gave to q, asked at asked. The store
+// read its clock after asked, so counting RetryAfter from asked ends the
+// denial no later than the store would: the round trip must not delay
 // admissions.
-func (l *Limiter) remember(key, pk string, cost int64, r *Result, asked int64) {
+func (l *Limiter) remember(r *Result, q *request, asked int64) {
 	if r.Allowed || r.Source != SourceStore || r.RetryAfter <= 0 {
 		return
 	}
@@ -186,43 +195,49 @@ func (l *Limiter) remember(key, pk string, cost int64, r *Result, asked int64) {
 	if res.chain != nil {
 		res.chain = append([]PlanResult(nil), res.chain...) // the caller owns its Result
 	}
-	l.denials.Put(key, pk, cost, res, asked, asked+int64(r.RetryAfter))
+	l.denials.Put(q.key, q.pk, q.n, res, asked, asked+int64(r.RetryAfter))
 }
 
 // errBreakerOpen is the cause of ErrStoreUnavailable while the breaker
 // keeps calls from the store.
 var errBreakerOpen = errors.New("circuit breaker open")
 
-// ask has a store that can fail decide, behind the breaker. While the
-// store fails, the failure policy decides instead.
-// start is when the decision asked, on the Limiter's clock: the store
-// call is timed from it.
-func (l *Limiter) ask(ctx context.Context, r *Result, key string, cost int64, plans []Plan, start int64, h *hold) error {
-	b := l.health.forKey(ctx, key, plans)
+// ask has the store decide o into *r: a store of this process at once,
+// one that can fail behind its breaker. While it fails, the failure policy
+// decides instead.
+func (l *Limiter) ask(ctx context.Context, r *Result, o *op) error {
+	if l.local {
+		var err error
+		*r, err = l.decider.decide(ctx, *o)
+		return err
+	}
+	start := l.now()
+	b := l.health.forKey(ctx, o.key, o.plans)
 	ok, probe := b.Allow()
 	if !ok {
-		return l.degrade(ctx, r, key, cost, plans, h, errBreakerOpen)
+		return l.degrade(ctx, r, o, errBreakerOpen)
 	}
-	callerErr, storeErr := l.call(ctx, r, b, probe, start, func() error {
-		return take(ctx, r, l.store, key, cost, plans, h)
+	callerErr, storeErr := l.call(ctx, r, b, probe, start, func() (err error) {
+		*r, err = l.decider.decide(ctx, *o)
+		return err
 	})
 	switch {
 	case callerErr != nil:
 		*r = Result{}
 		return callerErr
 	case storeErr != nil:
-		return l.degrade(ctx, r, key, cost, plans, h, storeErr)
+		return l.degrade(ctx, r, o, storeErr)
 	}
 	return nil
 }
 
-// call makes op, a call to the store that puts its outcome in *r, times
+// call makes fn, a call to the store that puts its outcome in *r, times
 // it, and judges a failure: the breaker hears it, unless the caller's own
 // doing ended the call. It returns the error the caller gets instead of
 // an answer, or the store's failure, for the failure policy to answer.
 // probe says whether this call is the breaker's probe; start is when the
 // decision asked, on the Limiter's clock.
-func (l *Limiter) call(ctx context.Context, r *Result, b *breaker.Breaker, probe bool, start int64, op func() error) (callerErr, storeErr error) {
+func (l *Limiter) call(ctx context.Context, r *Result, b *breaker.Breaker, probe bool, start int64, fn func() error) (callerErr, storeErr error) {
 	// A probe must end in Success, Failure or Abandon, or the breaker stays
 	// half-open for ever: also when the store panics or its goroutine
 	// exits (runtime.Goexit, which recover does not see). Every way out
@@ -235,7 +250,7 @@ func (l *Limiter) call(ctx context.Context, r *Result, b *breaker.Breaker, probe
 			}
 		}()
 	}
-	err := op()
+	err := fn()
 	returned = true
 	now := l.now()
 	elapsed := time.Duration(now - start)
@@ -267,34 +282,6 @@ func (l *Limiter) call(ctx context.Context, r *Result, b *breaker.Breaker, probe
 		return callerErr, nil
 	}
 	return nil, err
-}
-
-// take has s take, with the Result in *r. The stores of this package skip
-// the checks the Limiter has made: 238 of the 7,958 instructions of a Redis
-// decision's client work (callgrind, BenchmarkLimiterAllow/redis/client-only).
-// A MemoryStore also builds the Result in place: through the Store
-// interface a pointer to it would escape to the heap, and the Result was
-// copied up the call chain (BenchmarkLimiterAllow/memory).
-// A hold, for Reserve, goes to a MemoryStore or RedisStore, which Reserve
-// checked the stores are.
-func take(ctx context.Context, r *Result, s Store, key string, cost int64, plans []Plan, h *hold) (err error) {
-	switch s := s.(type) {
-	case *MemoryStore:
-		if h != nil {
-			s.holdInto(r, key, cost, plans, h)
-		} else {
-			s.takeInto(r, key, cost, plans)
-		}
-	case *RedisStore:
-		if h != nil {
-			*r, err = s.hold(ctx, key, cost, plans, h)
-		} else {
-			*r, err = s.take(ctx, key, cost, plans)
-		}
-	default:
-		*r, err = s.Take(ctx, key, cost, plans)
-	}
-	return err
 }
 
 // deadlineSlack is how close to its deadline a caller may be for a store
@@ -341,19 +328,22 @@ func (l *Limiter) blame(ctx context.Context, err error, now int64) (callerErr er
 	return callerErr, answered || starved
 }
 
-// degrade decides by the failure policy, without the store, into *r.
-func (l *Limiter) degrade(ctx context.Context, r *Result, key string, cost int64, plans []Plan, h *hold, cause error) error {
+// degrade decides o by the failure policy, without the store, into *r.
+// The fallback store decides on this instance's share of each plan
+// (WithFleet), which holds at least the tokens asked about.
+func (l *Limiter) degrade(ctx context.Context, r *Result, o *op, cause error) error {
 	switch l.policy {
 	case FailOpen:
-		*r = failOpenResult(plans)
+		*r = failOpenResult(o.plans)
 		return nil
 	case FailClosed:
 		*r = Result{}
 		return fmt.Errorf("%w: %w", ErrStoreUnavailable, cause)
 	}
-	// The share holds at least the tokens asked about: a read for n
-	// (PeekN's cost of -n) as much as a take of n.
-	if err := take(ctx, r, l.fallback, key, cost, share(plans, l.fleetSize(), asked(cost)), h); err != nil {
+	share := *o
+	share.plans = shareOf(o.plans, l.fleetSize(), o.n)
+	var err error
+	if *r, err = l.fallbackDecider.decide(ctx, share); err != nil {
 		*r = Result{}
 		return fmt.Errorf("%w: fallback store failed too: %w", ErrStoreUnavailable, err)
 	}
@@ -388,20 +378,19 @@ func (l *Limiter) recovered(now int64) {
 
 // record counts a decision that took tokens, under its binding plan, and
 // the would-be denials of its shadowed plans, and logs it at debug level
-// if the logger wants that. entry is the plan's when one plan was asked,
-// and nil for a chain, whose binding plan t names, or else the Limiter's
-// other plans (AllowPlans).
-func (l *Limiter) record(ctx context.Context, r *Result, cost int64, entry *planEntry, t *planTable) {
-	if cost > 0 {
-		bound := entry
+// if the logger wants that. A chain counts under its binding plan, which
+// q's table names, or else the Limiter's other plans (AllowPlans).
+func (l *Limiter) record(ctx context.Context, r *Result, q *request) {
+	if q.mode != modeRead {
+		bound := q.entry
 		if bound == nil { // a chain: the binding plan's
-			bound = l.entryOf(t, r.Plan)
+			bound = l.entryOf(q.table, r.Plan)
 		}
 		if bound != nil { // nil: a foreign store named none of ours
 			bound.counts.decisions.count(r)
 		}
 		if r.ShadowDenied {
-			l.countShadow(r, entry, t)
+			l.countShadow(r, q.entry, q.table)
 		}
 	}
 	if l.debug {

@@ -8,9 +8,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
-
-	"github.com/tollgate-go/tollgate/internal/redisscript"
-	"github.com/tollgate-go/tollgate/scripts"
 )
 
 // FleetSettings configure WithFleet. Zero values mean the defaults.
@@ -40,7 +37,7 @@ const (
 // fails, the Fallback policy's store decides on each plan with its
 // Capacity and Rate divided by the count last read (a window plan's
 // Capacity), the Capacity never below the cost of the decision, nor the
-// Rate below Capacity / MaxRefillPeriod.
+// Rate below Capacity / maxRefillPeriod.
 //
 // The fleet is the instances with the same Redis and key prefix. The
 // bound assumes the load balancer spreads each key's requests evenly;
@@ -57,12 +54,10 @@ func WithFleet(s FleetSettings) Option {
 // fleet is a Limiter's heartbeat and the fleet's size last seen. It is
 // safe for concurrent use.
 type fleet struct {
-	store    *RedisStore
-	key      string // the fleet's sorted set
+	store    fleetStore
 	id       string
 	interval time.Duration
 	ttl      time.Duration
-	script   *redisscript.Script
 	size     atomic.Int64 // instances alive last seen; 0 before the first heartbeat
 
 	stop    chan struct{}
@@ -70,15 +65,12 @@ type fleet struct {
 	closing sync.Once
 }
 
-// fleetScript is the heartbeat script, shared by every fleet.
-var fleetScript = redisscript.New(scripts.Fleet)
-
 // newFleet checks s and returns the fleet of an instance on store, not
 // yet started.
 func newFleet(store Store, s FleetSettings) (*fleet, error) {
-	rs, ok := store.(*RedisStore)
+	fs, ok := store.(fleetStore)
 	if !ok {
-		return nil, fmt.Errorf("%w: WithFleet needs a RedisStore", ErrInvalidOption)
+		return nil, fmt.Errorf("%w: WithFleet needs a store the fleet shares, such as a RedisStore", ErrInvalidOption)
 	}
 	if s.Interval == 0 {
 		s.Interval = defaultFleetInterval
@@ -86,15 +78,13 @@ func newFleet(store Store, s FleetSettings) (*fleet, error) {
 	if s.TTL == 0 {
 		s.TTL = 3 * s.Interval
 	}
-	if s.Interval < minFleetInterval || s.TTL < s.Interval || s.TTL > MaxRefillPeriod {
+	if s.Interval < minFleetInterval || s.TTL < s.Interval || s.TTL > maxRefillPeriod {
 		return nil, fmt.Errorf("%w: fleet interval must be at least %v, and TTL at least the interval", ErrInvalidOption, minFleetInterval)
 	}
 	var id [8]byte
 	_, _ = rand.Read(id[:]) // never fails (crypto/rand)
 	return &fleet{
-		store: rs, id: hex.EncodeToString(id[:]), interval: s.Interval, ttl: s.TTL, script: fleetScript,
-		// '#' is in no plan name, so no bucket key is this one.
-		key:  rs.prefix + ":{fleet}:#instances",
+		store: fs, id: hex.EncodeToString(id[:]), interval: s.Interval, ttl: s.TTL,
 		stop: make(chan struct{}), done: make(chan struct{}),
 	}, nil
 }
@@ -118,13 +108,9 @@ func (f *fleet) run() {
 
 // beat records that this instance is alive and reads the fleet's size.
 func (f *fleet) beat(ctx context.Context) error {
-	reply, err := f.script.Run(ctx, f.store.client, []string{f.key}, f.id, f.ttl.Microseconds())
+	n, err := f.store.heartbeat(ctx, f.id, f.ttl)
 	if err != nil {
 		return err
-	}
-	n, ok := reply.(int64)
-	if !ok || n < 1 {
-		return fmt.Errorf("%w: fleet size", ErrBadReply)
 	}
 	f.size.Store(min(n, maxFleetSize))
 	return nil
@@ -136,10 +122,10 @@ func (f *fleet) close() {
 	<-f.done
 }
 
-// share returns the plans an instance's fallback enforces: each plan's
+// shareOf returns the plans an instance's fallback enforces: each plan's
 // share of a fleet of n instances, the Capacity at least cost; plans
 // themselves for an instance alone.
-func share(plans []Plan, n, cost int64) []Plan {
+func shareOf(plans []Plan, n, cost int64) []Plan {
 	if n <= 1 {
 		return plans
 	}
@@ -147,7 +133,7 @@ func share(plans []Plan, n, cost int64) []Plan {
 	for i, p := range plans {
 		p.Capacity = max(p.Capacity/n, cost, 1)
 		if !p.isWindow() {
-			p.Rate = max(p.Rate/float64(n), float64(p.Capacity)/MaxRefillPeriod.Seconds())
+			p.Rate = max(p.Rate/float64(n), float64(p.Capacity)/maxRefillPeriod.Seconds())
 		}
 		shares[i] = p
 	}

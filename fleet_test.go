@@ -88,7 +88,7 @@ func TestFleetCountsInstancesAlive(t *testing.T) {
 	require.NoError(t, fleet[0].fleet.beat(ctx))
 	require.NoError(t, fleet[1].fleet.beat(ctx))
 	assert.Equal(t, int64(2), fleet[1].Stats().FleetSize)
-	assert.Equal(t, 2, len(mustMembers(t, mr, fleet[0].fleet.key)))
+	assert.Equal(t, 2, len(mustMembers(t, mr, fleet[0].store.(*RedisStore).fleetKey())))
 }
 
 func mustMembers(t *testing.T, mr *miniredis.Miniredis, key string) []string {
@@ -122,11 +122,11 @@ func TestShare(t *testing.T) {
 	bucket := Plan{Name: "b", Capacity: 100, Rate: 40}
 	win := Plan{Name: "w", Capacity: 100, Window: time.Minute}
 	plans := []Plan{bucket, win}
-	assert.Same(t, &plans[0], &share(plans, 1, 1)[0], "alone: the plans themselves")
-	assert.Equal(t, []Plan{{Name: "b", Capacity: 25, Rate: 10}, {Name: "w", Capacity: 25, Window: time.Minute}}, share(plans, 4, 1))
-	assert.Equal(t, int64(7), share(plans, 1000, 7)[0].Capacity, "never below one decision's cost")
-	slow := Plan{Name: "s", Capacity: 1000, Rate: 1000 / MaxRefillPeriod.Seconds()}
-	got := share([]Plan{slow}, maxFleetSize, 20)[0]
+	assert.Same(t, &plans[0], &shareOf(plans, 1, 1)[0], "alone: the plans themselves")
+	assert.Equal(t, []Plan{{Name: "b", Capacity: 25, Rate: 10}, {Name: "w", Capacity: 25, Window: time.Minute}}, shareOf(plans, 4, 1))
+	assert.Equal(t, int64(7), shareOf(plans, 1000, 7)[0].Capacity, "never below one decision's cost")
+	slow := Plan{Name: "s", Capacity: 1000, Rate: 1000 / maxRefillPeriod.Seconds()}
+	got := shareOf([]Plan{slow}, maxFleetSize, 20)[0]
 	assert.NoError(t, got.validate(), "the share is a valid plan")
 }
 
@@ -142,7 +142,7 @@ func TestFleetBadReplies(t *testing.T) {
 	assert.Equal(t, int64(3), l.fleetSize(), "the size last seen")
 	mr.SetError("")
 	for i := range maxFleetSize + 10 {
-		_, err := mr.ZAdd(l.fleet.key, float64(time.Now().UnixMicro()), strconv.Itoa(i))
+		_, err := mr.ZAdd(l.store.(*RedisStore).fleetKey(), float64(time.Now().UnixMicro()), strconv.Itoa(i))
 		require.NoError(t, err)
 	}
 	require.NoError(t, l.fleet.beat(ctx))

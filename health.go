@@ -4,8 +4,6 @@ import (
 	"context"
 	"sync"
 
-	"github.com/redis/go-redis/v9"
-
 	"github.com/tollgate-go/tollgate/breaker"
 )
 
@@ -19,19 +17,16 @@ type health struct {
 	// one serves every store but a Cluster, and a Cluster's keys whose
 	// master the client cannot name.
 	one     *breaker.Breaker
-	store   *RedisStore          // the store, when it is on a Cluster
-	cluster *redis.ClusterClient // its client; nil for any other store
-	nodes   sync.Map             // master address → *breaker.Breaker
+	masters mastersStore // the store, when it is spread over masters; else nil
+	nodes   sync.Map     // master address → *breaker.Breaker
 }
 
 // newHealth returns the breakers for store.
 func newHealth(store Store, s breaker.Settings) *health {
 	h := &health{one: breaker.New(s)}
 	h.settings = h.one.Settings() // with the defaults filled in
-	if rs, ok := store.(*RedisStore); ok {
-		if c, ok := rs.client.(*redis.ClusterClient); ok {
-			h.store, h.cluster = rs, c
-		}
+	if m, ok := store.(mastersStore); ok && m.spread() {
+		h.masters = m
 	}
 	return h
 }
@@ -40,14 +35,13 @@ func newHealth(store Store, s breaker.Settings) *health {
 // the master that holds the key's slot, on a Cluster. Naming the master
 // reads the client's slot map, which it loads on its first call.
 func (h *health) forKey(ctx context.Context, key string, plans []Plan) *breaker.Breaker {
-	if h.cluster == nil {
+	if h.masters == nil {
 		return h.one
 	}
-	master, err := h.cluster.MasterForKey(ctx, h.store.Key(key, plans[0].Name))
+	addr, err := h.masters.masterOf(ctx, key, plans[0].Name)
 	if err != nil {
 		return h.one
 	}
-	addr := master.Options().Addr
 	if b, ok := h.nodes.Load(addr); ok {
 		return b.(*breaker.Breaker)
 	}

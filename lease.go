@@ -66,22 +66,46 @@ func (ls *leases) reservation(key string, n int64, given bool) *Reservation {
 	return rv
 }
 
+// hold takes the lease rv of plans in the store, behind its breaker and
+// failure policy, as Reserve would, and counts it if it was granted.
+func (ls *leases) hold(ctx context.Context, rv *Reservation, plans []Plan) error {
+	rv.hold.plans = plans
+	o := op{key: rv.key, n: rv.n, mode: modeHold, plans: plans, hold: &rv.hold}
+	if err := ls.l.ask(ctx, &rv.result, &o); err != nil {
+		return err
+	}
+	ls.l.held(rv)
+	return nil
+}
+
 func newLeases(l *Limiter, ttl time.Duration) *leases {
 	return &leases{l: l, ttl: ttl, m: map[leaseKey]*lease{}, stop: make(chan struct{})}
 }
 
-// decide serves a decision of cost on plans, one plan with a Lease, from
-// the lease of key, taking a new lease when it has too few tokens. It
-// reports whether it decided into *r; when not, the request goes to the
-// store as usual: Redis had fewer tokens than a lease, or the Limiter is
-// closed. given is decideOn's.
-func (ls *leases) decide(ctx context.Context, r *Result, t *planTable, key string, cost int64, plans []Plan, entry *planEntry, given bool) (bool, error) {
+// leased is what a lease needs of the request that took it: whose, and
+// of which plan.
+type leased struct {
+	key   string
+	plans []Plan // one plan, with a Lease
+	given bool   // the caller gave the plan (AllowPlans)
+}
+
+// serve serves q, a take of one plan with a Lease of at least q's tokens,
+// from the lease of q's key, taking a new lease when it has too few
+// tokens. It reports whether it decided into *r; when not, the request
+// goes to the store as usual: q is not for a lease, Redis had fewer
+// tokens than a lease, or the Limiter is closed.
+func (ls *leases) serve(ctx context.Context, r *Result, q *request) (bool, error) {
+	if len(q.plans) != 1 || q.plans[0].Lease < q.n {
+		return false, nil
+	}
+	cost, w := q.n, leased{key: q.key, plans: q.plans, given: q.given}
 	for {
-		e := ls.get(key, plans[0].Name)
+		e := ls.get(w.key, w.plans[0].Name)
 		if e == nil {
 			return false, nil
 		}
-		served, backingOff := ls.spend(e, r, cost, key, plans, t, entry)
+		served, backingOff := ls.spend(e, r, cost, w)
 		if served || backingOff {
 			return served, nil
 		}
@@ -90,7 +114,7 @@ func (ls *leases) decide(ctx context.Context, r *Result, t *planTable, key strin
 		case <-ctx.Done():
 			return true, ctx.Err()
 		}
-		decided, again, err := ls.take(ctx, e, r, t, key, cost, plans, entry, given)
+		decided, again, err := ls.take(ctx, e, r, cost, w)
 		<-e.renew
 		if !again {
 			return decided, err
@@ -127,7 +151,7 @@ func (ls *leases) get(key, plan string) *lease {
 // no request waits for Redis while a lease follows a lease. backingOff
 // reports a key that takes no lease for now (Redis had too few tokens),
 // whose requests go to Redis without queueing for the next lease.
-func (ls *leases) spend(e *lease, r *Result, cost int64, key string, plans []Plan, t *planTable, entry *planEntry) (served, backingOff bool) {
+func (ls *leases) spend(e *lease, r *Result, cost int64, w leased) (served, backingOff bool) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.r == nil && !e.gone {
@@ -148,26 +172,22 @@ func (ls *leases) spend(e *lease, r *Result, cost int64, key string, plans []Pla
 	}
 	e.left -= cost
 	e.result(r, SourceLease)
-	if size := plans[0].Lease; e.next == nil && !e.fetching && e.left <= size/2 {
+	if size := w.plans[0].Lease; e.next == nil && !e.fetching && e.left <= size/2 {
 		e.fetching = true
 		ls.done.Add(1)
-		go ls.fetch(e, e.r, size-e.left, key, plans, t, entry)
+		go ls.fetch(e, e.r, size-e.left, w)
 	}
 	return true, false
 }
 
 // fetch takes the next lease of e, of n tokens, ahead of need, to follow
 // the lease cur; if cur is gone meanwhile, it gives it back.
-func (ls *leases) fetch(e *lease, cur *Reservation, n int64, key string, plans []Plan, t *planTable, entry *planEntry) {
+func (ls *leases) fetch(e *lease, cur *Reservation, n int64, w leased) {
 	defer ls.done.Done()
 	ctx, cancel := context.WithTimeout(context.Background(), ls.ttl+time.Second)
 	defer cancel()
-	l := ls.l
-	rv := ls.reservation(key, n, cur.hold.given)
-	err := l.decideOn(ctx, &rv.result, t, key, n, 1, plans, entry, &rv.hold, cur.hold.given)
-	if err == nil {
-		l.held(rv)
-	}
+	rv := ls.reservation(w.key, n, w.given)
+	err := ls.hold(ctx, rv, w.plans)
 	ok := err == nil && rv.result.Allowed && rv.result.Source == SourceStore
 	e.mu.Lock()
 	defer e.mu.Unlock()
@@ -192,8 +212,8 @@ func (e *lease) result(r *Result, src Source) {
 // take gives e's lease back and takes a new one, deciding the request
 // from it. again reports that e left the map meanwhile, so the caller
 // must look the lease up again. The caller holds e.renew.
-func (ls *leases) take(ctx context.Context, e *lease, r *Result, t *planTable, key string, cost int64, plans []Plan, entry *planEntry, given bool) (decided, again bool, err error) {
-	l, now := ls.l, ls.l.now()
+func (ls *leases) take(ctx context.Context, e *lease, r *Result, cost int64, w leased) (decided, again bool, err error) {
+	now := ls.l.now()
 	e.mu.Lock()
 	if e.gone {
 		e.mu.Unlock()
@@ -219,12 +239,11 @@ func (ls *leases) take(ctx context.Context, e *lease, r *Result, t *planTable, k
 		ls.giveBack(next, next.n)
 	}
 
-	size := plans[0].Lease
-	rv := ls.reservation(key, size, given)
-	if err := l.decideOn(ctx, &rv.result, t, key, size, 1, plans, entry, &rv.hold, given); err != nil {
+	size := w.plans[0].Lease
+	rv := ls.reservation(w.key, size, w.given)
+	if err := ls.hold(ctx, rv, w.plans); err != nil {
 		return true, false, err
 	}
-	l.held(rv)
 	if !rv.result.Allowed || rv.result.Source != SourceStore {
 		// Too few tokens in Redis for a lease, or Redis failing: decide
 		// each request as usual until a lease could pass, or for a TTL.

@@ -49,11 +49,14 @@ type RateLimiter interface {
 // Limiter applies named plans to keys through a Store, and decides by its
 // FailurePolicy while the store fails. It is safe for concurrent use.
 type Limiter struct {
-	store    Store
-	fallback Store // nil unless the policy is Fallback
-	policy   FailurePolicy
-	mem      *MemoryStore // the store, when it is a MemoryStore
-	health   *health      // the store's breakers; nil when the store is a MemoryStore
+	store           Store
+	decider         decider // the store, as it decides a request
+	local           bool    // the store is of this process and cannot fail
+	holds           bool    // the store, and the fallback if any, hold reservations
+	fallback        Store   // nil unless the policy is Fallback
+	fallbackDecider decider // the fallback, as it decides a request
+	policy          FailurePolicy
+	health          *health // the store's breakers; nil for a store of this process
 	denials  *denialcache.Cache[Result]
 	log      *slog.Logger
 	debug    bool // log every decision: the logger had debug enabled at New
@@ -64,7 +67,7 @@ type Limiter struct {
 	shadowAll bool                      // WithShadow
 	others    otherPlans                // AllowPlans's plans not in the table
 	fleet     *fleet                    // WithFleet; nil: none
-	leases    *leases                   // Plan.Lease's, on a RedisStore; nil on other stores
+	leases    *leases                   // Plan.Lease's, on a store that can fail; nil on others
 
 	epoch       time.Time // the Limiter's clock, and its denial cache's, counts from here
 	stats       counters
@@ -85,52 +88,19 @@ func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
 	if err := wiringError(store); err != nil {
 		return nil, err
 	}
-	l := &Limiter{store: store, stats: newCounters(), epoch: time.Now()}
 	c := config{log: slog.Default(), holdTTL: defaultHoldTTL, leaseTTL: defaultLeaseTTL}
 	for _, o := range opts {
 		o(&c)
 	}
-	l.resolver, l.shadowAll = c.resolver, c.shadow
-	if err := l.SetPlans(plans); err != nil {
+	if err := c.validate(); err != nil {
 		return nil, err
 	}
-	if !c.breaker.Valid() {
-		return nil, fmt.Errorf("%w: breaker settings out of range", ErrInvalidOption)
-	}
-	if c.policy < Fallback || c.policy > FailClosed {
-		return nil, fmt.Errorf("%w: unknown failure policy %d", ErrInvalidOption, c.policy)
-	}
-	if c.holdTTL < time.Millisecond || c.holdTTL > MaxRefillPeriod {
-		return nil, fmt.Errorf("%w: hold TTL %v is outside 1ms to MaxRefillPeriod", ErrInvalidOption, c.holdTTL)
-	}
-	if c.leaseTTL < time.Millisecond || c.leaseTTL > maxLeaseTTL {
-		return nil, fmt.Errorf("%w: lease TTL %v is outside 1ms to 1m", ErrInvalidOption, c.leaseTTL)
-	}
-	if err := wiringError(c.fallback); err != nil {
-		return nil, fmt.Errorf("fallback store: %w", err)
-	}
-	l.policy, l.log, l.holdTTL = c.policy, c.log, c.holdTTL
+	l := &Limiter{store: store, stats: newCounters(), epoch: time.Now(), resolver: c.resolver, shadowAll: c.shadow,
+		policy: c.policy, log: c.log, holdTTL: c.holdTTL}
 	l.debug = l.log.Enabled(context.Background(), slog.LevelDebug)
-	keys := defaultDenialCacheKeys
-	if m, ok := store.(*MemoryStore); ok {
-		l.mem, keys = m, 0
-	} else {
-		l.health = newHealth(store, c.breaker)
-	}
-	if c.denialKeys != nil {
-		keys = *c.denialKeys
-	}
-	if keys > 0 {
-		l.denials = denialcache.New[Result](keys, l.epoch)
-	}
-	if l.policy == Fallback {
-		l.fallback = c.fallback
-		if l.fallback == nil {
-			l.fallback = NewMemoryStore()
-		}
-	}
-	if _, ok := store.(*RedisStore); ok && canHold(store, l.fallback) {
-		l.leases = newLeases(l, c.leaseTTL)
+	l.wire(c)
+	if err := l.SetPlans(plans); err != nil {
+		return nil, err
 	}
 	if c.fleet != nil {
 		f, err := newFleet(store, *c.fleet)
@@ -143,14 +113,34 @@ func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
 	return l, nil
 }
 
-// wiringError returns the mistake a store was built with, which it would
-// otherwise report on every call: a RedisStore with a nil client or a
-// braced key prefix.
-func wiringError(s Store) error {
-	if rs, ok := s.(*RedisStore); ok {
-		return rs.err
+// wire sets up, by the capabilities of the stores, what the Limiter puts
+// around them: the breakers and the denial cache of a store that can fail,
+// the fallback store, and leases.
+func (l *Limiter) wire(c config) {
+	l.decider, l.local = deciderOf(l.store), isLocal(l.store)
+	keys := defaultDenialCacheKeys
+	if l.local {
+		keys = 0
+	} else {
+		l.health = newHealth(l.store, c.breaker)
 	}
-	return nil
+	if c.denialKeys != nil {
+		keys = *c.denialKeys
+	}
+	if keys > 0 {
+		l.denials = denialcache.New[Result](keys, l.epoch)
+	}
+	if l.policy == Fallback {
+		l.fallback = c.fallback
+		if l.fallback == nil {
+			l.fallback = NewMemoryStore()
+		}
+		l.fallbackDecider = deciderOf(l.fallback)
+	}
+	l.holds = canHold(l.store) && (l.fallback == nil || canHold(l.fallback))
+	if !l.local && l.holds {
+		l.leases = newLeases(l, c.leaseTTL)
+	}
 }
 
 // now reads the Limiter's monotonic clock, in nanoseconds since New; the
@@ -169,7 +159,7 @@ func (l *Limiter) Plan(name string) (Plan, bool) {
 
 // Allow is AllowN with cost 1.
 func (l *Limiter) Allow(ctx context.Context, key string, plans ...string) (r Result, err error) {
-	err = l.decide(ctx, &r, key, 1, 1, plans, nil)
+	err = l.named(ctx, &r, op{key: key, n: 1}, plans)
 	return r, err
 }
 
@@ -183,7 +173,7 @@ func (l *Limiter) Allow(ctx context.Context, key string, plans ...string) (r Res
 // ErrInvalidPlan from a PlanResolver (WithPlanResolver), and, under
 // FailClosed only, ErrStoreUnavailable.
 func (l *Limiter) AllowN(ctx context.Context, key string, cost int64, plans ...string) (r Result, err error) {
-	err = l.decide(ctx, &r, key, cost, 1, plans, nil)
+	err = l.named(ctx, &r, op{key: key, n: cost}, plans)
 	return r, err
 }
 
@@ -191,7 +181,22 @@ func (l *Limiter) AllowN(ctx context.Context, key string, cost int64, plans ...s
 // whether one token would be taken now, RetryAfter is the exact wait until
 // it would, and Remaining and ResetAfter describe the buckets.
 func (l *Limiter) Peek(ctx context.Context, key string, plans ...string) (r Result, err error) {
-	err = l.decide(ctx, &r, key, 0, 0, plans, nil)
+	return l.PeekN(ctx, key, 1, plans...)
+}
+
+// PeekN reports whether n tokens would be taken now from the bucket of
+// every named plan for key, without taking them: Allowed says whether
+// they would, RetryAfter is the exact wait until they would, and
+// Remaining and ResetAfter describe the buckets. n must be at least 1 and
+// no more than every plan's capacity (ErrInvalidCost). Peek is PeekN of 1.
+// For n above 1, a store other than a MemoryStore or RedisStore, or such a
+// fallback store, gets errors.ErrUnsupported: the Store interface reads
+// for one token.
+func (l *Limiter) PeekN(ctx context.Context, key string, n int64, plans ...string) (r Result, err error) {
+	if n > 1 && (!canRead(l.store) || l.fallback != nil && !canRead(l.fallback)) {
+		return Result{}, errUnsupported(modeRead)
+	}
+	err = l.named(ctx, &r, op{key: key, n: n, mode: modeRead}, plans)
 	return r, err
 }
 

@@ -47,13 +47,13 @@ func TestNewRejectsBadPlans(t *testing.T) {
 		{"negative rate", []Plan{{Name: "a", Capacity: 1, Rate: -1}}},
 		{"NaN rate", []Plan{{Name: "a", Capacity: 1, Rate: math.NaN()}}},
 		{"infinite rate", []Plan{{Name: "a", Capacity: 1, Rate: math.Inf(1)}}},
-		{"refill slower than MaxRefillPeriod", []Plan{{Name: "a", Capacity: 1000, Rate: 1e-9}}},
+		{"refill slower than maxRefillPeriod", []Plan{{Name: "a", Capacity: 1000, Rate: 1e-9}}},
 		{"duplicate names", []Plan{{Name: "a", Capacity: 1, Rate: 1}, {Name: "a", Capacity: 2, Rate: 1}}},
 		{"neither rate nor window", []Plan{{Name: "a", Capacity: 1}}},
 		{"both rate and window", []Plan{{Name: "a", Capacity: 1, Rate: 1, Window: time.Second}}},
 		{"negative window", []Plan{{Name: "a", Capacity: 1, Window: -time.Second}}},
 		{"window under 1ms", []Plan{{Name: "a", Capacity: 1, Window: time.Millisecond - 1}}},
-		{"window over MaxRefillPeriod", []Plan{{Name: "a", Capacity: 1, Window: MaxRefillPeriod + 1}}},
+		{"window over maxRefillPeriod", []Plan{{Name: "a", Capacity: 1, Window: maxRefillPeriod + 1}}},
 		{"negative slots", []Plan{{Name: "a", Capacity: 1, Window: time.Second, Slots: -1}}},
 		{"too many slots", []Plan{{Name: "a", Capacity: 1, Window: time.Second, Slots: 65}}},
 		{"slots on a bucket", []Plan{{Name: "a", Capacity: 1, Rate: 1, Slots: 4}}},
@@ -78,7 +78,7 @@ func TestNewRejectsBadPlans(t *testing.T) {
 	assert.NoError(t, err, "the largest capacity is valid")
 	_, err = New(NewMemoryStore(), []Plan{
 		{Name: "shortest", Capacity: 1, Window: time.Millisecond, Slots: 64},
-		{Name: "longest", Capacity: maxCapacity, Window: MaxRefillPeriod, Slots: 1},
+		{Name: "longest", Capacity: maxCapacity, Window: maxRefillPeriod, Slots: 1},
 		{Name: "suppressed", Capacity: 100, Window: time.Minute, Suppress: 1},
 	})
 	assert.NoError(t, err, "window plans at the edges are valid")

@@ -260,6 +260,22 @@ func (m *MemoryStore) Take(ctx context.Context, key string, cost int64, plans []
 	return r, nil
 }
 
+// decide implements decider: a take, a read or a hold, already checked.
+// A hold is the Reservation itself, in this process: the store only dates
+// its expiry.
+func (m *MemoryStore) decide(_ context.Context, o op) (r Result, _ error) {
+	m.takeInto(&r, o.key, o.cost(), o.plans)
+	if o.mode == modeHold {
+		o.hold.granted(m, m.now()+o.hold.ttl.Microseconds())
+	}
+	return r, nil
+}
+
+func (m *MemoryStore) self() Store { return m }
+
+// inProcess implements localStore: a MemoryStore cannot fail.
+func (*MemoryStore) inProcess() {}
+
 // takeInto is Take for a request already checked, with its Result built
 // in *r.
 func (m *MemoryStore) takeInto(r *Result, key string, cost int64, plans []Plan) {

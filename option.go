@@ -1,6 +1,7 @@
 package tollgate
 
 import (
+	"fmt"
 	"log/slog"
 	"time"
 
@@ -38,6 +39,24 @@ type config struct {
 	resolver   PlanResolver
 	shadow     bool
 	fleet      *FleetSettings // nil: no fleet
+}
+
+// validate checks the options, as New takes them.
+func (c *config) validate() error {
+	switch {
+	case !c.breaker.Valid():
+		return fmt.Errorf("%w: breaker settings out of range", ErrInvalidOption)
+	case c.policy < Fallback || c.policy > FailClosed:
+		return fmt.Errorf("%w: unknown failure policy %d", ErrInvalidOption, c.policy)
+	case c.holdTTL < time.Millisecond || c.holdTTL > maxRefillPeriod:
+		return fmt.Errorf("%w: hold TTL %v is outside 1ms to 100 years", ErrInvalidOption, c.holdTTL)
+	case c.leaseTTL < time.Millisecond || c.leaseTTL > maxLeaseTTL:
+		return fmt.Errorf("%w: lease TTL %v is outside 1ms to 1m", ErrInvalidOption, c.leaseTTL)
+	}
+	if err := wiringError(c.fallback); err != nil {
+		return fmt.Errorf("fallback store: %w", err)
+	}
+	return nil
 }
 
 // defaultDenialCacheKeys is the default bound of WithDenialCache.
@@ -93,7 +112,7 @@ func WithDenialCache(keys int) Option {
 // after it refunds nothing, and charges only the tokens used beyond the
 // reservation (ErrHoldExpired). In Redis a settled hold leaves a tombstone
 // for as long again, so that a retried Settle changes nothing. It must be
-// 1ms to MaxRefillPeriod. The default is 15 minutes.
+// 1ms to maxRefillPeriod. The default is 15 minutes.
 func WithHoldTTL(d time.Duration) Option {
 	return func(c *config) { c.holdTTL = d }
 }

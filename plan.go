@@ -13,10 +13,10 @@ const MaxKeyLen = 1024
 // whole number a Lua number holds exactly.
 const maxCapacity = (1 << 53) / microTokens
 
-// MaxRefillPeriod is the longest time a plan may take to refill an empty
+// maxRefillPeriod is the longest time a plan may take to refill an empty
 // bucket (Capacity / Rate): 100 years, so that every wait fits a
 // time.Duration and every TTL fits Redis.
-const MaxRefillPeriod = 100 * 365 * 24 * time.Hour
+const maxRefillPeriod = 100 * 365 * 24 * time.Hour
 
 // Default and largest Plan.Slots, and the shortest Plan.Window.
 const (
@@ -44,11 +44,11 @@ type Plan struct {
 	// exactly).
 	Capacity int64
 	// Rate is the refill rate of a token bucket in tokens per second:
-	// positive, finite, and at least Capacity / MaxRefillPeriod. Per
+	// positive, finite, and at least Capacity / maxRefillPeriod. Per
 	// converts "n per duration". It must be 0 for a window plan.
 	Rate float64
 	// Window makes the plan a sliding window of this length: 1 ms to
-	// MaxRefillPeriod, counted in whole microseconds, rounded up. It must
+	// maxRefillPeriod, counted in whole microseconds, rounded up. It must
 	// be 0 for a token bucket.
 	Window time.Duration
 	// Slots is the number of sub-windows a window plan counts in, 1 to
@@ -142,8 +142,8 @@ func (p Plan) validateNumbers() error {
 	if !(p.Rate > 0) || math.IsInf(p.Rate, 0) { // also rejects NaN
 		return fmt.Errorf("%w: rate must be positive and finite for a token bucket, got %v (or set Window for a sliding window)", ErrInvalidPlan, p.Rate)
 	}
-	if float64(p.Capacity) > p.Rate*MaxRefillPeriod.Seconds() {
-		return fmt.Errorf("%w: capacity/rate is %.3g s, longer than MaxRefillPeriod", ErrInvalidPlan, float64(p.Capacity)/p.Rate)
+	if float64(p.Capacity) > p.Rate*maxRefillPeriod.Seconds() {
+		return fmt.Errorf("%w: capacity/rate is %.3g s, longer than maxRefillPeriod", ErrInvalidPlan, float64(p.Capacity)/p.Rate)
 	}
 	return nil
 }
@@ -153,8 +153,8 @@ func (p Plan) validateWindow() error {
 	switch {
 	case p.Rate != 0:
 		return fmt.Errorf("%w: both rate and window are set: a rate makes a token bucket, a window a sliding window", ErrInvalidPlan)
-	case p.Window < minWindow || p.Window > MaxRefillPeriod:
-		return fmt.Errorf("%w: window must be 1ms to MaxRefillPeriod, got %v", ErrInvalidPlan, p.Window)
+	case p.Window < minWindow || p.Window > maxRefillPeriod:
+		return fmt.Errorf("%w: window must be 1ms to maxRefillPeriod, got %v", ErrInvalidPlan, p.Window)
 	case p.Slots < 0 || p.Slots > maxSlots:
 		return fmt.Errorf("%w: slots must be 0 (for %d) to %d, got %d", ErrInvalidPlan, defaultSlots, maxSlots, p.Slots)
 	case p.Suppress != 0 && !(p.Suppress >= 1) || math.IsInf(p.Suppress, 0): // also rejects NaN

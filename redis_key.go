@@ -1,8 +1,12 @@
 package tollgate
 
 import (
+	"context"
 	"encoding/base64"
+	"errors"
 	"strings"
+
+	"github.com/redis/go-redis/v9"
 )
 
 // keySchema is the version of the layout of keys and values that Key's
@@ -40,3 +44,27 @@ func (s *RedisStore) Key(key, plan string) string {
 	b.WriteString(plan)
 	return b.String()
 }
+
+// spread implements mastersStore: a store on a Redis Cluster is spread
+// over its masters.
+func (s *RedisStore) spread() bool {
+	_, ok := s.client.(*redis.ClusterClient)
+	return ok
+}
+
+// masterOf implements mastersStore: the address of the master that holds
+// the slot of key's bucket of plan, as the client's slot map says.
+func (s *RedisStore) masterOf(ctx context.Context, key, plan string) (string, error) {
+	c, ok := s.client.(*redis.ClusterClient)
+	if !ok {
+		return "", errNotSpread
+	}
+	master, err := c.MasterForKey(ctx, s.Key(key, plan))
+	if err != nil {
+		return "", err
+	}
+	return master.Options().Addr, nil
+}
+
+// errNotSpread is masterOf's error on a store not on a Cluster.
+var errNotSpread = errors.New("not on a Redis Cluster")

@@ -88,6 +88,19 @@ func (s *RedisStore) Take(ctx context.Context, key string, cost int64, plans []P
 	return s.take(ctx, key, cost, plans)
 }
 
+// decide implements decider: a take, a read or a hold, already checked.
+func (s *RedisStore) decide(ctx context.Context, o op) (Result, error) {
+	if o.mode == modeHold {
+		return s.hold(ctx, o.key, o.n, o.plans, o.hold)
+	}
+	return s.take(ctx, o.key, o.cost(), o.plans)
+}
+
+func (s *RedisStore) self() Store { return s }
+
+// wiringError implements wiredStore: a nil client or an unusable option.
+func (s *RedisStore) wiringError() error { return s.err }
+
 // take is Take for a request already checked.
 func (s *RedisStore) take(ctx context.Context, key string, cost int64, plans []Plan) (Result, error) {
 	if s.err != nil {
@@ -277,7 +290,7 @@ func replyLen(plans []Plan) int {
 
 // maxWait bounds every wait a reply may tell, in µs: no plan's bucket
 // fills, nor its window empties, in longer.
-var maxWait = 2 * MaxRefillPeriod.Microseconds()
+var maxWait = 2 * maxRefillPeriod.Microseconds()
 
 // parseReply checks the shape of the script's reply instead of trusting it
 // (see scripts/limit.lua): all integers, with counts, tokens and stamps

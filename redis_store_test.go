@@ -822,7 +822,7 @@ func TestLuaAgreesWithGoTable(t *testing.T) {
 // formatted with %g would read "1e-05" or "1e+07": gopher-lua's tonumber,
 // which miniredis runs, reads those as nil.
 var extremeRates = []Plan{
-	{Name: "slowest", Capacity: 3, Rate: 3 / MaxRefillPeriod.Seconds() * (1 + 1e-9)},
+	{Name: "slowest", Capacity: 3, Rate: 3 / maxRefillPeriod.Seconds() * (1 + 1e-9)},
 	{Name: "micro", Capacity: 3, Rate: 1e-5},
 	{Name: "mega", Capacity: 2_000_000, Rate: 1e6},
 	{Name: "tera", Capacity: 20_000_000, Rate: 1e7},
@@ -1600,15 +1600,15 @@ func runVariants(t *testing.T, seed uint64) {
 		return c
 	}
 	for i := 0; i < 300; i++ {
-		switch op := rng.IntN(10); {
-		case op < 2: // the clock
+		switch step := rng.IntN(10); {
+		case step < 2: // the clock
 			step := rng.Int64N(3_000_000)
 			if rng.IntN(6) == 0 {
 				step = -rng.Int64N(20_000_000)
 			}
 			now += step
 			setTime(now)
-		case op < 5: // a decision or a read
+		case step < 5: // a decision or a read
 			plans := pick(true)
 			c := minCap(plans)
 			cost := rng.Int64N(c+1) - rng.Int64N(2)*rng.Int64N(c+1)
@@ -1628,12 +1628,11 @@ func runVariants(t *testing.T, seed uint64) {
 			r, err := rs.take(ctx, "k", cost, plans)
 			require.NoError(t, err)
 			require.Equal(t, m, r, "op %d: take %d on %v", i, cost, plans)
-		case op < 8: // reserve
+		case step < 8: // reserve
 			plans := pick(false)
 			n := 1 + rng.Int64N(minCap(plans))
 			p := &pair{n: n, mem: hold{ttl: time.Hour}, red: hold{ttl: time.Hour}, plans: plans}
-			var m Result
-			ms.holdInto(&m, "k", n, plans, &p.mem)
+			m, _ := ms.decide(ctx, op{key: "k", n: n, mode: modeHold, plans: plans, hold: &p.mem})
 			r, err := rs.hold(ctx, "k", n, plans, &p.red)
 			require.NoError(t, err)
 			require.Equal(t, m, r, "op %d: reserve %d on %v", i, n, plans)
@@ -1663,8 +1662,9 @@ func runVariants(t *testing.T, seed uint64) {
 				}
 			}
 			actual := rng.Int64N(3 * p.n)
-			m, ms1 := ms.settle("k", plans, p.skip, p.n, actual, p.mem.expires)
-			r, rs1, err := rs.settle(ctx, "k", plans, &p.red, p.n, actual)
+			p.mem.skip = p.skip
+			m, ms1, _ := ms.settle(ctx, settleOp{key: "k", plans: plans, hold: &p.mem, n: p.n, used: actual})
+			r, rs1, err := rs.settle(ctx, settleOp{key: "k", plans: plans, hold: &p.red, n: p.n, used: actual})
 			require.NoError(t, err)
 			require.Equal(t, ms1, rs1, "op %d", i)
 			require.Equal(t, m, r, "op %d: settle %d of %d on %v", i, actual, p.n, plans)

@@ -96,11 +96,11 @@ type Settlement struct {
 // Errors are AllowN's. A hold that is never settled costs nothing beyond
 // the tokens taken, which refill as usual.
 func (l *Limiter) Reserve(ctx context.Context, key string, n int64, plans ...string) (*Reservation, error) {
-	if !canHold(l.store, l.fallback) {
-		return nil, fmt.Errorf("%w: reservations need a MemoryStore or RedisStore, and a MemoryStore as fallback", errors.ErrUnsupported)
+	if !l.holds {
+		return nil, errUnsupported(modeHold)
 	}
 	r := l.newReservation(key, n)
-	if err := l.decide(ctx, &r.result, key, n, 1, plans, &r.hold); err != nil {
+	if err := l.named(ctx, &r.result, op{key: key, n: n, mode: modeHold, hold: &r.hold}, plans); err != nil {
 		return nil, err
 	}
 	l.held(r)
@@ -138,46 +138,6 @@ func untaken(r *Result) uint64 {
 		}
 	}
 	return skip
-}
-
-// canHold reports whether a store and its fallback (nil if none) can hold
-// reservations.
-func canHold(store, fallback Store) bool {
-	_, memory := fallback.(*MemoryStore)
-	return ours(store) && (memory || fallback == nil)
-}
-
-// ours reports whether s is a store of this package, which reads for n
-// tokens (PeekN) and holds reservations.
-func ours(s Store) bool {
-	switch s.(type) {
-	case *MemoryStore, *RedisStore:
-		return true
-	}
-	return false
-}
-
-// PeekN reports whether n tokens would be taken now from the bucket of
-// every named plan for key, without taking them: Allowed says whether
-// they would, RetryAfter is the exact wait until they would, and
-// Remaining and ResetAfter describe the buckets. n must be at least 1 and
-// no more than every plan's capacity (ErrInvalidCost). Peek is PeekN of 1.
-// For n above 1, a store other than a MemoryStore or RedisStore, or such a
-// fallback store, gets errors.ErrUnsupported: the Store interface reads
-// for one token.
-func (l *Limiter) PeekN(ctx context.Context, key string, n int64, plans ...string) (r Result, err error) {
-	switch {
-	case n < 1:
-		return Result{}, fmt.Errorf("%w: %d is below 1", ErrInvalidCost, n)
-	case n == 1:
-		return l.Peek(ctx, key, plans...)
-	case !ours(l.store) || l.fallback != nil && !ours(l.fallback):
-		return Result{}, fmt.Errorf("%w: reading for more than one token needs a MemoryStore or RedisStore", errors.ErrUnsupported)
-	}
-	// A read of -n, which the stores understand as a read for n tokens,
-	// checked against the capacities as n.
-	err = l.decide(ctx, &r, key, -n, -n, plans, nil)
-	return r, err
 }
 
 // OK reports whether the reservation was granted: its tokens were taken.
@@ -262,22 +222,24 @@ const (
 // settle settles r with actual tokens used, on the store that granted it,
 // behind the breaker and failure policy when that store can fail.
 func (l *Limiter) settle(ctx context.Context, r *Reservation, actual int64) (st Settlement, err error) {
-	h := &r.hold
-	var status settleStatus
-	switch s := h.store.(type) {
-	case nil: // granted by FailOpen, or exempt (ErrExempt): nothing was held
+	if r.hold.store == nil { // granted by FailOpen, or exempt (ErrExempt): nothing was held
 		return Settlement{Result: r.result}, nil
-	case *MemoryStore:
-		plans, skip := l.plansInForce(ctx, r)
-		if s != l.mem { // the fallback, which decides on this instance's share
-			plans = l.fallbackShare(plans)
+	}
+	h := r.hold
+	o := settleOp{key: r.key, hold: &h, n: r.n, used: actual}
+	o.plans, h.skip = l.plansInForce(ctx, r)
+	var status settleStatus
+	if isLocal(h.store) {
+		if h.store == l.fallback { // it decided on this instance's share
+			o.plans = l.fallbackShare(o.plans)
 		}
-		st, status = s.settle(r.key, plans, skip, r.n, actual, h.expires)
+		st, status, err = h.store.(settler).settle(ctx, o)
 		st.Source = r.result.Source
-	case *RedisStore:
-		if st, status, err = l.settleOnRedis(ctx, s, r, actual); err != nil {
-			return Settlement{}, err
-		}
+	} else {
+		st, status, err = l.settleGuarded(ctx, o)
+	}
+	if err != nil {
+		return Settlement{}, err
 	}
 	l.stats.reservations.count(&st, status)
 	if st.Refunded > 0 && l.denials != nil {
@@ -294,17 +256,15 @@ func (l *Limiter) settle(ctx context.Context, r *Reservation, actual int64) (st 
 	return st, nil
 }
 
-// settleOnRedis settles r on s behind the breaker; while s fails, the
-// failure policy settles it.
-func (l *Limiter) settleOnRedis(ctx context.Context, s *RedisStore, r *Reservation, actual int64) (st Settlement, status settleStatus, err error) {
-	plans, skip := l.plansInForce(ctx, r)
-	h := r.hold
-	h.skip = skip
-	b := l.health.forKey(ctx, r.key, plans)
+// settleGuarded settles o on the store that granted its hold, one that
+// can fail, behind the breaker; while it fails, the failure policy
+// settles it.
+func (l *Limiter) settleGuarded(ctx context.Context, o settleOp) (st Settlement, status settleStatus, err error) {
+	b := l.health.forKey(ctx, o.key, o.plans)
 	cause := errBreakerOpen
 	if ok, probe := b.Allow(); ok {
 		callerErr, storeErr := l.call(ctx, &st.Result, b, probe, l.now(), func() (err error) {
-			st, status, err = s.settle(ctx, r.key, plans, &h, r.n, actual)
+			st, status, err = o.hold.store.(settler).settle(ctx, o)
 			return err
 		})
 		switch {
@@ -317,13 +277,18 @@ func (l *Limiter) settleOnRedis(ctx context.Context, s *RedisStore, r *Reservati
 	}
 	switch l.policy {
 	case FailOpen:
-		return Settlement{Result: failOpenResult(plans)}, holdLive, nil
+		return Settlement{Result: failOpenResult(o.plans)}, holdLive, nil
 	case FailClosed:
 		return Settlement{}, 0, fmt.Errorf("%w: %w", ErrStoreUnavailable, cause)
 	}
-	// The fallback store holds no hold of Redis's: it charges the excess
-	// as for a hold gone, and the refund is dropped.
-	st, _ = l.fallback.(*MemoryStore).settle(r.key, l.fallbackShare(plans), skip, r.n, actual, 0)
+	// The fallback store holds no hold of the store's: it charges the
+	// excess as for a hold gone, and the refund is dropped.
+	gone := hold{skip: o.hold.skip}
+	o.hold, o.plans = &gone, l.fallbackShare(o.plans)
+	st, _, err = l.fallback.(settler).settle(ctx, o)
+	if err != nil {
+		return Settlement{}, 0, fmt.Errorf("%w: fallback store failed too: %w", ErrStoreUnavailable, err)
+	}
 	st.Source = SourceFallback
 	return st, holdLive, nil
 }
@@ -389,5 +354,5 @@ func (l *Limiter) plansInForce(ctx context.Context, r *Reservation) (_ []Plan, s
 // than the next decision's share could read, which brings it back to one
 // refill of the share (ADR 29) and forgives the rest.
 func (l *Limiter) fallbackShare(plans []Plan) []Plan {
-	return share(plans, l.fleetSize(), 1)
+	return shareOf(plans, l.fleetSize(), 1)
 }

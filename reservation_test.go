@@ -267,13 +267,13 @@ func TestSettleRetryAfterALostReply(t *testing.T) {
 	h := hold{ttl: time.Minute}
 	_, err := rs.hold(ctx, "k", 500, []Plan{llm}, &h)
 	require.NoError(t, err)
-	st, status, err := rs.settle(ctx, "k", []Plan{llm}, &h, 500, 0)
+	st, status, err := rs.settle(ctx, settleOp{key: "k", plans: []Plan{llm}, hold: &h, n: 500, used: 0})
 	require.NoError(t, err)
 	assert.Equal(t, holdLive, status)
 	assert.Equal(t, int64(1000), st.Remaining)
 	_, err = rs.Take(ctx, "k", 300, []Plan{llm})
 	require.NoError(t, err)
-	st, status, err = rs.settle(ctx, "k", []Plan{llm}, &h, 500, 0)
+	st, status, err = rs.settle(ctx, settleOp{key: "k", plans: []Plan{llm}, hold: &h, n: 500, used: 0})
 	require.NoError(t, err)
 	assert.Equal(t, holdSettled, status)
 	assert.Zero(t, st.Refunded)
@@ -653,7 +653,7 @@ func BenchmarkReservation(b *testing.B) {
 			if _, err := s.hold(ctx, key, 10, plans, &h); err != nil {
 				return err
 			}
-			_, _, err := s.settle(ctx, key, plans, &h, 10, 3)
+			_, _, err := s.settle(ctx, settleOp{key: key, plans: plans, hold: &h, n: 10, used: 3})
 			return err
 		}},
 	} {

@@ -187,10 +187,8 @@ func (l *Limiter) AllowPlans(ctx context.Context, key string, cost int64, plans 
 			use[i] = e.one[0]
 		}
 	}
-	if err := checkKey(key); err != nil {
-		return r, err
-	}
-	err = l.decideOn(ctx, &r, t, key, cost, 1, use, entry, nil, true)
+	q := request{op: op{key: key, n: cost, plans: use}, table: t, entry: entry, given: true}
+	err = l.decide(ctx, &r, &q)
 	return r, err
 }
 

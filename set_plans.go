@@ -113,6 +113,16 @@ func newTable(plans []Plan, shadow bool, counts func(name string) *planCount) (*
 	return t, nil
 }
 
+// leaseIn reports whether any of plans has a Lease.
+func leaseIn(plans []Plan) bool {
+	for i := range plans {
+		if plans[i].Lease > 0 {
+			return true
+		}
+	}
+	return false
+}
+
 // SetPlans replaces the Limiter's plans with plans, checked as New checks
 // them (ErrInvalidPlan): on an error the plans stay as they were. It is
 // safe while the Limiter decides: each decision uses the old table or the
@@ -130,6 +140,9 @@ func (l *Limiter) SetPlans(plans []Plan) error {
 	t, err := newTable(plans, l.shadowAll, l.stats.plan)
 	if err != nil {
 		return err
+	}
+	if l.leases == nil && !l.local && leaseIn(plans) {
+		return fmt.Errorf("%w: Plan.Lease needs a store, and a fallback store, that hold reservations", errUnsupported(modeHold))
 	}
 	l.table.Store(t)
 	return nil

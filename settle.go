@@ -36,24 +36,19 @@ func settleDelta(n, actual int64, status settleStatus) int64 {
 	return 0
 }
 
-// holdInto is takeInto for Reserve. The hold is the Reservation itself,
-// in this process: the store only dates its expiry.
-func (m *MemoryStore) holdInto(r *Result, key string, cost int64, plans []Plan, h *hold) {
-	m.takeInto(r, key, cost, plans)
-	h.granted(m, m.now()+h.ttl.Microseconds())
-}
-
-// settle settles a reservation of n tokens on plans for key, of which
-// actual were used, with a hold that expires at expires (µs on the
-// store's clock; 0 for one held elsewhere, which reads as gone). Bit i of
-// skip leaves plan i alone: the reservation took nothing from it. The hold
-// itself is the Reservation, in this process, which settles only once.
-func (m *MemoryStore) settle(key string, plans []Plan, skip uint64, n, actual, expires int64) (Settlement, settleStatus) {
+// settle settles the hold of o: a reservation of o.n tokens on o.plans
+// for o.key, of which o.used were used, with a hold that expires at
+// hold.expires (µs on the store's clock; 0 for one held elsewhere, which
+// reads as gone). Bit i of hold.skip leaves plan i alone: the reservation
+// took nothing from it. The hold itself is the Reservation, in this
+// process, which settles only once.
+func (m *MemoryStore) settle(_ context.Context, o settleOp) (Settlement, settleStatus, error) {
+	key, plans, skip, n, actual := o.key, o.plans, o.hold.skip, o.n, o.used
 	var buf [4]TokenBucket
 	buckets := buf[:0]
 	s, e, now := m.lock(key)
 	status := holdLive
-	if now >= expires { // as a key with that expiry would have gone
+	if now >= o.hold.expires { // as a key with that expiry would have gone
 		status = holdGone
 	}
 	delta := settleDelta(n, actual, status)
@@ -73,7 +68,7 @@ func (m *MemoryStore) settle(key string, plans []Plan, skip uint64, n, actual, e
 		buckets = append(buckets, b)
 	}
 	s.mu.Unlock()
-	return settlement(plans, buckets, now, n, actual, lost, status), status
+	return settlement(plans, buckets, now, n, actual, lost, status), status, nil
 }
 
 // hold is take for Reserve: the script also sets the hold, named by a new
@@ -111,9 +106,10 @@ func (s *RedisStore) appendKeys(dst []string, key string, plans []Plan, extra ..
 	return dst
 }
 
-// settle runs scripts/settle.lua for the hold h of n tokens on plans for
-// key, of which actual were used.
-func (s *RedisStore) settle(ctx context.Context, key string, plans []Plan, h *hold, n, actual int64) (Settlement, settleStatus, error) {
+// settle runs scripts/settle.lua for the hold of o: o.n tokens on o.plans
+// for o.key, of which o.used were used.
+func (s *RedisStore) settle(ctx context.Context, o settleOp) (Settlement, settleStatus, error) {
+	key, plans, h, n, actual := o.key, o.plans, o.hold, o.n, o.used
 	args := make([]any, 4, 4+3*len(plans))
 	args[0], args[1], args[2], args[3] = n, actual, h.ttl.Milliseconds(), h.skip
 	for i := range plans {

@@ -69,8 +69,7 @@ func runHoldOps(t *testing.T, capacity uint8, rate float64, ops []byte, backward
 				continue
 			}
 			p := &pair{n: cost, mem: hold{ttl: time.Second}, red: hold{ttl: time.Second}}
-			var mr Result
-			ms.holdInto(&mr, "k", cost, plans, &p.mem)
+			mr, _ := ms.decide(ctx, op{key: "k", n: cost, mode: modeHold, plans: plans, hold: &p.mem})
 			rr, err := rs.hold(ctx, "k", cost, plans, &p.red)
 			require.NoError(t, err)
 			require.Equal(t, mr, rr, "op %d: reserve %d", i/3, cost)
@@ -85,8 +84,8 @@ func runHoldOps(t *testing.T, capacity uint8, rate float64, ops []byte, backward
 				continue
 			}
 			p.settled = true
-			mst, mstatus := ms.settle("k", plans, 0, p.n, x, p.mem.expires)
-			rst, rstatus, err := rs.settle(ctx, "k", plans, &p.red, p.n, x)
+			mst, mstatus, _ := ms.settle(ctx, settleOp{key: "k", plans: plans, hold: &p.mem, n: p.n, used: x})
+			rst, rstatus, err := rs.settle(ctx, settleOp{key: "k", plans: plans, hold: &p.red, n: p.n, used: x})
 			require.NoError(t, err)
 			require.Equal(t, mstatus, rstatus, "op %d: settle %d of %d", i/3, x, p.n)
 			require.Equal(t, mst, rst, "op %d: settle %d of %d", i/3, x, p.n)

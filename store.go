@@ -3,6 +3,7 @@ package tollgate
 import (
 	"context"
 	"fmt"
+	"time"
 )
 
 // Store keeps token buckets and decides on them. RedisStore and MemoryStore
@@ -19,10 +20,134 @@ type Store interface {
 	Reset(ctx context.Context, key string, plans []Plan) error
 }
 
+// The interfaces below are the capabilities a store may have beyond Store.
+// A Limiter discovers each with one type assertion on an interface, at New
+// or where a feature needs it, never by asking for a concrete store: a
+// store that lacks one gets errors.ErrUnsupported from the feature that
+// needs it.
+
+// decider decides an op the Limiter has checked: a read for n tokens, a
+// take, or a hold (Reserve, leases), with the Result by value, so that a
+// decision allocates nothing for it.
+type decider interface {
+	decide(ctx context.Context, o op) (Result, error)
+	// self returns the store itself. A store of another package that
+	// embeds one of ours gets its methods, but may take differently in its
+	// own Take: it is a plain Store, whose own methods decide.
+	self() Store
+}
+
+// settler settles the holds it granted (Reservation.Settle).
+type settler interface {
+	settle(ctx context.Context, s settleOp) (Settlement, settleStatus, error)
+}
+
+// localStore is a store of this process, which cannot fail: a Limiter asks
+// it without a breaker, failure policy or denial cache, and needs no lease
+// in front of it.
+type localStore interface {
+	inProcess()
+}
+
+// wiredStore is a store that may have been built with a wiring mistake,
+// which New reports.
+type wiredStore interface {
+	wiringError() error
+}
+
+// checkedStore is a store whose Limiter.Check runs a check of its own.
+type checkedStore interface {
+	check(ctx context.Context) error
+}
+
+// mastersStore is a store spread over masters that fail alone (a Redis
+// Cluster): a Limiter keeps one breaker per master.
+type mastersStore interface {
+	// spread reports whether the store is spread over masters.
+	spread() bool
+	// masterOf names the master that holds key's bucket of plan.
+	masterOf(ctx context.Context, key, plan string) (string, error)
+}
+
+// fleetStore is a store that every instance of a fleet shares, and that
+// can count them (WithFleet).
+type fleetStore interface {
+	// heartbeat records instance id as alive for ttl and returns how many
+	// instances are.
+	heartbeat(ctx context.Context, id string, ttl time.Duration) (int64, error)
+}
+
+// scriptStore is a store that counts how often it had to send its scripts'
+// source again (Stats.ScriptLoads).
+type scriptStore interface {
+	ScriptLoads() int64
+}
+
 var (
-	_ Store = (*MemoryStore)(nil)
-	_ Store = (*RedisStore)(nil)
+	_ Store        = (*MemoryStore)(nil)
+	_ Store        = (*RedisStore)(nil)
+	_ decider      = (*MemoryStore)(nil)
+	_ decider      = (*RedisStore)(nil)
+	_ settler      = (*MemoryStore)(nil)
+	_ settler      = (*RedisStore)(nil)
+	_ localStore   = (*MemoryStore)(nil)
+	_ wiredStore   = (*RedisStore)(nil)
+	_ checkedStore = (*RedisStore)(nil)
+	_ mastersStore = (*RedisStore)(nil)
+	_ fleetStore   = (*RedisStore)(nil)
+	_ scriptStore  = (*RedisStore)(nil)
 )
+
+// plainStore is a decider for a Store of another package, which takes
+// tokens and reads for one token, and can do nothing else.
+type plainStore struct{ Store }
+
+func (s plainStore) self() Store { return s.Store }
+
+func (s plainStore) decide(ctx context.Context, o op) (Result, error) {
+	switch {
+	case o.mode == modeTake:
+		return s.Take(ctx, o.key, o.n, o.plans)
+	case o.mode == modeRead && o.n == 1:
+		return s.Take(ctx, o.key, 0, o.plans)
+	}
+	return Result{}, errUnsupported(o.mode)
+}
+
+// deciderOf returns s as a decider.
+func deciderOf(s Store) decider {
+	if d, ok := s.(decider); ok && d.self() == s {
+		return d
+	}
+	return plainStore{s}
+}
+
+// canRead reports whether s reads for more than one token.
+func canRead(s Store) bool {
+	_, plain := deciderOf(s).(plainStore)
+	return !plain
+}
+
+// canHold reports whether s holds reservations and settles them.
+func canHold(s Store) bool {
+	_, ok := s.(settler)
+	return ok && canRead(s)
+}
+
+// isLocal reports whether s is a store of this process, which cannot fail.
+func isLocal(s Store) bool {
+	_, ok := s.(localStore)
+	return ok && canRead(s)
+}
+
+// wiringError returns the mistake a store was built with, which it would
+// otherwise report on every call.
+func wiringError(s Store) error {
+	if w, ok := s.(wiredStore); ok {
+		return w.wiringError()
+	}
+	return nil
+}
 
 // checkKey rejects keys no store accepts. The key itself never appears in
 // the error: it may be personal data. It is small enough to inline; the
@@ -41,13 +166,12 @@ func keyError(n int) error {
 	return fmt.Errorf("%w: %d bytes, more than %d", ErrInvalidKey, n, MaxKeyLen)
 }
 
-// checkCost rejects a cost below minCost or above any plan's capacity. A
-// read for n tokens (PeekN), of cost -n, is held to the capacities as n.
-func checkCost(cost, minCost int64, plans []Plan) error {
-	if cost < minCost {
-		return fmt.Errorf("%w: %d is below %d", ErrInvalidCost, cost, minCost)
+// checkCost rejects a request for fewer than 1 token, or for more than any
+// plan's capacity.
+func checkCost(n int64, plans []Plan) error {
+	if n < 1 {
+		return fmt.Errorf("%w: %d is below 1", ErrInvalidCost, n)
 	}
-	n := max(cost, -cost)
 	for i := range plans {
 		if n > plans[i].Capacity {
 			return fmt.Errorf("%w: %d exceeds the capacity %d of plan %q", ErrInvalidCost, n, plans[i].Capacity, plans[i].Name)
@@ -57,7 +181,7 @@ func checkCost(cost, minCost int64, plans []Plan) error {
 }
 
 // checkTake validates a Store request: a store takes plans from any caller,
-// so it checks everything its arithmetic relies on.
+// so it checks everything its arithmetic relies on. A cost of 0 reads.
 func checkTake(key string, cost int64, plans []Plan) error {
 	if err := checkKey(key); err != nil {
 		return err
@@ -73,5 +197,8 @@ func checkTake(key string, cost int64, plans []Plan) error {
 	if err := checkShadow(plans); err != nil {
 		return err
 	}
-	return checkCost(cost, 0, plans)
+	if cost == 0 {
+		cost = 1
+	}
+	return checkCost(cost, plans)
 }

@@ -216,7 +216,7 @@ func FuzzWindow(f *testing.F) {
 			if delta < 0 {
 				log, monotonic = nil, false // a new log: see the doc comment
 			}
-			now = min(max(now+delta, 0), t0+MaxRefillPeriod.Microseconds())
+			now = min(max(now+delta, 0), t0+maxRefillPeriod.Microseconds())
 			cost := min(int64(op[2]), p.Capacity)
 			u := uint64(op[3]) << 45
 
