@@ -57,10 +57,10 @@ type Limiter struct {
 	fallbackDecider decider // the fallback, as it decides a request
 	policy          FailurePolicy
 	health          *health // the store's breakers; nil for a store of this process
-	denials  *denialcache.Cache[Result]
-	log      *slog.Logger
-	debug    bool // log every decision: the logger had debug enabled at New
-	holdTTL  time.Duration
+	denials         *denialcache.Cache[Result]
+	log             *slog.Logger
+	debug           bool // log every decision: the logger had debug enabled at New
+	holdTTL         time.Duration
 
 	table     atomic.Pointer[planTable] // New's plans, or SetPlans's
 	resolver  PlanResolver              // nil: none

@@ -315,7 +315,7 @@ func (m *MemoryStore) takeInto(r *Result, key string, cost int64, plans []Plan) 
 		}
 	}
 	s.mu.Unlock()
-	r.describe(plans, buckets, nil, now, cost, allowed, wd)
+	r.describe(&outcome{plans: plans, buckets: buckets, now: now, cost: cost, allowed: allowed, wd: wd})
 }
 
 // lock locks the shard of key and returns it, the key's entry (nil if
@@ -422,7 +422,7 @@ func (m *MemoryStore) takeWindows(r *Result, key string, cost int64, plans []Pla
 		}
 	}
 	s.mu.Unlock()
-	r.describe(plans, buckets, states, now, cost, allowed, wd)
+	r.describe(&outcome{plans: plans, buckets: buckets, windows: states, now: now, cost: cost, allowed: allowed, wd: wd})
 }
 
 // describeWindow returns what a Result reports of window w of plan p after
@@ -439,7 +439,7 @@ func describeWindow(p *Plan, w *window, now, cost int64, allowed bool) planState
 	if p.Suppress != 0 && cost > 0 {
 		offered -= cost
 	}
-	return windowState(p, admitted, offered, ready, w.resetAt(now), now, cost, allowed)
+	return windowState(p, windowCounts{admitted, offered, ready, w.resetAt(now)}, now, cost, allowed)
 }
 
 // evict drops a key to make room, and returns its entry, or nil if the

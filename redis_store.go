@@ -131,7 +131,7 @@ func (s *RedisStore) run(ctx context.Context, c *scriptCall, cost int64, plans [
 	if err != nil {
 		return Result{}, err
 	}
-	return newResult(plans, buckets, windows, now, cost, allowed, wd), nil
+	return newResult(&outcome{plans: plans, buckets: buckets, windows: windows, now: now, cost: cost, allowed: allowed, wd: wd}), nil
 }
 
 // pooledPlans is how many plans a scriptCall holds the keys and ARGV of
@@ -322,7 +322,7 @@ func parseReply(buckets []TokenBucket, windows []planState, reply any, plans []P
 		if ready < now || reset < now || ready-now > maxWait || reset-now > maxWait {
 			return false, 0, 0, fmt.Errorf("%w: a window's wait is out of range", ErrBadReply)
 		}
-		windows[i] = windowState(p, admitted, offered, ready, reset, now, cost, allowed && wd&(1<<i) == 0)
+		windows[i] = windowState(p, windowCounts{admitted, offered, ready, reset}, now, cost, allowed && wd&(1<<i) == 0)
 		vals = vals[4:]
 	}
 	return allowed, now, wd, nil

@@ -434,7 +434,7 @@ func FuzzParseReply(f *testing.F) {
 		vals := arr[2:]
 		for i, p := range plans {
 			if p.isWindow() {
-				want := windowState(&p, vals[0].(int64), vals[1].(int64), vals[2].(int64), vals[3].(int64), now, cost, allowed)
+				want := windowState(&p, windowCounts{vals[0].(int64), vals[1].(int64), vals[2].(int64), vals[3].(int64)}, now, cost, allowed)
 				if windows[i] != want {
 					t.Fatalf("reply %#v: window %d parsed as %+v, want %+v", reply, i, windows[i], want)
 				}
@@ -652,7 +652,7 @@ func runAgreement(t *testing.T, steps []agreementOp) {
 			if allowed && s.cost > 0 {
 				stored = buckets
 			}
-			want := newResult(s.plans, stored, make([]planState, len(s.plans)), now, s.cost, allowed, 0)
+			want := newResult(&outcome{plans: s.plans, buckets: stored, windows: make([]planState, len(s.plans)), now: now, cost: s.cost, allowed: allowed})
 			assert.Equal(t, want, got, "step %d: Lua and TokenBucket disagree", i)
 		} else if got.Allowed && s.cost > 0 {
 			assert.True(t, allowed, "step %d: allowed, though a bucket lacks the tokens", i)

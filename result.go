@@ -152,21 +152,34 @@ type planState struct {
 	drawn                  bool // a suppressed plan drew for the request
 }
 
-// newResult describes a decision on plans from their state after it:
+// outcome is a store's decision on plans, from their state after it:
 // buckets[i] is the stored bucket of bucket plan i, and windows[i] what
 // windowState tells of window plan i (windows may be nil when no plan is
 // a window); bit i of wd is set when shadowed plan i would have denied.
-// Both stores build their results here, so they agree field by field.
-func newResult(plans []Plan, buckets []TokenBucket, windows []planState, now, cost int64, allowed bool, wd uint64) Result {
+// cost is the op's (see op.cost), and now the store's clock, in µs.
+type outcome struct {
+	plans   []Plan
+	buckets []TokenBucket
+	windows []planState
+	now     int64
+	cost    int64
+	allowed bool
+	wd      uint64
+}
+
+// newResult describes the outcome o. Both stores build their results
+// here, so they agree field by field.
+func newResult(o *outcome) Result {
 	var r Result
-	r.describe(plans, buckets, windows, now, cost, allowed, wd)
+	r.describe(o)
 	return r
 }
 
 // describe is newResult into *r, which it overwrites whole: the memory
 // store's hot path builds its Result in place this way. A read (cost 0)
 // is described as the question whether one token would pass now.
-func (r *Result) describe(plans []Plan, buckets []TokenBucket, windows []planState, now, cost int64, allowed bool, wd uint64) {
+func (r *Result) describe(o *outcome) {
+	plans, buckets, windows, now, cost, allowed, wd := o.plans, o.buckets, o.windows, o.now, o.cost, o.allowed, o.wd
 	if len(plans) == 1 { // the common case, and hot
 		p := &plans[0]
 		*r = Result{Plan: p.Name, Limit: p.Capacity}
@@ -187,7 +200,7 @@ func (r *Result) describe(plans []Plan, buckets []TokenBucket, windows []planSta
 	for i := range plans {
 		p := &plans[i]
 		denied := i < 64 && wd&(1<<i) != 0
-		st := stateOf(p, i, buckets, windows, now, cost, allowed && !denied)
+		st := o.stateOf(i, allowed && !denied)
 		r.chain[i] = PlanResult{Plan: p.Name, Limit: p.Capacity, Remaining: st.remaining,
 			RetryAfter: st.retryAfter, ResetAfter: st.resetAfter, Suppression: st.suppression,
 			Rate: p.Rate, Window: p.Window, Shadow: p.Shadow, WouldDeny: p.Shadow && (denied || cost <= 0 && st.retryAfter > 0)}
@@ -221,14 +234,15 @@ func (r *Result) describe(plans []Plan, buckets []TokenBucket, windows []planSta
 	r.Rate, r.Window, r.shadow = b.Rate, b.Window, b.Shadow
 }
 
-// stateOf returns what a Result reports of plan p, the i-th: the
-// window's state as given, or the bucket's.
-func stateOf(p *Plan, i int, buckets []TokenBucket, windows []planState, now, cost int64, allowed bool) planState {
+// stateOf returns what a Result reports of plan i of o, allowed or not:
+// the window's state as given, or the bucket's.
+func (o *outcome) stateOf(i int, allowed bool) planState {
+	p := &o.plans[i]
 	if p.isWindow() {
-		return windows[i]
+		return o.windows[i]
 	}
 	var st planState
-	st.remaining, st.retryAfter, st.resetAfter = bucketState(p, buckets[i], now, cost, allowed)
+	st.remaining, st.retryAfter, st.resetAfter = bucketState(p, o.buckets[i], o.now, o.cost, allowed)
 	return st
 }
 
@@ -247,11 +261,19 @@ func bucketState(p *Plan, b TokenBucket, now, cost int64, allowed bool) (remaini
 	return b.refill(p, now).Remaining(), retryAfter, resetAfter
 }
 
+// windowCounts are what a decision found of one window: its counts at
+// now before the decision, admitted and offered, when asked(cost) tokens
+// fit in it as it was (readyAt), and when it counts nothing admitted
+// after the decision (resetAt), in µs.
+type windowCounts struct {
+	admitted, offered int64
+	readyAt, resetAt  int64
+}
+
 // windowState returns what a Result reports of one window after a
-// decision: admitted and offered are its counts at now before the
-// decision, readyAt when asked(cost) tokens fit in it as it was, and
-// resetAt when it counts nothing admitted after the decision, all in µs.
-func windowState(p *Plan, admitted, offered, readyAt, resetAt, now, cost int64, allowed bool) planState {
+// decision that found c at now.
+func windowState(p *Plan, c windowCounts, now, cost int64, allowed bool) planState {
+	admitted, offered, readyAt, resetAt := c.admitted, c.offered, c.readyAt, c.resetAt
 	st := planState{remaining: max(0, p.Capacity-admitted), resetAfter: micros(resetAt - now)}
 	if allowed && cost > 0 {
 		st.remaining = max(0, p.Capacity-admitted-cost)
@@ -275,7 +297,7 @@ func failOpenResult(plans []Plan) Result {
 		buckets[i] = fullBucket(p, 0)
 		windows[i].remaining = p.Capacity
 	}
-	r := newResult(plans, buckets, windows, 0, 0, true, 0)
+	r := newResult(&outcome{plans: plans, buckets: buckets, windows: windows, allowed: true})
 	r.Source = SourceFailOpen
 	return r
 }

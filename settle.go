@@ -9,12 +9,13 @@ import (
 	"github.com/tollgate-go/tollgate/internal/redisscript"
 )
 
-// settlement describes a settlement of n tokens reserved and actual used
-// on plans, whose buckets are as stored after it, and which found the hold
-// as status says. lost is the largest charge, in micro-tokens, that a
+// settlement describes the settlement o, of o.n tokens reserved and o.used
+// used on o.plans, whose buckets are as stored after it, and which found
+// the hold as status says. lost is the largest charge, in micro-tokens, that a
 // bucket could not take.
-func settlement(plans []Plan, buckets []TokenBucket, now, n, actual, lost int64, status settleStatus) Settlement {
-	st := Settlement{Result: newResult(plans, buckets, nil, now, 0, true, 0)}
+func settlement(o settleOp, buckets []TokenBucket, now, lost int64, status settleStatus) Settlement {
+	n, actual := o.n, o.used
+	st := Settlement{Result: newResult(&outcome{plans: o.plans, buckets: buckets, now: now, allowed: true})}
 	switch {
 	case status == holdLive && actual < n:
 		st.Refunded = n - actual
@@ -68,7 +69,7 @@ func (m *MemoryStore) settle(_ context.Context, o settleOp) (Settlement, settleS
 		buckets = append(buckets, b)
 	}
 	s.mu.Unlock()
-	return settlement(plans, buckets, now, n, actual, lost, status), status, nil
+	return settlement(o, buckets, now, lost, status), status, nil
 }
 
 // hold is take for Reserve: the script also sets the hold, named by a new
@@ -124,7 +125,7 @@ func (s *RedisStore) settle(ctx context.Context, o settleOp) (Settlement, settle
 	if err != nil {
 		return Settlement{}, 0, err
 	}
-	return settlement(plans, buckets, now, n, actual, lost, status), status, nil
+	return settlement(o, buckets, now, lost, status), status, nil
 }
 
 // parseSettleReply checks the shape of scripts/settle.lua's reply and puts

@@ -127,7 +127,7 @@ func TestSettleStatusesAgree(t *testing.T) {
 	p := []Plan{llm}
 	for _, tt := range tests {
 		assert.Equal(t, tt.delta, settleDelta(tt.n, tt.actual, tt.status), "%+v", tt)
-		st := settlement(p, []TokenBucket{fullBucket(llm, t0)}, t0, tt.n, tt.actual, 0, tt.status)
+		st := settlement(settleOp{plans: p, n: tt.n, used: tt.actual}, []TokenBucket{fullBucket(llm, t0)}, t0, 0, tt.status)
 		assert.Equal(t, tt.refunded, st.Refunded, "%+v", tt)
 		assert.Equal(t, tt.charged, st.Charged, "%+v", tt)
 	}
