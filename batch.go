@@ -19,26 +19,15 @@ const (
 	maxInFlight = 2
 )
 
-// WithBatching makes a RedisStore on a standalone Redis or Sentinel
-// decide concurrent requests together: while maxInFlight (2) script calls
-// are under way, further decisions wait, and the next call decides up to
-// 32 of them, each independently, all or nothing, as a call of its own
-// would, all at one read of Redis TIME, when the batch began (ADR 26).
-// A decision that finds a call
-// slot free is sent at once, on its own. Each caller's context bounds its
-// own wait; a batch is bounded by the latest deadline among its callers,
-// so that one caller's cancellation or deadline fails no other decision.
-// On a ClusterClient or Ring it does nothing: the keys of different
-// callers lie in different slots, which one script call cannot span (ADR
-// 26). The default is off: one script call per decision.
-func WithBatching() RedisOption {
-	return func(s *RedisStore) {
-		switch s.client.(type) {
-		case *redis.ClusterClient, *redis.Ring:
-			return
-		}
-		s.batch = &batcher{client: s.client, one: s.script, many: redisscript.NewBatch(scripts.BucketFunctions, scripts.LimitBody)}
+// batchCalls has s decide concurrent requests in batches (WithBatching),
+// unless its client spreads keys over slots that one script call cannot
+// span: a ClusterClient or Ring.
+func (s *RedisStore) batchCalls() {
+	switch s.client.(type) {
+	case *redis.ClusterClient, *redis.Ring:
+		return
 	}
+	s.batch = &batcher{client: s.client, one: s.script, many: redisscript.NewBatch(scripts.BucketFunctions, scripts.LimitBody)}
 }
 
 // batcher gathers the decisions of one RedisStore into batches. It is safe

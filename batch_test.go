@@ -338,8 +338,8 @@ func TestBatchingNoscriptStormOnRealRedis(t *testing.T) {
 func BenchmarkRedisBatching(b *testing.B) {
 	for _, tc := range []struct {
 		name string
-		opts []RedisOption
-	}{{"alone", nil}, {"batched", []RedisOption{WithBatching()}}} {
+		opts []Option
+	}{{"alone", nil}, {"batched", []Option{WithBatching()}}} {
 		b.Run(tc.name, func(b *testing.B) {
 			c := redis.NewClient(&redis.Options{Addr: redistest.Addr(b), PoolSize: 128})
 			defer c.Close()
@@ -357,8 +357,8 @@ func BenchmarkRedisBatching(b *testing.B) {
 func BenchmarkRedisBatchingOneCaller(b *testing.B) {
 	for _, tc := range []struct {
 		name string
-		opts []RedisOption
-	}{{"alone", nil}, {"batched", []RedisOption{WithBatching()}}} {
+		opts []Option
+	}{{"alone", nil}, {"batched", []Option{WithBatching()}}} {
 		b.Run(tc.name, func(b *testing.B) {
 			c := redis.NewClient(&redis.Options{Addr: redistest.Addr(b)})
 			defer c.Close()

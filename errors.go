@@ -47,15 +47,10 @@ var (
 	ErrAlreadySettled = errors.New("tollgate: reservation already settled")
 
 	// ErrHoldExpired means a reservation's hold was gone when it was
-	// settled: it outlived its time to live (WithHoldTTL), or Redis lost
-	// it. Nothing was refunded; tokens used beyond the reservation were
-	// still charged.
+	// settled: it outlived its time to live (WithHoldTTL), Redis lost it,
+	// or it held data tollgate did not write, which is replaced. Nothing
+	// was refunded; tokens used beyond the reservation were still charged.
 	ErrHoldExpired = errors.New("tollgate: reservation hold expired")
-
-	// ErrBadHold means a reservation's hold in Redis held data tollgate
-	// did not write. It was settled as if gone (ErrHoldExpired), and
-	// replaced.
-	ErrBadHold = errors.New("tollgate: reservation hold unreadable")
 
 	// ErrNotGranted means Settle or Cancel was called on a reservation
 	// that was not granted, which took nothing.

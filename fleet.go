@@ -10,46 +10,13 @@ import (
 	"time"
 )
 
-// FleetSettings configure WithFleet. Zero values mean the defaults.
-type FleetSettings struct {
-	// Interval is how often the instance records in Redis that it is
-	// alive: one script call per Interval, from a goroutine of its own,
-	// never from a decision. The default is 5s; at least 10ms.
-	Interval time.Duration
-	// TTL is how long an instance counts as alive after its last
-	// heartbeat: an instance that stopped is no longer counted after TTL.
-	// The default is 3 × Interval; at least Interval.
-	TTL time.Duration
-}
-
-// Defaults and bounds of FleetSettings, and the largest fleet counted.
+// Defaults and bounds of WithFleet's interval, and the largest fleet
+// counted.
 const (
 	defaultFleetInterval = 5 * time.Second
 	minFleetInterval     = 10 * time.Millisecond
 	maxFleetSize         = 65_536
 )
-
-// WithFleet makes the fallback of a Limiter on a RedisStore enforce this
-// instance's share of each plan during an outage, so that a fleet of N
-// instances admits about one plan's worth, not N. While Redis answers,
-// each instance records a heartbeat every Interval (a goroutine, which
-// Close stops) and reads how many instances are alive; while the store
-// fails, the Fallback policy's store decides on each plan with its
-// Capacity and Rate divided by the count last read (a window plan's
-// Capacity), the Capacity never below the cost of the decision, nor the
-// Rate below Capacity / maxRefillPeriod.
-//
-// The fleet is the instances with the same Redis and key prefix. The
-// bound assumes the load balancer spreads each key's requests evenly;
-// an instance that gets more than its share is denied sooner, one that
-// gets less admits less (README, "Operating it"). Until the first
-// heartbeat succeeds, and without WithFleet, an instance counts itself
-// alone and its fallback enforces the whole plan. It is an
-// ErrInvalidOption on any store but a RedisStore, or with settings out
-// of range. The default is no fleet: no goroutine, no heartbeat.
-func WithFleet(s FleetSettings) Option {
-	return func(c *config) { c.fleet = &s }
-}
 
 // fleet is a Limiter's heartbeat and the fleet's size last seen. It is
 // safe for concurrent use.
@@ -67,24 +34,21 @@ type fleet struct {
 
 // newFleet checks s and returns the fleet of an instance on store, not
 // yet started.
-func newFleet(store Store, s FleetSettings) (*fleet, error) {
+func newFleet(store Store, interval time.Duration) (*fleet, error) {
 	fs, ok := store.(fleetStore)
 	if !ok {
 		return nil, fmt.Errorf("%w: WithFleet needs a store the fleet shares, such as a RedisStore", ErrInvalidOption)
 	}
-	if s.Interval == 0 {
-		s.Interval = defaultFleetInterval
+	if interval == 0 {
+		interval = defaultFleetInterval
 	}
-	if s.TTL == 0 {
-		s.TTL = 3 * s.Interval
-	}
-	if s.Interval < minFleetInterval || s.TTL < s.Interval || s.TTL > maxRefillPeriod {
-		return nil, fmt.Errorf("%w: fleet interval must be at least %v, and TTL at least the interval", ErrInvalidOption, minFleetInterval)
+	if interval < minFleetInterval || interval > maxRefillPeriod {
+		return nil, fmt.Errorf("%w: fleet interval must be at least %v", ErrInvalidOption, minFleetInterval)
 	}
 	var id [8]byte
 	_, _ = rand.Read(id[:]) // never fails (crypto/rand)
 	return &fleet{
-		store: fs, id: hex.EncodeToString(id[:]), interval: s.Interval, ttl: s.TTL,
+		store: fs, id: hex.EncodeToString(id[:]), interval: interval, ttl: 3 * interval,
 		stop: make(chan struct{}), done: make(chan struct{}),
 	}, nil
 }

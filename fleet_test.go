@@ -20,7 +20,7 @@ func newFleetLimiter(t *testing.T, mr *miniredis.Miniredis, plans []Plan, opts .
 	t.Helper()
 	c := redis.NewClient(&redis.Options{Addr: mr.Addr(), MaxRetries: -1})
 	t.Cleanup(func() { _ = c.Close() })
-	l, err := New(NewRedisStore(c), plans, append([]Option{WithLogger(nil), WithFleet(FleetSettings{Interval: time.Hour})}, opts...)...)
+	l, err := New(NewRedisStore(c), plans, append([]Option{WithLogger(nil), WithFleet(time.Hour)}, opts...)...)
 	require.NoError(t, err)
 	require.NoError(t, l.Close())
 	l.fleet.size.Store(0)
@@ -32,7 +32,7 @@ func TestFleetHeartbeatRunsUntilClose(t *testing.T) {
 	mr := miniredis.RunT(t)
 	c := redis.NewClient(&redis.Options{Addr: mr.Addr()})
 	defer func() { _ = c.Close() }()
-	l, err := New(NewRedisStore(c), testPlans, WithLogger(nil), WithFleet(FleetSettings{Interval: 10 * time.Millisecond}))
+	l, err := New(NewRedisStore(c), testPlans, WithLogger(nil), WithFleet(10*time.Millisecond))
 	require.NoError(t, err)
 	for l.Stats().FleetSize == 0 { // the first heartbeat; the test's timeout bounds the wait
 		time.Sleep(time.Millisecond)
@@ -47,17 +47,13 @@ func TestFleetHeartbeatRunsUntilClose(t *testing.T) {
 }
 
 func TestFleetNeedsARedisStoreAndSaneSettings(t *testing.T) {
-	_, err := New(NewMemoryStore(), testPlans, WithFleet(FleetSettings{}))
+	_, err := New(NewMemoryStore(), testPlans, WithFleet(0))
 	assert.ErrorIs(t, err, ErrInvalidOption)
 	c := redis.NewClient(&redis.Options{Addr: miniredis.RunT(t).Addr()})
 	defer func() { _ = c.Close() }()
-	for _, s := range []FleetSettings{
-		{Interval: time.Millisecond},
-		{Interval: time.Second, TTL: time.Millisecond},
-		{Interval: -time.Second},
-	} {
-		_, err := New(NewRedisStore(c), testPlans, WithFleet(s))
-		assert.ErrorIs(t, err, ErrInvalidOption, "%+v", s)
+	for _, interval := range []time.Duration{time.Millisecond, -time.Second} {
+		_, err := New(NewRedisStore(c), testPlans, WithFleet(interval))
+		assert.ErrorIs(t, err, ErrInvalidOption, "%v", interval)
 	}
 }
 
@@ -164,7 +160,7 @@ func BenchmarkFleet(b *testing.B) {
 			c.AddHook(cannedReply{[]any{int64(1), int64(1 << 50), int64(1 << 40), int64(1 << 50)}})
 			var opts []Option
 			if withFleet {
-				opts = append(opts, WithFleet(FleetSettings{}))
+				opts = append(opts, WithFleet(0))
 			}
 			l, err := New(NewRedisStore(c), benchPlan, opts...)
 			require.NoError(b, err)
@@ -175,7 +171,7 @@ func BenchmarkFleet(b *testing.B) {
 	b.Run("heartbeat/redis", func(b *testing.B) {
 		c := redis.NewClient(&redis.Options{Addr: redistest.Addr(b)})
 		defer func() { _ = c.Close() }()
-		l, err := New(NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix())), benchPlan, WithFleet(FleetSettings{}))
+		l, err := New(NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix())), benchPlan, WithFleet(0))
 		require.NoError(b, err)
 		require.NoError(b, l.Close())
 		ctx := context.Background()

@@ -89,8 +89,8 @@ func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
 		return nil, err
 	}
 	c := config{log: slog.Default(), holdTTL: defaultHoldTTL, leaseTTL: defaultLeaseTTL}
-	for _, o := range opts {
-		o(&c)
+	if err := applyOptions(&c, takerNew, opts); err != nil {
+		return nil, err
 	}
 	if err := c.validate(); err != nil {
 		return nil, err

@@ -36,6 +36,7 @@ type MemoryStore struct {
 
 	epoch      time.Time // monotonic clock base
 	epochMicro int64
+	err        error         // a wiring mistake: New reports it, and so does Take
 	fakeNow    func() int64  // replaces the clock in tests
 	random     func() uint64 // draws for suppressed plans; tests replace it
 }
@@ -173,15 +174,6 @@ func (e *memEntry) fullAt(now int64) int64 {
 	return at
 }
 
-// MemoryOption configures a MemoryStore.
-type MemoryOption func(*MemoryStore)
-
-// WithMaxKeys bounds the keys a MemoryStore holds. Values below 1 mean the
-// default, 100,000 keys.
-func WithMaxKeys(n int) MemoryOption {
-	return func(m *MemoryStore) { m.perCap = n }
-}
-
 // maxShards bounds the shards of a MemoryStore; a parallel benchmark shows
 // no lock contention left at this count on the machines we measured.
 // Smaller stores have fewer, so that each shard holds minShardKeys.
@@ -195,13 +187,12 @@ const (
 const evictSample = 16
 
 // NewMemoryStore returns an empty MemoryStore.
-func NewMemoryStore(opts ...MemoryOption) *MemoryStore {
+func NewMemoryStore(opts ...Option) *MemoryStore {
+	var c config
 	m := &MemoryStore{seed: maphash.MakeSeed(), epoch: time.Now(), random: random53}
+	m.err = applyOptions(&c, takerMemoryStore, opts)
 	m.epochMicro = m.epoch.UnixMicro()
-	for _, o := range opts {
-		o(m)
-	}
-	maxKeys := m.perCap
+	maxKeys := c.maxKeys
 	if maxKeys < 1 {
 		maxKeys = defaultMaxKeys
 	}
@@ -250,6 +241,9 @@ func (m *MemoryStore) shard(key string) *memShard {
 // Take implements Store. The store never blocks on I/O; like a RedisStore,
 // it takes nothing for a ctx that has ended, and returns ctx's error.
 func (m *MemoryStore) Take(ctx context.Context, key string, cost int64, plans []Plan) (r Result, err error) {
+	if m.err != nil {
+		return Result{}, m.err
+	}
 	if err := checkTake(key, cost, plans); err != nil {
 		return Result{}, err
 	}
@@ -272,6 +266,9 @@ func (m *MemoryStore) decide(_ context.Context, o op) (r Result, _ error) {
 }
 
 func (m *MemoryStore) self() Store { return m }
+
+// wiringError implements wiredStore: an option of another constructor.
+func (m *MemoryStore) wiringError() error { return m.err }
 
 // inProcess implements localStore: a MemoryStore cannot fail.
 func (*MemoryStore) inProcess() {}

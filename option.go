@@ -24,8 +24,44 @@ const (
 	FailClosed = breaker.FailClosed
 )
 
-// Option configures a Limiter.
-type Option func(*config)
+// Option configures a Limiter (New), a RedisStore (NewRedisStore) or a
+// MemoryStore (NewMemoryStore): each option's comment names the
+// constructor that takes it. An option given to another constructor is a
+// wiring mistake, which New reports as ErrInvalidOption.
+type Option struct {
+	name  string // the option's function, for errors
+	taker taker  // the constructor that takes it
+	apply func(*config)
+}
+
+// taker names the constructor an Option is for.
+type taker uint8
+
+const (
+	takerNew taker = iota
+	takerRedisStore
+	takerMemoryStore
+)
+
+// String returns the constructor's name, as an error names it.
+func (t taker) String() string {
+	return [...]string{"New", "NewRedisStore", "NewMemoryStore"}[t]
+}
+
+// applyOptions applies to c the options opts for the constructor t, and
+// returns the wiring mistake of the first option that is for another.
+func applyOptions(c *config, t taker, opts []Option) error {
+	for _, o := range opts {
+		if o.apply == nil {
+			return fmt.Errorf("%w: the zero Option", ErrInvalidOption)
+		}
+		if o.taker != t {
+			return fmt.Errorf("%w: %s is an option of %s, not of %s", ErrInvalidOption, o.name, o.taker, t)
+		}
+		o.apply(c)
+	}
+	return nil
+}
 
 // config collects the options of New.
 type config struct {
@@ -38,7 +74,11 @@ type config struct {
 	leaseTTL   time.Duration
 	resolver   PlanResolver
 	shadow     bool
-	fleet      *FleetSettings // nil: no fleet
+	fleet      *time.Duration // the heartbeat's interval; nil: no fleet
+
+	keyPrefix string // NewRedisStore's
+	batching  bool   // NewRedisStore's
+	maxKeys   int    // NewMemoryStore's
 }
 
 // validate checks the options, as New takes them.
@@ -65,20 +105,20 @@ const defaultDenialCacheKeys = 10_000
 // WithFailurePolicy sets what a Limiter does while its store fails. The
 // default is Fallback.
 func WithFailurePolicy(p FailurePolicy) Option {
-	return func(c *config) { c.policy = p }
+	return Option{name: "WithFailurePolicy", taker: takerNew, apply: func(c *config) { c.policy = p }}
 }
 
 // WithFallback sets the store that decides under the Fallback policy. The
 // default is a NewMemoryStore().
 func WithFallback(s Store) Option {
-	return func(c *config) { c.fallback = s }
+	return Option{name: "WithFallback", taker: takerNew, apply: func(c *config) { c.fallback = s }}
 }
 
 // WithBreaker configures the circuit breaker in front of the store. The
 // default is breaker.Settings{}: 3 failures in a row open it for 500ms. A
 // MemoryStore, which cannot fail, gets no breaker.
 func WithBreaker(s breaker.Settings) Option {
-	return func(c *config) { c.breaker = s }
+	return Option{name: "WithBreaker", taker: takerNew, apply: func(c *config) { c.breaker = s }}
 }
 
 // WithLogger sets where a Limiter reports outages: one warning when the
@@ -87,12 +127,12 @@ func WithBreaker(s breaker.Settings) Option {
 // is also logged at debug level (plan, outcome, source; never the key).
 // nil discards everything. The default is slog.Default().
 func WithLogger(log *slog.Logger) Option {
-	return func(c *config) {
+	return Option{name: "WithLogger", taker: takerNew, apply: func(c *config) {
 		if log == nil {
 			log = slog.New(slog.DiscardHandler)
 		}
 		c.log = log
-	}
+	}}
 }
 
 // WithDenialCache bounds the keys whose denials the Limiter remembers, and
@@ -105,16 +145,16 @@ func WithLogger(log *slog.Logger) Option {
 // call per refill, not one per request. The default is 10,000 keys, or 0
 // when the store is a MemoryStore, which is as fast as the cache.
 func WithDenialCache(keys int) Option {
-	return func(c *config) { c.denialKeys = &keys }
+	return Option{name: "WithDenialCache", taker: takerNew, apply: func(c *config) { c.denialKeys = &keys }}
 }
 
 // WithHoldTTL sets how long a reservation's hold lives (Reserve): a Settle
 // after it refunds nothing, and charges only the tokens used beyond the
 // reservation (ErrHoldExpired). In Redis a settled hold leaves a tombstone
 // for as long again, so that a retried Settle changes nothing. It must be
-// 1ms to maxRefillPeriod. The default is 15 minutes.
+// 1ms to 100 years. The default is 15 minutes.
 func WithHoldTTL(d time.Duration) Option {
-	return func(c *config) { c.holdTTL = d }
+	return Option{name: "WithHoldTTL", taker: takerNew, apply: func(c *config) { c.holdTTL = d }}
 }
 
 // WithLeaseTTL sets how long a lease of a plan with Plan.Lease lives: it
@@ -125,5 +165,93 @@ func WithHoldTTL(d time.Duration) Option {
 // in Redis lives 4 lease TTLs, whatever WithHoldTTL says. It must be 1ms
 // to 1 minute. The default is 1 second.
 func WithLeaseTTL(d time.Duration) Option {
-	return func(c *config) { c.leaseTTL = d }
+	return Option{name: "WithLeaseTTL", taker: takerNew, apply: func(c *config) { c.leaseTTL = d }}
+}
+
+// WithShadow puts every plan of the Limiter in dry run, as Plan.Shadow
+// puts one: decisions take tokens exactly as if enforced, and report what
+// enforcement would have denied (Result.ShadowDenied, PlanStats
+// .ShadowDenied), but every request is allowed. It also shadows the plans
+// of SetPlans, a PlanResolver and AllowPlans. Failure policies apply as
+// usual: under FailClosed an outage is still an error. The default
+// enforces the plans as they say.
+func WithShadow() Option {
+	return Option{name: "WithShadow", taker: takerNew, apply: func(c *config) { c.shadow = true }}
+}
+
+// WithPlanResolver has r choose, per key, the plans that the plan names of
+// a call stand for (Allow, AllowN, Peek, Wait; not AllowPlans, whose
+// caller holds its plans). What r answers:
+//
+//   - a valid plan of the same name: it decides, in the bucket of that
+//     name. Its Shadow flag applies as it returns it (WithShadow still
+//     shadows every plan).
+//   - an invalid plan, or one of another name: the call returns
+//     ErrInvalidPlan.
+//   - an error wrapping ErrExempt: the plan is left out of the decision.
+//     When every plan is, the decision is allowed without the store, with
+//     Source SourceExempt, and Stats does not count it.
+//   - any other error, or a panic: the call returns ErrResolver, wrapping
+//     r's error (never a panic's value, which may quote the key), under
+//     every failure policy.
+//
+// The Limiter keeps up to 16 distinct plans per name that r returned,
+// validated and fingerprinted once, so a resolver that returns cached
+// plans adds no allocation. The default is no resolver.
+func WithPlanResolver(r PlanResolver) Option {
+	return Option{name: "WithPlanResolver", taker: takerNew, apply: func(c *config) { c.resolver = r }}
+}
+
+// WithFleet makes the fallback of a Limiter on a RedisStore enforce this
+// instance's share of each plan during an outage, so that a fleet of N
+// instances admits about one plan's worth, not N. While Redis answers,
+// each instance records a heartbeat every interval (one script call from
+// a goroutine of its own, which Close stops, never from a decision) and
+// reads how many instances are alive: those whose last heartbeat is at
+// most 3 intervals old. While the store fails, the Fallback policy's
+// store decides on each plan with its Capacity and Rate divided by the
+// count last read (a window plan's Capacity), the Capacity never below
+// the cost of the decision, nor the Rate below Capacity per 100 years.
+//
+// The fleet is the instances with the same Redis and key prefix. The
+// bound assumes the load balancer spreads each key's requests evenly;
+// an instance that gets more than its share is denied sooner, one that
+// gets less admits less (README, "Operating it"). Until the first
+// heartbeat succeeds, and without WithFleet, an instance counts itself
+// alone and its fallback enforces the whole plan. The interval is 5s
+// when 0, and at least 10ms; it is an ErrInvalidOption on any store but
+// a RedisStore, or below 10ms. The default is no fleet: no goroutine, no
+// heartbeat.
+func WithFleet(interval time.Duration) Option {
+	return Option{name: "WithFleet", taker: takerNew, apply: func(c *config) { c.fleet = &interval }}
+}
+
+// WithBatching makes a RedisStore on a standalone Redis or Sentinel
+// decide concurrent requests together: while 2 script calls are under
+// way, further decisions wait, and the next call decides up to 32 of them,
+// each independently, all or nothing, as a call of its own would, all at
+// one read of Redis TIME, when the batch began. A decision that finds a
+// call slot free is sent at once, on its own. Each caller's context bounds
+// its own wait; a batch is bounded by the latest deadline among its
+// callers, so that one caller's cancellation or deadline fails no other
+// decision. On a ClusterClient or Ring it does nothing: the keys of
+// different callers lie in different slots, which one script call cannot
+// span. It is an option of NewRedisStore. The default is off: one script
+// call per decision.
+func WithBatching() Option {
+	return Option{name: "WithBatching", taker: takerRedisStore, apply: func(c *config) { c.batching = true }}
+}
+
+// WithKeyPrefix sets the first part of every Redis key; instances share
+// buckets only when they share it. It must not contain '{' or '}', which
+// would move the Cluster hash tag. It is an option of NewRedisStore. The
+// default is "tollgate".
+func WithKeyPrefix(prefix string) Option {
+	return Option{name: "WithKeyPrefix", taker: takerRedisStore, apply: func(c *config) { c.keyPrefix = prefix }}
+}
+
+// WithMaxKeys bounds the keys a MemoryStore holds. Values below 1 mean the
+// default, 100,000 keys. It is an option of NewMemoryStore.
+func WithMaxKeys(n int) Option {
+	return Option{name: "WithMaxKeys", taker: takerMemoryStore, apply: func(c *config) { c.maxKeys = n }}
 }

@@ -44,12 +44,13 @@ type Plan struct {
 	// exactly).
 	Capacity int64
 	// Rate is the refill rate of a token bucket in tokens per second:
-	// positive, finite, and at least Capacity / maxRefillPeriod. Per
-	// converts "n per duration". It must be 0 for a window plan.
+	// positive, finite, and at least Capacity per 100 years, the longest
+	// an empty bucket may take to refill. Per converts "n per duration".
+	// It must be 0 for a window plan.
 	Rate float64
-	// Window makes the plan a sliding window of this length: 1 ms to
-	// maxRefillPeriod, counted in whole microseconds, rounded up. It must
-	// be 0 for a token bucket.
+	// Window makes the plan a sliding window of this length: 1 ms to 100
+	// years, counted in whole microseconds, rounded up. It must be 0 for a
+	// token bucket.
 	Window time.Duration
 	// Slots is the number of sub-windows a window plan counts in, 1 to
 	// 64; 0 means 20. A request may be refused for up to one sub-window

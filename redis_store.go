@@ -45,27 +45,21 @@ type RedisStore struct {
 	batch        *batcher      // nil unless WithBatching (batch.go)
 }
 
-// RedisOption configures a RedisStore.
-type RedisOption func(*RedisStore)
-
-// WithKeyPrefix sets the first part of every Redis key; instances share
-// buckets only when they share it. It must not contain '{' or '}', which
-// would move the Cluster hash tag. The default is "tollgate".
-func WithKeyPrefix(prefix string) RedisOption {
-	return func(s *RedisStore) { s.prefix = prefix }
-}
-
 // NewRedisStore returns a RedisStore that uses client. A nil client or an
 // unusable option is a wiring mistake, reported as ErrInvalidOption by New
 // when the store is given to a Limiter, so that it shows at startup, and
 // by every call of a store used on its own.
-func NewRedisStore(client redis.UniversalClient, opts ...RedisOption) *RedisStore {
-	s := &RedisStore{client: client, prefix: defaultKeyPrefix, script: redisscript.New(scripts.Limit),
+func NewRedisStore(client redis.UniversalClient, opts ...Option) *RedisStore {
+	c := config{keyPrefix: defaultKeyPrefix}
+	err := applyOptions(&c, takerRedisStore, opts)
+	s := &RedisStore{client: client, prefix: c.keyPrefix, script: redisscript.New(scripts.Limit),
 		settleScript: redisscript.New(scripts.Settle), random: random53}
-	for _, o := range opts {
-		o(s)
+	if c.batching {
+		s.batchCalls()
 	}
 	switch {
+	case err != nil:
+		s.err = err
 	case client == nil:
 		s.err = fmt.Errorf("%w: nil Redis client", ErrInvalidOption)
 	case strings.ContainsAny(s.prefix, "{}"):

@@ -160,8 +160,8 @@ func (r *Reservation) Result() Result {
 //
 // Errors: ErrNotGranted for a reservation that took nothing;
 // ErrAlreadySettled for a second Settle or Cancel, which changes nothing;
-// ErrHoldExpired when the hold outlived WithHoldTTL or Redis lost it
-// (ErrBadHold when it held data tollgate did not write): then nothing is
+// ErrHoldExpired when the hold outlived WithHoldTTL, Redis lost it, or it
+// held data tollgate did not write: then nothing is
 // refunded and the excess is still charged, and the Settlement tells it;
 // ErrInvalidCost for an actual below 0 or above 9,007,199,254; the
 // caller's context error; and, under FailClosed, ErrStoreUnavailable,
@@ -251,7 +251,7 @@ func (l *Limiter) settle(ctx context.Context, r *Reservation, actual int64) (st 
 	case holdGone:
 		return st, ErrHoldExpired
 	case holdBad:
-		return st, fmt.Errorf("%w: %w", ErrHoldExpired, ErrBadHold)
+		return st, fmt.Errorf("%w: the hold held data tollgate did not write", ErrHoldExpired)
 	}
 	return st, nil
 }

@@ -173,7 +173,8 @@ func TestSettleAfterTheHoldExpired(t *testing.T) {
 		_, err = over.Settle(ctx, 700)
 		require.ErrorIs(t, err, ErrAlreadySettled, "and only once")
 		stats := l.Stats().Reservations
-		assert.Equal(t, ReservationStats{Held: 2, Settled: 2, Expired: 2, Charged: 100}, stats)
+		assert.Equal(t, [...]uint64{2, 2, 2, 0, 100, 0}, [...]uint64{stats.Held, stats.Settled, stats.Expired,
+			stats.Refunded, stats.Charged, stats.Uncharged}, "held, settled, expired, refunded, charged, uncharged")
 	}, WithHoldTTL(time.Minute))
 }
 
@@ -299,8 +300,8 @@ func TestSettleUnreadableHolds(t *testing.T) {
 			hk := rs.Key("k", "~"+r.hold.id)
 			require.NoError(t, spoil(rs.client, hk))
 			st, err := r.Settle(ctx, 600)
-			require.ErrorIs(t, err, ErrBadHold)
 			require.ErrorIs(t, err, ErrHoldExpired)
+			assert.ErrorContains(t, err, "did not write")
 			assert.Zero(t, st.Refunded)
 			assert.Equal(t, int64(100), st.Charged)
 			assert.Equal(t, int64(400), st.Remaining)

@@ -20,29 +20,6 @@ import (
 // concurrent use.
 type PlanResolver func(ctx context.Context, key string, p Plan) (Plan, error)
 
-// WithPlanResolver has r choose, per key, the plans that the plan names of
-// a call stand for (Allow, AllowN, Peek, Wait; not AllowPlans, whose
-// caller holds its plans). What r answers:
-//
-//   - a valid plan of the same name: it decides, in the bucket of that
-//     name. Its Shadow flag applies as it returns it (WithShadow still
-//     shadows every plan).
-//   - an invalid plan, or one of another name: the call returns
-//     ErrInvalidPlan.
-//   - an error wrapping ErrExempt: the plan is left out of the decision.
-//     When every plan is, the decision is allowed without the store, with
-//     Source SourceExempt, and Stats does not count it.
-//   - any other error, or a panic: the call returns ErrResolver, wrapping
-//     r's error (never a panic's value, which may quote the key), under
-//     every failure policy.
-//
-// The Limiter keeps up to 16 distinct plans per name that r returned,
-// validated and fingerprinted once, so a resolver that returns cached
-// plans adds no allocation. The default is no resolver.
-func WithPlanResolver(r PlanResolver) Option {
-	return func(c *config) { c.resolver = r }
-}
-
 // SourceExempt means a PlanResolver exempted the key from every plan asked
 // (ErrExempt): the request was allowed without any bucket.
 const SourceExempt Source = numSources

@@ -2,17 +2,6 @@ package tollgate
 
 import "fmt"
 
-// WithShadow puts every plan of the Limiter in dry run, as Plan.Shadow
-// puts one: decisions take tokens exactly as if enforced, and report what
-// enforcement would have denied (Result.ShadowDenied, PlanStats
-// .ShadowDenied), but every request is allowed. It also shadows the plans
-// of SetPlans, a PlanResolver and AllowPlans. Failure policies apply as
-// usual: under FailClosed an outage is still an error. The default
-// enforces the plans as they say.
-func WithShadow() Option {
-	return func(c *config) { c.shadow = true }
-}
-
 // maxShadowIndex bounds where a shadowed plan may sit in a chain: the
 // script reports would-be denials as bits of one whole number, which a
 // Lua number holds exactly up to 2^53, next to the allowed bit.

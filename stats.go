@@ -66,26 +66,24 @@ type Stats struct {
 	// during an outage. 0 without WithFleet or before the first heartbeat.
 	FleetSize int64
 
-	// Reservations counts reservations and their settlements.
-	Reservations ReservationStats
+	// Reservations counts reservations and their settlements: those of
+	// Reserve, and the leases a Limiter takes for plans with a Lease,
+	// which are reservations too.
+	Reservations struct {
+		// Held is the number of reservations granted.
+		Held uint64
+		// Settled is the number settled, expired holds included, and
+		// Expired the number whose hold was gone (ErrHoldExpired).
+		Settled, Expired uint64
+		// Refunded, Charged and Uncharged are Settlement's fields
+		// summed, in tokens: given back, taken beyond reservations, and
+		// not taken because a bucket's debt would have passed one
+		// capacity.
+		Refunded, Charged, Uncharged uint64
+	}
 }
 
-// ReservationStats counts reservations and their settlements: those of
-// Reserve, and the leases a Limiter takes for plans with Lease (ADR 27),
-// which are reservations too.
-type ReservationStats struct {
-	// Held is the number of reservations granted.
-	Held uint64
-	// Settled is the number settled, expired holds included, and
-	// Expired the number whose hold was gone (ErrHoldExpired).
-	Settled, Expired uint64
-	// Refunded, Charged and Uncharged are Settlement's fields summed, in
-	// tokens: given back, taken beyond reservations, and not taken because
-	// a bucket's debt would have passed one capacity.
-	Refunded, Charged, Uncharged uint64
-}
-
-// reservationCounters are what ReservationStats counts. Reservations are
+// reservationCounters are what Stats.Reservations counts. Reservations are
 // rare next to decisions: one copy of each counter serves.
 type reservationCounters struct {
 	held, settled, expired, refunded, charged, uncharged atomic.Uint64
@@ -105,10 +103,11 @@ func (c *reservationCounters) count(st *Settlement, status settleStatus) {
 	c.uncharged.Add(uint64(st.Uncharged))
 }
 
-// snapshot reads the counters.
-func (c *reservationCounters) snapshot() ReservationStats {
-	return ReservationStats{Held: c.held.Load(), Settled: c.settled.Load(), Expired: c.expired.Load(),
-		Refunded: c.refunded.Load(), Charged: c.charged.Load(), Uncharged: c.uncharged.Load()}
+// snapshot reads the counters into s.
+func (c *reservationCounters) snapshot(s *Stats) {
+	r := &s.Reservations
+	r.Held, r.Settled, r.Expired = c.held.Load(), c.settled.Load(), c.expired.Load()
+	r.Refunded, r.Charged, r.Uncharged = c.refunded.Load(), c.charged.Load(), c.uncharged.Load()
 }
 
 // PlanStats counts the decisions that took tokens, by the plan that bound
@@ -343,6 +342,6 @@ func (l *Limiter) Stats() Stats {
 	if l.fleet != nil {
 		s.FleetSize = l.fleet.size.Load()
 	}
-	s.Reservations = l.stats.reservations.snapshot()
+	l.stats.reservations.snapshot(&s)
 	return s
 }

@@ -92,6 +92,7 @@ var (
 	_ settler      = (*RedisStore)(nil)
 	_ localStore   = (*MemoryStore)(nil)
 	_ wiredStore   = (*RedisStore)(nil)
+	_ wiredStore   = (*MemoryStore)(nil)
 	_ checkedStore = (*RedisStore)(nil)
 	_ mastersStore = (*RedisStore)(nil)
 	_ fleetStore   = (*RedisStore)(nil)

@@ -104,7 +104,7 @@ func runScriptAs72(t *testing.T, data map[string]string, src string, keys, argv 
 // as "1e+8" for a reservation of 100,000,000 (a download of 100 MB
 // reserved in bytes, say). settle.lua reads only digits as a hold of
 // ours, so it settles that reservation as a bad hold: the refund is
-// dropped and Settle returns ErrBadHold. Setting the hold to ARGV[1], the
+// dropped and Settle returns ErrHoldExpired, the hold unreadable. Setting the hold to ARGV[1], the
 // digits the store sent, does not depend on the server's conversion.
 func TestHoldOfALargeRoundCostSettlesOnRedis72(t *testing.T) {
 	data := map[string]string{}

@@ -103,7 +103,7 @@ func TestUsageAndExitCodes(t *testing.T) {
 var t0 = time.Date(2026, 11, 22, 10, 0, 0, 123456000, time.UTC)
 
 // newLimiter returns a Limiter on mr, as a service would use it.
-func newLimiter(t *testing.T, mr *miniredis.Miniredis, opts ...tollgate.RedisOption) *tollgate.Limiter {
+func newLimiter(t *testing.T, mr *miniredis.Miniredis, opts ...tollgate.Option) *tollgate.Limiter {
 	client := redis.NewClient(&redis.Options{Addr: mr.Addr()})
 	t.Cleanup(func() { _ = client.Close() })
 	lim, err := tollgate.New(tollgate.NewRedisStore(client, opts...), []tollgate.Plan{

@@ -36,7 +36,7 @@ func TestChaosFleetOutage(t *testing.T) {
 			for range 4 {
 				opts := []tollgate.Option{tollgate.WithLogger(nil)}
 				if withFleet {
-					opts = append(opts, tollgate.WithFleet(tollgate.FleetSettings{Interval: 50 * time.Millisecond}))
+					opts = append(opts, tollgate.WithFleet(50*time.Millisecond))
 				}
 				s := tollgate.NewRedisStore(redistest.NewClient(t, redistest.FailFast(srv.Addr())), tollgate.WithKeyPrefix(prefix))
 				l, err := tollgate.New(s, []tollgate.Plan{fleetPlan}, opts...)

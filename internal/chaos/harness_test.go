@@ -38,11 +38,11 @@ var chaosLease = os.Getenv("TOLLGATE_CHAOS_LEASE") == "1"
 
 // storeOptions returns the options of every RedisStore of the suite: the
 // key prefix, and WithBatching under TOLLGATE_CHAOS_BATCHING=1.
-func storeOptions(prefix string) []tollgate.RedisOption {
+func storeOptions(prefix string) []tollgate.Option {
 	if chaosBatching {
-		return []tollgate.RedisOption{tollgate.WithKeyPrefix(prefix), tollgate.WithBatching()}
+		return []tollgate.Option{tollgate.WithKeyPrefix(prefix), tollgate.WithBatching()}
 	}
-	return []tollgate.RedisOption{tollgate.WithKeyPrefix(prefix)}
+	return []tollgate.Option{tollgate.WithKeyPrefix(prefix)}
 }
 
 // pick returns short in the CI run and full under TOLLGATE_CHAOS_FULL=1.

@@ -33,7 +33,7 @@
 // cache (a denial the Limiter remembered); to is closed, open or
 // half-open; class is the class of a store failure, as in
 // tollgate.Stats.StoreErrors; event is held, settled or expired, and kind
-// refunded, charged or uncharged, as in tollgate.ReservationStats. Every
+// refunded, charged or uncharged, as in tollgate.Stats.Reservations. Every
 // plan has all its decision data points
 // from the first collection, at 0, and so do the common error classes
 // (timeout, network, canceled, bad-reply, other).

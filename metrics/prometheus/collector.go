@@ -30,7 +30,7 @@
 // cache (a denial the Limiter remembered); to is closed, open or
 // half-open; class is the class of a store failure, as in
 // tollgate.Stats.StoreErrors; event is held, settled or expired, and kind
-// refunded, charged or uncharged, as in tollgate.ReservationStats.
+// refunded, charged or uncharged, as in tollgate.Stats.Reservations.
 // Every plan has all its decision series from
 // the first scrape, at 0, so that increase() sees the first denial or
 // fallback; so do the common error classes (timeout, network, canceled,

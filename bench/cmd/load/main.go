@@ -128,8 +128,8 @@ var contenders = []contender{
 	}},
 }
 
-func tollgateDecider(c redis.UniversalClient, prefix string, opts ...tollgate.RedisOption) decider {
-	l, err := tollgate.New(tollgate.NewRedisStore(c, append([]tollgate.RedisOption{tollgate.WithKeyPrefix(prefix)}, opts...)...),
+func tollgateDecider(c redis.UniversalClient, prefix string, opts ...tollgate.Option) decider {
+	l, err := tollgate.New(tollgate.NewRedisStore(c, append([]tollgate.Option{tollgate.WithKeyPrefix(prefix)}, opts...)...),
 		[]tollgate.Plan{{Name: "p", Capacity: burst, Rate: perSec}}, tollgate.WithFailurePolicy(tollgate.FailClosed))
 	if err != nil {
 		log.Fatal(err)

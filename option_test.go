@@ -1,0 +1,40 @@
+package tollgate
+
+import (
+	"context"
+	"testing"
+
+	"github.com/alicebob/miniredis/v2"
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// An option given to a constructor it is not for is a wiring mistake that
+// New reports, naming the option and its constructor, and a store used on
+// its own reports on every call.
+func TestOptionOfAnotherConstructorIsAWiringMistake(t *testing.T) {
+	c := redis.NewClient(&redis.Options{Addr: miniredis.RunT(t).Addr()})
+	defer func() { _ = c.Close() }()
+	for _, tc := range []struct {
+		name  string
+		store func() Store
+		opts  []Option
+		want  string
+	}{
+		{"a store's option to New", func() Store { return NewMemoryStore() }, []Option{WithBatching()}, "WithBatching is an option of NewRedisStore, not of New"},
+		{"New's option to NewRedisStore", func() Store { return NewRedisStore(c, WithShadow()) }, nil, "WithShadow is an option of New, not of NewRedisStore"},
+		{"NewRedisStore's option to NewMemoryStore", func() Store { return NewMemoryStore(WithKeyPrefix("p")) }, nil, "WithKeyPrefix is an option of NewRedisStore, not of NewMemoryStore"},
+		{"the zero Option", func() Store { return NewMemoryStore() }, []Option{{}}, "the zero Option"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := New(tc.store(), testPlans, tc.opts...)
+			require.ErrorIs(t, err, ErrInvalidOption)
+			assert.ErrorContains(t, err, tc.want)
+		})
+	}
+	_, err := NewMemoryStore(WithKeyPrefix("p")).Take(context.Background(), "k", 1, testPlans)
+	assert.ErrorIs(t, err, ErrInvalidOption, "a MemoryStore used on its own")
+	_, err = NewRedisStore(c, WithMaxKeys(5)).Take(context.Background(), "k", 1, testPlans)
+	assert.ErrorIs(t, err, ErrInvalidOption, "a RedisStore used on its own")
+}
