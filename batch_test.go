@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/tollgate-go/tollgate/breaker"
 	"github.com/tollgate-go/tollgate/internal/redisscript"
 	"github.com/tollgate-go/tollgate/internal/redistest"
 )
@@ -241,7 +242,7 @@ func TestBatchingExactOnRealRedis(t *testing.T) {
 			var limiters []*Limiter
 			for i := 0; i < 4; i++ {
 				l, err := New(NewRedisStore(redistest.NewClient(t, &redis.Options{Addr: srv.Addr()}), WithKeyPrefix(prefix), WithBatching()),
-					plans, WithFailurePolicy(FailClosed), WithLogger(nil), WithDenialCache(0))
+					plans, WithFailurePolicy(breaker.FailClosed), WithLogger(nil), WithDenialCache(0))
 				require.NoError(t, err)
 				limiters = append(limiters, l)
 			}
@@ -315,7 +316,7 @@ func TestBatchDecidesAtOneRedisTimeOnRealRedis(t *testing.T) {
 func TestBatchingNoscriptStormOnRealRedis(t *testing.T) {
 	addr := redistest.Addr(t)
 	s := NewRedisStore(redistest.NewClient(t, &redis.Options{Addr: addr}), WithKeyPrefix(redistest.KeyPrefix()), WithBatching())
-	l, err := New(s, []Plan{{Name: "p", Capacity: 1 << 30, Rate: 1}}, WithFailurePolicy(FailClosed), WithLogger(nil))
+	l, err := New(s, []Plan{{Name: "p", Capacity: 1 << 30, Rate: 1}}, WithFailurePolicy(breaker.FailClosed), WithLogger(nil))
 	require.NoError(t, err)
 	flusher := redistest.NewClient(t, &redis.Options{Addr: addr})
 	var ta tally

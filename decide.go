@@ -333,10 +333,10 @@ func (l *Limiter) blame(ctx context.Context, err error, now int64) (callerErr er
 // (WithFleet), which holds at least the tokens asked about.
 func (l *Limiter) degrade(ctx context.Context, r *Result, o *op, cause error) error {
 	switch l.policy {
-	case FailOpen:
+	case breaker.FailOpen:
 		*r = failOpenResult(o.plans)
 		return nil
-	case FailClosed:
+	case breaker.FailClosed:
 		*r = Result{}
 		return fmt.Errorf("%w: %w", ErrStoreUnavailable, cause)
 	}

@@ -83,12 +83,12 @@ func TestBadRequests(t *testing.T) {
 func TestBadRequestsReachNoStoreEvenWhenOpen(t *testing.T) {
 	f := newFlakyStore()
 	f.fail(errors.New("down"))
-	l := newTestLimiter(t, f, WithFailurePolicy(FailOpen))
+	l := newTestLimiter(t, f, WithFailurePolicy(breaker.FailOpen))
 	for i := 0; i < 5; i++ {
 		_, _ = l.Allow(context.Background(), "k")
 	}
 	_, err := l.Allow(context.Background(), "")
-	assert.ErrorIs(t, err, ErrInvalidKey, "FailOpen must not admit a bad key")
+	assert.ErrorIs(t, err, ErrInvalidKey, "breaker.FailOpen must not admit a bad key")
 }
 
 func TestFailurePolicies(t *testing.T) {
@@ -111,7 +111,7 @@ func TestFailurePolicies(t *testing.T) {
 	t.Run("fail open", func(t *testing.T) {
 		f := newFlakyStore()
 		f.fail(down)
-		l := newTestLimiter(t, f, WithFailurePolicy(FailOpen))
+		l := newTestLimiter(t, f, WithFailurePolicy(breaker.FailOpen))
 		for i := 0; i < 10; i++ {
 			r, err := l.Allow(ctx, "k", "gold", "daily")
 			require.NoError(t, err)
@@ -123,7 +123,7 @@ func TestFailurePolicies(t *testing.T) {
 	t.Run("fail closed", func(t *testing.T) {
 		f := newFlakyStore()
 		f.fail(down)
-		l := newTestLimiter(t, f, WithFailurePolicy(FailClosed))
+		l := newTestLimiter(t, f, WithFailurePolicy(breaker.FailClosed))
 		_, err := l.Allow(ctx, "k")
 		assert.ErrorIs(t, err, ErrStoreUnavailable)
 		assert.ErrorIs(t, err, down, "the cause is kept")
@@ -274,7 +274,7 @@ func TestPanickingProbeReleasesTheBreaker(t *testing.T) {
 func testPanickingProbeReleasesTheBreaker(t *testing.T) {
 	ctx := context.Background()
 	s := &panickyStore{flakyStore: newFlakyStore()}
-	l := newTestLimiter(t, s, WithFailurePolicy(FailClosed), WithBreaker(breaker.Settings{Failures: 1, Cooldown: time.Millisecond}))
+	l := newTestLimiter(t, s, WithFailurePolicy(breaker.FailClosed), WithBreaker(breaker.Settings{Failures: 1, Cooldown: time.Millisecond}))
 	s.fail(errors.New("down"))
 	_, err := l.Allow(ctx, "k")
 	require.ErrorIs(t, err, ErrStoreUnavailable)
@@ -529,7 +529,7 @@ func (s *writeFailingStore) Take(ctx context.Context, key string, cost int64, pl
 }
 
 func TestPartialOutageLogsOncePerOutage(t *testing.T) {
-	for _, policy := range []FailurePolicy{Fallback, FailClosed} {
+	for _, policy := range []breaker.FailurePolicy{breaker.Fallback, breaker.FailClosed} {
 		// synctest's clock moves only when every goroutine waits: one
 		// millisecond a step, however slow the machine.
 		synctest.Test(t, func(t *testing.T) {
@@ -548,11 +548,11 @@ func TestPartialOutageLogsOncePerOutage(t *testing.T) {
 				if err == nil {
 					assert.Contains(t, []Source{SourceStore, SourceFallback}, r.Source)
 				} else {
-					require.Equal(t, FailClosed, policy)
+					require.Equal(t, breaker.FailClosed, policy)
 					require.ErrorIs(t, err, ErrStoreUnavailable)
 				}
 				r, err = l.Allow(ctx, key)
-				if policy == FailClosed {
+				if policy == breaker.FailClosed {
 					require.ErrorIs(t, err, ErrStoreUnavailable, "decision %d", i)
 					continue
 				}
@@ -688,12 +688,12 @@ func TestHungRedisTripsTheBreakerForImpatientCallers(t *testing.T) {
 func TestRedisErrorReplyNearTheDeadlineIsTheStores(t *testing.T) {
 	f := newFlakyStore()
 	f.fail(&redisscript.Error{Class: "READONLY"})
-	l := newTestLimiter(t, f, WithFailurePolicy(FailOpen), WithBreaker(breaker.Settings{Failures: 1}))
+	l := newTestLimiter(t, f, WithFailurePolicy(breaker.FailOpen), WithBreaker(breaker.Settings{Failures: 1}))
 	// 0.9 ms left, as a context is before its timer fires; a fixed
 	// deadline keeps a slow machine from ending it for real.
 	ctx := pastDeadline{context.Background(), time.Now().Add(900 * time.Microsecond)}
 	r, err := l.Allow(ctx, "k")
-	assert.NoError(t, err, "READONLY is no deadline: FailOpen decides")
+	assert.NoError(t, err, "READONLY is no deadline: breaker.FailOpen decides")
 	assert.Equal(t, SourceFailOpen, r.Source)
 	assert.Equal(t, breaker.Open, l.health.one.State(), "the breaker hears the failure")
 }

@@ -70,7 +70,7 @@ func TestClusterBreakerPerMaster(t *testing.T) {
 			}
 			for _, key := range keys {
 				r, err := l.Allow(ctx, key)
-				require.NoError(t, err, "Fallback decides while a master is down")
+				require.NoError(t, err, "breaker.Fallback decides while a master is down")
 				sources[addr][r.Source]++
 			}
 		}

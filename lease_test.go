@@ -16,6 +16,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/tollgate-go/tollgate/breaker"
 	"github.com/tollgate-go/tollgate/internal/redistest"
 )
 
@@ -311,7 +312,7 @@ func TestLeaseChildProcess(t *testing.T) {
 	require.NoError(t, json.Unmarshal([]byte(spec), &job))
 	c := redis.NewClient(&redis.Options{Addr: job.Addr})
 	defer c.Close()
-	l, err := New(NewRedisStore(c, WithKeyPrefix(job.Prefix)), []Plan{procPlan}, WithFailurePolicy(FailClosed),
+	l, err := New(NewRedisStore(c, WithKeyPrefix(job.Prefix)), []Plan{procPlan}, WithFailurePolicy(breaker.FailClosed),
 		WithLeaseTTL(100*time.Millisecond), WithLogger(nil))
 	require.NoError(t, err)
 	ctx := context.Background()

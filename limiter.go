@@ -33,6 +33,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/tollgate-go/tollgate/breaker"
 	"github.com/tollgate-go/tollgate/internal/denialcache"
 )
 
@@ -55,7 +56,7 @@ type Limiter struct {
 	holds           bool    // the store, and the fallback if any, hold reservations
 	fallback        Store   // nil unless the policy is Fallback
 	fallbackDecider decider // the fallback, as it decides a request
-	policy          FailurePolicy
+	policy          breaker.FailurePolicy
 	health          *health // the store's breakers; nil for a store of this process
 	denials         *denialcache.Cache[Result]
 	log             *slog.Logger
@@ -130,7 +131,7 @@ func (l *Limiter) wire(c config) {
 	if keys > 0 {
 		l.denials = denialcache.New[Result](keys, l.epoch)
 	}
-	if l.policy == Fallback {
+	if l.policy == breaker.Fallback {
 		l.fallback = c.fallback
 		if l.fallback == nil {
 			l.fallback = NewMemoryStore()

@@ -72,7 +72,7 @@ func TestNewRejectsBadPlans(t *testing.T) {
 	}
 	_, err := New(nil, testPlans)
 	assert.ErrorIs(t, err, ErrInvalidOption)
-	_, err = New(NewMemoryStore(), testPlans, WithFailurePolicy(FailurePolicy(9)))
+	_, err = New(NewMemoryStore(), testPlans, WithFailurePolicy(breaker.FailurePolicy(9)))
 	assert.ErrorIs(t, err, ErrInvalidOption)
 	_, err = New(NewMemoryStore(), []Plan{{Name: "edge", Capacity: maxCapacity, Rate: 1e9}})
 	assert.NoError(t, err, "the largest capacity is valid")

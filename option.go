@@ -8,22 +8,6 @@ import (
 	"github.com/tollgate-go/tollgate/breaker"
 )
 
-// FailurePolicy says how a Limiter decides while its store fails. It is
-// breaker.FailurePolicy, so that a Limiter and a shared circuit breaker
-// speak of failures with the same values.
-type FailurePolicy = breaker.FailurePolicy
-
-const (
-	// Fallback lets a local fallback store decide (Source SourceFallback):
-	// each instance then enforces the plans on its own, so the whole fleet
-	// may admit up to one plan's worth per instance. It is the default.
-	Fallback = breaker.Fallback
-	// FailOpen allows every request (Source SourceFailOpen).
-	FailOpen = breaker.FailOpen
-	// FailClosed returns ErrStoreUnavailable.
-	FailClosed = breaker.FailClosed
-)
-
 // Option configures a Limiter (New), a RedisStore (NewRedisStore) or a
 // MemoryStore (NewMemoryStore): each option's comment names the
 // constructor that takes it. An option given to another constructor is a
@@ -65,7 +49,7 @@ func applyOptions(c *config, t taker, opts []Option) error {
 
 // config collects the options of New.
 type config struct {
-	policy     FailurePolicy
+	policy     breaker.FailurePolicy
 	fallback   Store
 	breaker    breaker.Settings
 	log        *slog.Logger
@@ -86,7 +70,7 @@ func (c *config) validate() error {
 	switch {
 	case !c.breaker.Valid():
 		return fmt.Errorf("%w: breaker settings out of range", ErrInvalidOption)
-	case c.policy < Fallback || c.policy > FailClosed:
+	case c.policy < breaker.Fallback || c.policy > breaker.FailClosed:
 		return fmt.Errorf("%w: unknown failure policy %d", ErrInvalidOption, c.policy)
 	case c.holdTTL < time.Millisecond || c.holdTTL > maxRefillPeriod:
 		return fmt.Errorf("%w: hold TTL %v is outside 1ms to 100 years", ErrInvalidOption, c.holdTTL)
@@ -104,7 +88,7 @@ const defaultDenialCacheKeys = 10_000
 
 // WithFailurePolicy sets what a Limiter does while its store fails. The
 // default is Fallback.
-func WithFailurePolicy(p FailurePolicy) Option {
+func WithFailurePolicy(p breaker.FailurePolicy) Option {
 	return Option{name: "WithFailurePolicy", taker: takerNew, apply: func(c *config) { c.policy = p }}
 }
 

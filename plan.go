@@ -144,7 +144,7 @@ func (p Plan) validateNumbers() error {
 		return fmt.Errorf("%w: rate must be positive and finite for a token bucket, got %v (or set Window for a sliding window)", ErrInvalidPlan, p.Rate)
 	}
 	if float64(p.Capacity) > p.Rate*maxRefillPeriod.Seconds() {
-		return fmt.Errorf("%w: capacity/rate is %.3g s, longer than maxRefillPeriod", ErrInvalidPlan, float64(p.Capacity)/p.Rate)
+		return fmt.Errorf("%w: capacity/rate is %.3g s, longer than 100 years", ErrInvalidPlan, float64(p.Capacity)/p.Rate)
 	}
 	return nil
 }
@@ -155,7 +155,7 @@ func (p Plan) validateWindow() error {
 	case p.Rate != 0:
 		return fmt.Errorf("%w: both rate and window are set: a rate makes a token bucket, a window a sliding window", ErrInvalidPlan)
 	case p.Window < minWindow || p.Window > maxRefillPeriod:
-		return fmt.Errorf("%w: window must be 1ms to maxRefillPeriod, got %v", ErrInvalidPlan, p.Window)
+		return fmt.Errorf("%w: window must be 1ms to 100 years, got %v", ErrInvalidPlan, p.Window)
 	case p.Slots < 0 || p.Slots > maxSlots:
 		return fmt.Errorf("%w: slots must be 0 (for %d) to %d, got %d", ErrInvalidPlan, defaultSlots, maxSlots, p.Slots)
 	case p.Suppress != 0 && !(p.Suppress >= 1) || math.IsInf(p.Suppress, 0): // also rejects NaN

@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/tollgate-go/tollgate/breaker"
 	"github.com/tollgate-go/tollgate/internal/redistest"
 )
 
@@ -79,7 +80,7 @@ func TestAdditiveChangeAppliesOnceUnderFlipFlop(t *testing.T) {
 	run := func(t *testing.T, stores [2]Store) int {
 		var limiters [2]*Limiter
 		for i, p := range []Plan{old, next} {
-			l, err := New(stores[i], []Plan{p}, WithFailurePolicy(FailClosed), WithLogger(nil), WithDenialCache(0))
+			l, err := New(stores[i], []Plan{p}, WithFailurePolicy(breaker.FailClosed), WithLogger(nil), WithDenialCache(0))
 			require.NoError(t, err)
 			limiters[i] = l
 		}

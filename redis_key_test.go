@@ -10,6 +10,7 @@ import (
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"github.com/tollgate-go/tollgate/breaker"
 	"github.com/tollgate-go/tollgate/internal/redistest"
 )
 
@@ -124,7 +125,7 @@ func TestClusterAdversarialKeys(t *testing.T) {
 	redistest.SkipIfUnavailable(t)
 	cl := redistest.StartCluster(t, 3, 0)
 	client := cl.Client(t, nil)
-	l, err := New(NewRedisStore(client), withWindow, WithFailurePolicy(FailClosed), WithLogger(nil))
+	l, err := New(NewRedisStore(client), withWindow, WithFailurePolicy(breaker.FailClosed), WithLogger(nil))
 	require.NoError(t, err)
 	ctx := context.Background()
 	for i, key := range adversarialKeys {

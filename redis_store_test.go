@@ -956,7 +956,7 @@ func TestMultiInstanceExactOnRealRedis(t *testing.T) {
 			var limiters []*Limiter
 			for i := 0; i < 4; i++ {
 				l, err := New(NewRedisStore(redistest.NewClient(t, &redis.Options{Addr: addr}), WithKeyPrefix(prefix)), plans,
-					WithFailurePolicy(FailClosed), WithLogger(nil), WithDenialCache(tc.cache))
+					WithFailurePolicy(breaker.FailClosed), WithLogger(nil), WithDenialCache(tc.cache))
 				require.NoError(t, err)
 				limiters = append(limiters, l)
 			}
@@ -1063,7 +1063,7 @@ func TestNoscriptUnderLoad(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			store := NewRedisStore(tc.client(srv.Client(t)))
 			// No denial cache: every decision must meet the flushed cache.
-			l, err := New(store, withWindow, WithFailurePolicy(FailClosed), WithLogger(nil), WithDenialCache(0))
+			l, err := New(store, withWindow, WithFailurePolicy(breaker.FailClosed), WithLogger(nil), WithDenialCache(0))
 			require.NoError(t, err)
 			admin := srv.Client(t)
 			var ta tally
@@ -1161,7 +1161,7 @@ func testOutageFallbackRecovery(t *testing.T, srv *redistest.Server, client redi
 	stop()
 
 	t.Logf("to fallback in %s, back to Redis in %s after restart; slowest decision %s; sources %v", toFallback, toStore, slowest, sources)
-	assert.Empty(t, errs, "no error may reach the caller under Fallback")
+	assert.Empty(t, errs, "no error may reach the caller under breaker.Fallback")
 	assert.Greater(t, sources[SourceFallback], 100, "decisions go on at full speed during the outage")
 	assert.Less(t, toStore, 1500*time.Millisecond, "back to Redis within about a second")
 	// One line per outage and one per recovery; a starved machine may see
@@ -1187,7 +1187,7 @@ var withWindow = append(slices.Clone(testPlans), Plan{Name: "minute", Capacity: 
 func TestTopologies(t *testing.T) {
 	redistest.SkipIfUnavailable(t)
 	check := func(t *testing.T, c redis.UniversalClient) {
-		l, err := New(NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix())), withWindow, WithFailurePolicy(FailClosed), WithLogger(nil))
+		l, err := New(NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix())), withWindow, WithFailurePolicy(breaker.FailClosed), WithLogger(nil))
 		require.NoError(t, err)
 		for _, key := range []string{"a", "b}", "c{x}"} {
 			for want := int64(3); want >= 0; want-- {
@@ -1281,7 +1281,7 @@ func TestPartialOutagesOnRealRedis(t *testing.T) {
 		{"oom", oom.Addr(), "OOM"},
 		{"read-only-replica", replica.Addr(), "READONLY"},
 	} {
-		for _, policy := range []FailurePolicy{Fallback, FailClosed} {
+		for _, policy := range []breaker.FailurePolicy{breaker.Fallback, breaker.FailClosed} {
 			t.Run(tc.name+"/"+policy.String(), func(t *testing.T) {
 				logs := &logCounter{}
 				l, err := New(NewRedisStore(redistest.NewClient(t, redistest.FailFast(tc.addr))), testPlans,
@@ -1291,7 +1291,7 @@ func TestPartialOutagesOnRealRedis(t *testing.T) {
 					key := fmt.Sprint("user-", i%10)
 					_, _ = l.Peek(ctx, key)
 					r, err := l.Allow(ctx, key)
-					if policy == FailClosed {
+					if policy == breaker.FailClosed {
 						require.ErrorIs(t, err, ErrStoreUnavailable, "decision %d", i)
 						continue
 					}
@@ -1376,7 +1376,7 @@ func TestRedisErrorsNeverCarryKeys(t *testing.T) {
 	const key = "alice@example.com"
 	logs := &logCounter{minLevel: slog.LevelDebug}
 	l, err := New(NewRedisStore(redistest.NewClient(t, redistest.FailFast(srv.Addr()))), testPlans,
-		WithLogger(slog.New(logs)), WithFailurePolicy(FailClosed))
+		WithLogger(slog.New(logs)), WithFailurePolicy(breaker.FailClosed))
 	require.NoError(t, err)
 	_, first := l.Allow(context.Background(), key)
 	var rerr *redisscript.Error
@@ -1405,7 +1405,7 @@ func TestRedisErrorClassesNeverComeFromKeys(t *testing.T) {
 	const key = "x: -ALICESMITH y"
 	logs := &logCounter{minLevel: slog.LevelDebug}
 	l, err := New(NewRedisStore(redistest.NewClient(t, redistest.FailFast(srv.Addr())), WithKeyPrefix(redistest.KeyPrefix())),
-		testPlans, WithLogger(slog.New(logs)), WithFailurePolicy(FailClosed))
+		testPlans, WithLogger(slog.New(logs)), WithFailurePolicy(breaker.FailClosed))
 	require.NoError(t, err)
 	for i := 0; i < 3; i++ {
 		_, err = l.Allow(context.Background(), key)

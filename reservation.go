@@ -7,6 +7,8 @@ import (
 	"slices"
 	"sync"
 	"time"
+
+	"github.com/tollgate-go/tollgate/breaker"
 )
 
 // defaultHoldTTL is how long a reservation's hold lives unless WithHoldTTL
@@ -276,9 +278,9 @@ func (l *Limiter) settleGuarded(ctx context.Context, o settleOp) (st Settlement,
 		cause = storeErr
 	}
 	switch l.policy {
-	case FailOpen:
+	case breaker.FailOpen:
 		return Settlement{Result: failOpenResult(o.plans)}, holdLive, nil
-	case FailClosed:
+	case breaker.FailClosed:
 		return Settlement{}, 0, fmt.Errorf("%w: %w", ErrStoreUnavailable, cause)
 	}
 	// The fallback store holds no hold of the store's: it charges the

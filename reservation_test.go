@@ -17,6 +17,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/tollgate-go/tollgate/breaker"
 	"github.com/tollgate-go/tollgate/internal/bucketvalue"
 	"github.com/tollgate-go/tollgate/internal/redistest"
 )
@@ -463,7 +464,7 @@ func TestSettleDuringAnOutage(t *testing.T) {
 		assert.Equal(t, int64(900), st.Remaining)
 	})
 	t.Run("fail-open", func(t *testing.T) {
-		l, mr := outage(t, WithFailurePolicy(FailOpen))
+		l, mr := outage(t, WithFailurePolicy(breaker.FailOpen))
 		r, err := l.Reserve(ctx, "k", 600)
 		require.NoError(t, err)
 		mr.SetError("LOADING Redis is loading the dataset in memory")
@@ -474,11 +475,11 @@ func TestSettleDuringAnOutage(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, SourceFailOpen, open.Result().Source)
 		st, err = open.Settle(ctx, 900)
-		require.NoError(t, err, "a reservation FailOpen granted held nothing")
+		require.NoError(t, err, "a reservation breaker.FailOpen granted held nothing")
 		assert.Equal(t, SourceFailOpen, st.Source)
 	})
 	t.Run("fail-closed", func(t *testing.T) {
-		l, mr := outage(t, WithFailurePolicy(FailClosed))
+		l, mr := outage(t, WithFailurePolicy(breaker.FailClosed))
 		r, err := l.Reserve(ctx, "k", 600)
 		require.NoError(t, err)
 		mr.SetError("LOADING Redis is loading the dataset in memory")
@@ -516,7 +517,7 @@ func TestHoldChildProcess(t *testing.T) {
 	require.NoError(t, json.Unmarshal([]byte(spec), &job))
 	c := redis.NewClient(&redis.Options{Addr: job.Addr})
 	defer c.Close()
-	l, err := New(NewRedisStore(c, WithKeyPrefix(job.Prefix)), []Plan{holdPlan}, WithFailurePolicy(FailClosed), WithLogger(nil))
+	l, err := New(NewRedisStore(c, WithKeyPrefix(job.Prefix)), []Plan{holdPlan}, WithFailurePolicy(breaker.FailClosed), WithLogger(nil))
 	require.NoError(t, err)
 	ctx := context.Background()
 	var mu sync.Mutex

@@ -10,6 +10,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"github.com/tollgate-go/tollgate/breaker"
 )
 
 var (
@@ -134,7 +135,7 @@ func TestResolverBadAnswers(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			for _, policy := range []FailurePolicy{Fallback, FailOpen, FailClosed} {
+			for _, policy := range []breaker.FailurePolicy{breaker.Fallback, breaker.FailOpen, breaker.FailClosed} {
 				s := newCountingStore()
 				l, err := New(s, []Plan{freeTier, {Name: "daily", Capacity: 5, Rate: 1}}, WithLogger(nil),
 					WithFailurePolicy(policy), WithPlanResolver(tt.resolve))

@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/tollgate-go/tollgate/breaker"
 	"github.com/tollgate-go/tollgate/internal/redistest"
 )
 
@@ -122,7 +123,7 @@ func TestRollingDeployStaysWithinTheTransitionBound(t *testing.T) {
 	var limiters [2]*Limiter
 	for i, p := range []Plan{old, next} {
 		l, err := New(NewRedisStore(redistest.NewClient(t, &redis.Options{Addr: addr}), WithKeyPrefix(prefix)), []Plan{p},
-			WithFailurePolicy(FailClosed), WithLogger(nil), WithDenialCache(0))
+			WithFailurePolicy(breaker.FailClosed), WithLogger(nil), WithDenialCache(0))
 		require.NoError(t, err)
 		limiters[i] = l
 	}

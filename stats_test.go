@@ -130,7 +130,7 @@ func TestStatsOnRealOutage(t *testing.T) {
 
 	stop := loadUntilStopped(4, func(g, i int) {
 		_, err := l.Allow(context.Background(), fmt.Sprint("user-", g, "-", i%10), "gold")
-		assert.NoError(t, err, "Fallback hides the outage from callers")
+		assert.NoError(t, err, "breaker.Fallback hides the outage from callers")
 		time.Sleep(time.Millisecond)
 	})
 	count := func(s Source) uint64 {

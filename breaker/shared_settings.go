@@ -195,17 +195,21 @@ func (s SharedSettings) params() params {
 	}
 }
 
-// FailurePolicy says how a Shared breaker, or a tollgate.Limiter (whose
-// FailurePolicy is this type), decides while Redis fails.
+// FailurePolicy says how a Shared breaker, or a tollgate.Limiter
+// (tollgate.WithFailurePolicy), decides while Redis fails.
 type FailurePolicy int
 
 const (
-	// Fallback decides with a local breaker per key, seeded from the last
-	// state this instance read from Redis: an open breaker stays open
-	// until its open time ends, then probes locally. On recovery Redis's
-	// state wins and the local ones are dropped. It is the default.
+	// Fallback decides locally. A Shared breaker decides with a local
+	// breaker per key, seeded from the last state this instance read from
+	// Redis: an open breaker stays open until its open time ends, then
+	// probes locally; on recovery Redis's state wins and the local ones
+	// are dropped. A Limiter has its fallback store decide (Source
+	// SourceFallback): each instance then enforces the plans on its own,
+	// or its share of them (tollgate.WithFleet). It is the default.
 	Fallback FailurePolicy = iota
-	// FailOpen grants every call while Redis fails.
+	// FailOpen grants every call while Redis fails (a Limiter's Source
+	// SourceFailOpen).
 	FailOpen
 	// FailClosed refuses every call with ErrStoreUnavailable.
 	FailClosed

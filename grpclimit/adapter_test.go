@@ -15,6 +15,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/tollgate-go/tollgate"
+	"github.com/tollgate-go/tollgate/breaker"
 	"github.com/tollgate-go/tollgate/internal/storetest"
 )
 
@@ -55,7 +56,7 @@ func TestMiddlewareLimiter(t *testing.T) {
 }
 
 func TestMiddlewareLimiterLosesTheOutageCode(t *testing.T) {
-	lim := newLimiter(t, storetest.Down(storetest.TimeoutError{}), tollgate.WithFailurePolicy(tollgate.FailClosed))
+	lim := newLimiter(t, storetest.Down(storetest.TimeoutError{}), tollgate.WithFailurePolicy(breaker.FailClosed))
 	m := NewMiddlewareLimiter(lim, ByMetadata("x-api-key"))
 	_, client := middlewareServer(t, m)
 	_, err := client.EmptyCall(withKey("k"), &testgrpc.Empty{})

@@ -14,6 +14,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/tollgate-go/tollgate"
+	"github.com/tollgate-go/tollgate/breaker"
 	"github.com/tollgate-go/tollgate/internal/storetest"
 )
 
@@ -82,7 +83,7 @@ func TestClientCancelledWhileWaiting(t *testing.T) {
 }
 
 func TestClientStoreOutage(t *testing.T) {
-	lim := newLimiter(t, storetest.Down(errors.New("down")), tollgate.WithFailurePolicy(tollgate.FailClosed))
+	lim := newLimiter(t, storetest.Down(errors.New("down")), tollgate.WithFailurePolicy(breaker.FailClosed))
 	svc, client := pacedClient(t, lim)
 	_, err := client.EmptyCall(context.Background(), &testgrpc.Empty{})
 	assert.Equal(t, codes.Unavailable, status.Code(err))

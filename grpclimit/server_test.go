@@ -17,6 +17,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/tollgate-go/tollgate"
+	"github.com/tollgate-go/tollgate/breaker"
 	"github.com/tollgate-go/tollgate/internal/storetest"
 )
 
@@ -147,7 +148,7 @@ func TestNoKeyLeaks(t *testing.T) {
 		code codes.Code
 	}{
 		{"denied", newLimiter(t, tollgate.NewMemoryStore()), secret, codes.ResourceExhausted},
-		{"outage under FailClosed", newLimiter(t, storetest.Down(storetest.TimeoutError{}), tollgate.WithFailurePolicy(tollgate.FailClosed)), secret, codes.Unavailable},
+		{"outage under FailClosed", newLimiter(t, storetest.Down(storetest.TimeoutError{}), tollgate.WithFailurePolicy(breaker.FailClosed)), secret, codes.Unavailable},
 		{"key too long", newLimiter(t, tollgate.NewMemoryStore()), strings.Repeat(secret, 200), codes.InvalidArgument},
 	}
 	for _, c := range cases {
@@ -185,7 +186,7 @@ func assertNoSecret(t *testing.T, secret string, mds ...metadata.MD) {
 func TestStoreOutage(t *testing.T) {
 	down := func() tollgate.Store { return storetest.Down(storetest.TimeoutError{}) }
 	t.Run("FailClosed is Unavailable", func(t *testing.T) {
-		svc, client := limitedServer(t, newLimiter(t, down(), tollgate.WithFailurePolicy(tollgate.FailClosed)), ByMetadata("x-api-key"))
+		svc, client := limitedServer(t, newLimiter(t, down(), tollgate.WithFailurePolicy(breaker.FailClosed)), ByMetadata("x-api-key"))
 		var trailer metadata.MD
 		_, err := client.EmptyCall(withKey("k"), &testgrpc.Empty{}, grpc.Trailer(&trailer))
 		st := status.Convert(err)
@@ -208,7 +209,7 @@ func TestStoreOutage(t *testing.T) {
 		assert.Equal(t, 2, svc.handled())
 	})
 	t.Run("FailOpen allows", func(t *testing.T) {
-		svc, client := limitedServer(t, newLimiter(t, down(), tollgate.WithFailurePolicy(tollgate.FailOpen)), ByMetadata("x-api-key"), WithPlans("slow"))
+		svc, client := limitedServer(t, newLimiter(t, down(), tollgate.WithFailurePolicy(breaker.FailOpen)), ByMetadata("x-api-key"), WithPlans("slow"))
 		for range 3 {
 			_, err := client.EmptyCall(withKey("k"), &testgrpc.Empty{})
 			require.NoError(t, err)

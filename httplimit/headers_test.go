@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/tollgate-go/tollgate"
+	"github.com/tollgate-go/tollgate/breaker"
 	"github.com/tollgate-go/tollgate/internal/storetest"
 )
 
@@ -90,7 +91,7 @@ func TestFields(t *testing.T) {
 }
 
 func TestFieldsUnderFailOpen(t *testing.T) {
-	lim, err := tollgate.New(storetest.Down(errRefused), testPlans, tollgate.WithFailurePolicy(tollgate.FailOpen))
+	lim, err := tollgate.New(storetest.Down(errRefused), testPlans, tollgate.WithFailurePolicy(breaker.FailOpen))
 	require.NoError(t, err)
 	w := get(Middleware(lim, ByHeader("X-Api-Key"), WithPlans("gold", "daily"))(ok), "/")
 

@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/tollgate-go/tollgate"
+	"github.com/tollgate-go/tollgate/breaker"
 	"github.com/tollgate-go/tollgate/internal/storetest"
 )
 
@@ -206,10 +207,10 @@ func TestMiddlewareStoreDown(t *testing.T) {
 	// not among the root names this package relies on.
 	fallback := func() (*tollgate.Limiter, error) { return tollgate.New(storetest.Down(errRefused), testPlans) }
 	failOpen := func() (*tollgate.Limiter, error) {
-		return tollgate.New(storetest.Down(errRefused), testPlans, tollgate.WithFailurePolicy(tollgate.FailOpen))
+		return tollgate.New(storetest.Down(errRefused), testPlans, tollgate.WithFailurePolicy(breaker.FailOpen))
 	}
 	failClosed := func() (*tollgate.Limiter, error) {
-		return tollgate.New(storetest.Down(errRefused), testPlans, tollgate.WithFailurePolicy(tollgate.FailClosed))
+		return tollgate.New(storetest.Down(errRefused), testPlans, tollgate.WithFailurePolicy(breaker.FailClosed))
 	}
 	tests := []struct {
 		name   string

@@ -17,6 +17,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/tollgate-go/tollgate"
+	"github.com/tollgate-go/tollgate/breaker"
 )
 
 // benchConfig is what bench runs.
@@ -117,7 +118,7 @@ func bench(ctx context.Context, w, stderr io.Writer, client *redis.Client, cfg b
 	store := tollgate.NewRedisStore(client, tollgate.WithKeyPrefix(prefix))
 	// No denial cache: every decision goes to Redis, which is what the
 	// bench measures.
-	lim, err := tollgate.New(store, cfg.plans, tollgate.WithFailurePolicy(tollgate.FailClosed),
+	lim, err := tollgate.New(store, cfg.plans, tollgate.WithFailurePolicy(breaker.FailClosed),
 		tollgate.WithDenialCache(0), tollgate.WithLogger(slog.New(slog.NewTextHandler(stderr, nil))))
 	if err != nil {
 		return err

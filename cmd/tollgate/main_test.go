@@ -17,6 +17,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/tollgate-go/tollgate"
+	"github.com/tollgate-go/tollgate/breaker"
 	"github.com/tollgate-go/tollgate/internal/bucketvalue"
 )
 
@@ -79,7 +80,7 @@ func TestUsageAndExitCodes(t *testing.T) {
 		{name: "bench: bad plans", args: []string{"bench", "-plans", "x:1"}, code: exitUsage, stderr: `-plans: "x:1" is not NAME:CAPACITY:RATE or NAME:CAPACITY:WINDOW`},
 		{name: "bench: zero capacity", args: []string{"bench", "-plans", "x:0:1"}, code: exitUsage, stderr: "-plans: invalid plan: capacity must be 1"},
 		{name: "bench: neither rate nor window", args: []string{"bench", "-plans", "x:1:soon"}, code: exitUsage, stderr: `-plans: "soon" is neither a rate (tokens/s) nor a window (such as 1m)`},
-		{name: "bench: window too short", args: []string{"bench", "-plans", "x:1:1us"}, code: exitUsage, stderr: "-plans: invalid plan: window must be 1ms to MaxRefillPeriod"},
+		{name: "bench: window too short", args: []string{"bench", "-plans", "x:1:1us"}, code: exitUsage, stderr: "-plans: invalid plan: window must be 1ms to 100 years"},
 		{name: "bench: zero duration", args: []string{"bench", "-duration", "0s"}, code: exitUsage, stderr: "-duration and -progress must be positive"},
 		{name: "bench: argument", args: []string{"bench", "extra"}, code: exitUsage, stderr: `bench takes no arguments, got "extra"`},
 		{name: "bench: Redis down", args: []string{"bench", "-redis", "redis://" + dead}, code: exitError, stderr: "tollgate: ping " + dead},
@@ -109,7 +110,7 @@ func newLimiter(t *testing.T, mr *miniredis.Miniredis, opts ...tollgate.Option) 
 	lim, err := tollgate.New(tollgate.NewRedisStore(client, opts...), []tollgate.Plan{
 		{Name: "gold", Capacity: 4, Rate: 2},
 		{Name: "daily", Capacity: 100, Rate: tollgate.Per(100, 24*time.Hour)},
-	}, tollgate.WithFailurePolicy(tollgate.FailClosed), tollgate.WithLogger(nil))
+	}, tollgate.WithFailurePolicy(breaker.FailClosed), tollgate.WithLogger(nil))
 	require.NoError(t, err)
 	return lim
 }

@@ -20,6 +20,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/tollgate-go/tollgate"
+	"github.com/tollgate-go/tollgate/breaker"
 	"github.com/tollgate-go/tollgate/internal/redistest"
 )
 
@@ -62,7 +63,7 @@ func TestChaosChildProcess(t *testing.T) {
 		plan.Lease = 4 // of a capacity of 10: leases are often denied, and the key decided request by request
 	}
 	lim, err := tollgate.New(tollgate.NewRedisStore(c, storeOptions(job.Prefix)...), []tollgate.Plan{plan},
-		tollgate.WithFailurePolicy(tollgate.FailClosed), tollgate.WithLogger(nil))
+		tollgate.WithFailurePolicy(breaker.FailClosed), tollgate.WithLogger(nil))
 	require.NoError(t, err)
 	defer lim.Close()
 

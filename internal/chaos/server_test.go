@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/tollgate-go/tollgate"
+	"github.com/tollgate-go/tollgate/breaker"
 	"github.com/tollgate-go/tollgate/internal/redistest"
 )
 
@@ -100,7 +101,7 @@ func TestChaosScriptFlushStorm(t *testing.T) {
 	// go-redis's default timeouts: this scenario is about NOSCRIPT, and a
 	// 100 ms read timeout could fail a decision on a loaded machine.
 	insts := newInstances(t, 3, func() redis.UniversalClient { return redistest.NewClient(t, &redis.Options{Addr: srv.Addr()}) },
-		tollgate.WithFailurePolicy(tollgate.FailClosed))
+		tollgate.WithFailurePolicy(breaker.FailClosed))
 	admin := redistest.NewClient(t, &redis.Options{Addr: srv.Addr()})
 	keys := chaosKeys(8)
 	storm, every := pick(2*time.Second, 20*time.Second), pick(5*time.Millisecond, 2*time.Millisecond)

@@ -287,7 +287,7 @@ func TestStoreErrorsByClass(t *testing.T) {
 func TestFailOpenDecisions(t *testing.T) {
 	f := storetest.NewFlaky()
 	f.Fail(errors.New("down"))
-	r, lim := newRegistered(t, f, tollgate.WithFailurePolicy(tollgate.FailOpen))
+	r, lim := newRegistered(t, f, tollgate.WithFailurePolicy(breaker.FailOpen))
 	for i := 0; i < 5; i++ {
 		_, err := lim.Allow(context.Background(), "alice", "gold")
 		require.NoError(t, err)

@@ -346,7 +346,7 @@ func TestStoreErrorsByClass(t *testing.T) {
 func TestFailOpenDecisions(t *testing.T) {
 	f := storetest.NewFlaky()
 	f.Fail(errors.New("down"))
-	reg, lim := newCollected(t, f, tollgate.WithFailurePolicy(tollgate.FailOpen))
+	reg, lim := newCollected(t, f, tollgate.WithFailurePolicy(breaker.FailOpen))
 	for i := 0; i < 5; i++ {
 		_, err := lim.Allow(context.Background(), "alice", "gold")
 		require.NoError(t, err)
@@ -360,7 +360,7 @@ func TestFailOpenDecisions(t *testing.T) {
 func TestFailClosedCountsNoDecision(t *testing.T) {
 	f := storetest.NewFlaky()
 	f.Fail(errors.New("down"))
-	reg, lim := newCollected(t, f, tollgate.WithFailurePolicy(tollgate.FailClosed),
+	reg, lim := newCollected(t, f, tollgate.WithFailurePolicy(breaker.FailClosed),
 		tollgate.WithBreaker(breaker.Settings{Failures: 1}))
 	_, err := lim.Allow(context.Background(), "alice", "gold")
 	require.ErrorIs(t, err, tollgate.ErrStoreUnavailable)

@@ -43,6 +43,7 @@ import (
 	ululeredis "github.com/ulule/limiter/v3/drivers/store/redis"
 
 	"github.com/tollgate-go/tollgate"
+	"github.com/tollgate-go/tollgate/breaker"
 )
 
 // decider makes one rate-limit decision for key.
@@ -130,7 +131,7 @@ var contenders = []contender{
 
 func tollgateDecider(c redis.UniversalClient, prefix string, opts ...tollgate.Option) decider {
 	l, err := tollgate.New(tollgate.NewRedisStore(c, append([]tollgate.Option{tollgate.WithKeyPrefix(prefix)}, opts...)...),
-		[]tollgate.Plan{{Name: "p", Capacity: burst, Rate: perSec}}, tollgate.WithFailurePolicy(tollgate.FailClosed))
+		[]tollgate.Plan{{Name: "p", Capacity: burst, Rate: perSec}}, tollgate.WithFailurePolicy(breaker.FailClosed))
 	if err != nil {
 		log.Fatal(err)
 	}
