@@ -66,7 +66,7 @@ func (l *Limiter) decideOn(ctx context.Context, r *Result, t *planTable, key str
 		if err := h.accept(plans); err != nil {
 			return err
 		}
-	} else if l.leases != nil && len(plans) == 1 && plans[0].Lease >= cost && cost > 0 {
+	} else if l.leases != nil && len(plans) == 1 && cost > 0 {
 		if decided, err := l.leases.decide(ctx, r, t, key, cost, plans, entry, given); decided || err != nil {
 			if err == nil {
 				l.record(ctx, r, cost, entry, t)

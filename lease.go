@@ -28,6 +28,7 @@ type leases struct {
 
 	mu     sync.Mutex
 	m      map[leaseKey]*lease
+	names  sync.Map // the plan names a lease was ever taken for: string to struct{}
 	closed bool
 	sweep  sync.Once     // starts the sweeper at the first lease
 	stop   chan struct{} // closed by close
@@ -52,6 +53,7 @@ type lease struct {
 	fetching bool         // a goroutine is taking next
 	backoff  int64        // until when no lease is taken, after Redis had too few tokens
 	gone     bool         // dropped from the map: look the lease up again
+	dropped  bool         // by Reset: what it held, or a take under way brings, is not given back
 }
 
 // reservation returns a lease's reservation of n tokens of key. Its hold
@@ -70,28 +72,38 @@ func newLeases(l *Limiter, ttl time.Duration) *leases {
 	return &leases{l: l, ttl: ttl, m: map[leaseKey]*lease{}, stop: make(chan struct{})}
 }
 
-// decide serves a decision of cost on plans, one plan with a Lease, from
-// the lease of key, taking a new lease when it has too few tokens. It
-// reports whether it decided into *r; when not, the request goes to the
-// store as usual: Redis had fewer tokens than a lease, or the Limiter is
-// closed. given is decideOn's.
+// decide serves a decision of cost on plans, one plan, from the lease of
+// key, taking a new lease when it has too few tokens, if the plan leases
+// (leasable). A lease of the plan's name taken for another plan is given
+// back first, whether the plan leases or not. It reports whether it
+// decided into *r; when not, the request goes to the store as usual:
+// the plan takes no lease, Redis had fewer tokens than a lease, or the
+// Limiter is closed. given is decideOn's.
 func (ls *leases) decide(ctx context.Context, r *Result, t *planTable, key string, cost int64, plans []Plan, entry *planEntry, given bool) (bool, error) {
+	leasing := leasable(&plans[0], cost)
+	if !leasing && !ls.leased(plans[0].Name) {
+		return false, nil
+	}
 	for {
-		e := ls.get(key, plans[0].Name)
+		e := ls.lookup(key, plans[0].Name, leasing)
 		if e == nil {
 			return false, nil
 		}
-		served, backingOff := ls.spend(e, r, cost, key, plans, t, entry)
-		if served || backingOff {
-			return served, nil
+		if leasing {
+			served, backingOff := ls.spend(e, r, cost, key, plans, t, entry)
+			if served || backingOff {
+				return served, nil
+			}
+		} else if !e.holdsOther(&plans[0]) {
+			return false, nil
 		}
 		select {
 		case e.renew <- struct{}{}:
 		case <-ctx.Done():
 			return true, ctx.Err()
 		}
-		decided, again, err := ls.take(ctx, e, r, t, key, cost, plans, entry, given)
-		<-e.renew
+		q := &leaseAsk{t: t, key: key, cost: cost, plans: plans, entry: entry, given: given}
+		decided, again, err := ls.takeDetached(ctx, e, r, q)
 		if !again {
 			return decided, err
 		}
@@ -111,6 +123,7 @@ func (ls *leases) get(key, plan string) *lease {
 	if e == nil {
 		e = &lease{renew: make(chan struct{}, 1)}
 		ls.m[k] = e
+		ls.names.LoadOrStore(plan, struct{}{})
 		ls.sweep.Do(func() {
 			ls.done.Add(1)
 			go ls.sweeper()
@@ -133,7 +146,7 @@ func (ls *leases) spend(e *lease, r *Result, cost int64, key string, plans []Pla
 	if e.r == nil && !e.gone {
 		return false, ls.l.now() < e.backoff
 	}
-	if e.gone || e.ended {
+	if e.gone || e.ended || !e.fits(&plans[0]) {
 		return false, false
 	}
 	if e.left < cost {
@@ -175,6 +188,7 @@ func (ls *leases) fetch(e *lease, cur *Reservation, n int64, key string, plans [
 	switch {
 	case ok && !e.gone && e.r == cur && !e.ended:
 		e.next = rv
+	case e.dropped: // by Reset, which filled the bucket: given back, it would overfill it
 	case err == nil && rv.result.Allowed:
 		ls.giveBack(rv, n) // not needed any more, or from the fallback
 	}
@@ -189,39 +203,41 @@ func (e *lease) result(r *Result, src Source) {
 	r.Remaining += e.left
 }
 
-// take gives e's lease back and takes a new one, deciding the request
-// from it. again reports that e left the map meanwhile, so the caller
-// must look the lease up again. The caller holds e.renew.
-func (ls *leases) take(ctx context.Context, e *lease, r *Result, t *planTable, key string, cost int64, plans []Plan, entry *planEntry, given bool) (decided, again bool, err error) {
-	l, now := ls.l, ls.l.now()
+// take gives e's lease back and, if q's plan leases, takes a new one,
+// deciding the request from it for its caller unless the caller left (w).
+// A lease of another plan is given back before the store decides under
+// the new one. again reports that e left the map meanwhile, so the caller
+// must look the lease up again. The caller holds e.renew; ctx is the
+// take's own.
+func (ls *leases) take(ctx context.Context, e *lease, r *Result, q *leaseAsk, w *handoff) (decided, again bool, err error) {
+	l, now, leasing := ls.l, ls.l.now(), leasable(&q.plans[0], q.cost)
 	e.mu.Lock()
 	if e.gone {
 		e.mu.Unlock()
 		return false, true, nil
 	}
-	if e.r != nil && e.left >= cost && !e.ended { // another caller took one meanwhile
-		e.left -= cost
-		e.result(r, SourceLease)
+	if leasing && e.r != nil && e.left >= q.cost && !e.ended && e.fits(&q.plans[0]) { // another caller took one meanwhile
+		if w.claim() {
+			e.left -= q.cost
+			e.result(r, SourceLease)
+		}
 		e.mu.Unlock()
 		return true, false, nil
 	}
-	if e.r == nil && now < e.backoff {
+	if leasing && e.r == nil && now < e.backoff {
 		e.mu.Unlock()
 		return false, false, nil
 	}
-	old, left, next := e.r, e.left, e.next
+	old, left, next, stale := e.r, e.left, e.next, !e.fits(&q.plans[0])
 	e.r, e.left, e.next, e.ended = nil, 0, nil, false
 	e.mu.Unlock()
-	if old != nil {
-		ls.giveBack(old, left)
+	ls.retire(ctx, old, left, next, stale)
+	if !leasing {
+		return false, false, nil
 	}
-	if next != nil {
-		ls.giveBack(next, next.n)
-	}
-
-	size := plans[0].Lease
-	rv := ls.reservation(key, size, given)
-	if err := l.decideOn(ctx, &rv.result, t, key, size, 1, plans, entry, &rv.hold, given); err != nil {
+	size := q.plans[0].Lease
+	rv := ls.reservation(q.key, size, q.given)
+	if err := l.decideOn(ctx, &rv.result, q.t, q.key, size, 1, q.plans, q.entry, &rv.hold, q.given); err != nil {
 		return true, false, err
 	}
 	l.held(rv)
@@ -240,11 +256,7 @@ func (ls *leases) take(ctx context.Context, e *lease, r *Result, t *planTable, k
 		e.mu.Unlock()
 		return false, false, nil
 	}
-	e.mu.Lock()
-	e.r, e.left, e.ends = rv, size-cost, now+int64(ls.ttl)
-	e.result(r, SourceStore)
-	e.mu.Unlock()
-	return true, false, nil
+	return ls.install(e, rv, r, q.cost, w, now), false, nil
 }
 
 // giveBack settles a lease that handed out all but left of its tokens,
