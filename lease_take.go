@@ -2,7 +2,6 @@ package tollgate
 
 import (
 	"context"
-	"sync/atomic"
 	"time"
 )
 
@@ -22,37 +21,6 @@ type leaseAsk struct {
 // that it reports, request by request, what its enforced twin would.
 func leasable(p *Plan, cost int64) bool {
 	return p.Lease >= cost && !p.Shadow
-}
-
-// handoff settles who owns the outcome of a store call made on a context
-// of its own for a caller that may give up waiting: the caller, if the
-// call claims it first, or else the call, which must then keep or give
-// back what it took.
-type handoff struct {
-	state atomic.Int32 // 0 open, 1 claimed for the caller, 2 abandoned by it
-	done  chan struct{}
-}
-
-// claim reports whether the caller still waits, and keeps it waiting for
-// the outcome.
-func (h *handoff) claim() bool {
-	return h.state.CompareAndSwap(0, 1) || h.state.Load() == 1
-}
-
-// abandon reports whether the caller gave up before the call claimed it.
-func (h *handoff) abandon() bool {
-	return h.state.CompareAndSwap(0, 2)
-}
-
-// detach returns a context with ctx's values but not its cancellation,
-// for a store call whose outcome must not be lost when its caller gives
-// up: it ends d from now, or at ctx's deadline if that is later.
-func detach(ctx context.Context, d time.Duration) (context.Context, context.CancelFunc) {
-	end := time.Now().Add(d)
-	if dl, ok := ctx.Deadline(); ok && dl.After(end) {
-		end = dl
-	}
-	return context.WithDeadline(context.WithoutCancel(ctx), end)
 }
 
 // takeDetached is take on a context of its own, bounded by a TTL and a

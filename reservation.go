@@ -93,17 +93,18 @@ type Settlement struct {
 // plan gets ErrInvalidPlan. A store other than a MemoryStore or RedisStore,
 // or a fallback store other than a MemoryStore, gets errors.ErrUnsupported.
 //
-// Errors are AllowN's. A hold that is never settled costs nothing beyond
-// the tokens taken, which refill as usual.
+// Errors are AllowN's. A caller whose context ends while the store takes
+// the hold gets its context's error, and the hold, if granted, is given
+// back. A hold that is never settled costs nothing beyond the tokens
+// taken, which refill as usual.
 func (l *Limiter) Reserve(ctx context.Context, key string, n int64, plans ...string) (*Reservation, error) {
 	if !canHold(l.store, l.fallback) {
 		return nil, fmt.Errorf("%w: reservations need a MemoryStore or RedisStore, and a MemoryStore as fallback", errors.ErrUnsupported)
 	}
 	r := l.newReservation(key, n)
-	if err := l.decide(ctx, &r.result, key, n, 1, plans, &r.hold); err != nil {
+	if err := l.reserve(ctx, r, plans); err != nil {
 		return nil, err
 	}
-	l.held(r)
 	return r, nil
 }
 
