@@ -28,6 +28,7 @@ type leases struct {
 
 	mu     sync.Mutex
 	m      map[leaseKey]*lease
+	names  sync.Map // the plan names a lease was ever taken for: string to struct{}
 	closed bool
 	sweep  sync.Once     // starts the sweeper at the first lease
 	stop   chan struct{} // closed by close
@@ -52,6 +53,7 @@ type lease struct {
 	fetching bool         // a goroutine is taking next
 	backoff  int64        // until when no lease is taken, after Redis had too few tokens
 	gone     bool         // dropped from the map: look the lease up again
+	dropped  bool         // by Reset: what it held, or a take under way brings, is not given back
 }
 
 // reservation returns a lease's reservation of n tokens of key. Its hold
@@ -82,40 +84,47 @@ func newLeases(l *Limiter, ttl time.Duration) *leases {
 	return &leases{l: l, ttl: ttl, m: map[leaseKey]*lease{}, stop: make(chan struct{})}
 }
 
-// leased is what a lease needs of the request that took it: whose, and
-// of which plan.
-type leased struct {
-	key   string
-	plans []Plan // one plan, with a Lease
-	given bool   // the caller gave the plan (AllowPlans)
-}
-
-// serve serves q, a take of one plan with a Lease of at least q's tokens,
-// from the lease of q's key, taking a new lease when it has too few
-// tokens. It reports whether it decided into *r; when not, the request
-// goes to the store as usual: q is not for a lease, Redis had fewer
-// tokens than a lease, or the Limiter is closed.
+// decide serves a decision of cost on plans, one plan, from the lease of
+// key, taking a new lease when it has too few tokens, if the plan leases
+// (leasable). A lease of the plan's name taken for another plan is given
+// back first, whether the plan leases or not. It reports whether it
+// decided into *r; when not, the request goes to the store as usual:
+// the plan takes no lease, Redis had fewer tokens than a lease, or the
+// Limiter is closed.
 func (ls *leases) serve(ctx context.Context, r *Result, q *request) (bool, error) {
-	if len(q.plans) != 1 || q.plans[0].Lease < q.n {
+	if len(q.plans) != 1 {
 		return false, nil
 	}
-	cost, w := q.n, leased{key: q.key, plans: q.plans, given: q.given}
+	a := &leaseAsk{key: q.key, cost: q.n, plans: q.plans, given: q.given}
+	return ls.decide(ctx, r, a)
+}
+
+// decide is serve for a, a decision on one plan.
+func (ls *leases) decide(ctx context.Context, r *Result, a *leaseAsk) (bool, error) {
+	key, cost, plans := a.key, a.cost, a.plans
+	leasing := leasable(&plans[0], cost)
+	if !leasing && !ls.leased(plans[0].Name) {
+		return false, nil
+	}
 	for {
-		e := ls.get(w.key, w.plans[0].Name)
+		e := ls.lookup(key, plans[0].Name, leasing)
 		if e == nil {
 			return false, nil
 		}
-		served, backingOff := ls.spend(e, r, cost, w)
-		if served || backingOff {
-			return served, nil
+		if leasing {
+			served, backingOff := ls.spend(e, r, a)
+			if served || backingOff {
+				return served, nil
+			}
+		} else if !e.holdsOther(&plans[0]) {
+			return false, nil
 		}
 		select {
 		case e.renew <- struct{}{}:
 		case <-ctx.Done():
 			return true, ctx.Err()
 		}
-		decided, again, err := ls.take(ctx, e, r, cost, w)
-		<-e.renew
+		decided, again, err := ls.takeDetached(ctx, e, r, a)
 		if !again {
 			return decided, err
 		}
@@ -135,6 +144,7 @@ func (ls *leases) get(key, plan string) *lease {
 	if e == nil {
 		e = &lease{renew: make(chan struct{}, 1)}
 		ls.m[k] = e
+		ls.names.LoadOrStore(plan, struct{}{})
 		ls.sweep.Do(func() {
 			ls.done.Add(1)
 			go ls.sweeper()
@@ -151,13 +161,14 @@ func (ls *leases) get(key, plan string) *lease {
 // no request waits for Redis while a lease follows a lease. backingOff
 // reports a key that takes no lease for now (Redis had too few tokens),
 // whose requests go to Redis without queueing for the next lease.
-func (ls *leases) spend(e *lease, r *Result, cost int64, w leased) (served, backingOff bool) {
+func (ls *leases) spend(e *lease, r *Result, a *leaseAsk) (served, backingOff bool) {
+	cost, plans := a.cost, a.plans
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.r == nil && !e.gone {
 		return false, ls.l.now() < e.backoff
 	}
-	if e.gone || e.ended {
+	if e.gone || e.ended || !e.fits(&plans[0]) {
 		return false, false
 	}
 	if e.left < cost {
@@ -172,22 +183,22 @@ func (ls *leases) spend(e *lease, r *Result, cost int64, w leased) (served, back
 	}
 	e.left -= cost
 	e.result(r, SourceLease)
-	if size := w.plans[0].Lease; e.next == nil && !e.fetching && e.left <= size/2 {
+	if size := plans[0].Lease; e.next == nil && !e.fetching && e.left <= size/2 {
 		e.fetching = true
 		ls.done.Add(1)
-		go ls.fetch(e, e.r, size-e.left, w)
+		go ls.fetch(e, e.r, size-e.left, *a)
 	}
 	return true, false
 }
 
 // fetch takes the next lease of e, of n tokens, ahead of need, to follow
 // the lease cur; if cur is gone meanwhile, it gives it back.
-func (ls *leases) fetch(e *lease, cur *Reservation, n int64, w leased) {
+func (ls *leases) fetch(e *lease, cur *Reservation, n int64, a leaseAsk) {
 	defer ls.done.Done()
 	ctx, cancel := context.WithTimeout(context.Background(), ls.ttl+time.Second)
 	defer cancel()
-	rv := ls.reservation(w.key, n, w.given)
-	err := ls.hold(ctx, rv, w.plans)
+	rv := ls.reservation(a.key, n, cur.hold.given)
+	err := ls.hold(ctx, rv, a.plans)
 	ok := err == nil && rv.result.Allowed && rv.result.Source == SourceStore
 	e.mu.Lock()
 	defer e.mu.Unlock()
@@ -195,6 +206,7 @@ func (ls *leases) fetch(e *lease, cur *Reservation, n int64, w leased) {
 	switch {
 	case ok && !e.gone && e.r == cur && !e.ended:
 		e.next = rv
+	case e.dropped: // by Reset, which filled the bucket: given back, it would overfill it
 	case err == nil && rv.result.Allowed:
 		ls.giveBack(rv, n) // not needed any more, or from the fallback
 	}
@@ -209,39 +221,41 @@ func (e *lease) result(r *Result, src Source) {
 	r.Remaining += e.left
 }
 
-// take gives e's lease back and takes a new one, deciding the request
-// from it. again reports that e left the map meanwhile, so the caller
-// must look the lease up again. The caller holds e.renew.
-func (ls *leases) take(ctx context.Context, e *lease, r *Result, cost int64, w leased) (decided, again bool, err error) {
-	now := ls.l.now()
+// take gives e's lease back and, if q's plan leases, takes a new one,
+// deciding the request from it for its caller unless the caller left (w).
+// A lease of another plan is given back before the store decides under
+// the new one. again reports that e left the map meanwhile, so the caller
+// must look the lease up again. The caller holds e.renew; ctx is the
+// take's own.
+func (ls *leases) take(ctx context.Context, e *lease, r *Result, q *leaseAsk, w *handoff) (decided, again bool, err error) {
+	now, leasing := ls.l.now(), leasable(&q.plans[0], q.cost)
 	e.mu.Lock()
 	if e.gone {
 		e.mu.Unlock()
 		return false, true, nil
 	}
-	if e.r != nil && e.left >= cost && !e.ended { // another caller took one meanwhile
-		e.left -= cost
-		e.result(r, SourceLease)
+	if leasing && e.r != nil && e.left >= q.cost && !e.ended && e.fits(&q.plans[0]) { // another caller took one meanwhile
+		if w.claim() {
+			e.left -= q.cost
+			e.result(r, SourceLease)
+		}
 		e.mu.Unlock()
 		return true, false, nil
 	}
-	if e.r == nil && now < e.backoff {
+	if leasing && e.r == nil && now < e.backoff {
 		e.mu.Unlock()
 		return false, false, nil
 	}
-	old, left, next := e.r, e.left, e.next
+	old, left, next, stale := e.r, e.left, e.next, !e.fits(&q.plans[0])
 	e.r, e.left, e.next, e.ended = nil, 0, nil, false
 	e.mu.Unlock()
-	if old != nil {
-		ls.giveBack(old, left)
+	ls.retire(ctx, old, left, next, stale)
+	if !leasing {
+		return false, false, nil
 	}
-	if next != nil {
-		ls.giveBack(next, next.n)
-	}
-
-	size := w.plans[0].Lease
-	rv := ls.reservation(w.key, size, w.given)
-	if err := ls.hold(ctx, rv, w.plans); err != nil {
+	size := q.plans[0].Lease
+	rv := ls.reservation(q.key, size, q.given)
+	if err := ls.hold(ctx, rv, q.plans); err != nil {
 		return true, false, err
 	}
 	if !rv.result.Allowed || rv.result.Source != SourceStore {
@@ -259,11 +273,7 @@ func (ls *leases) take(ctx context.Context, e *lease, r *Result, cost int64, w l
 		e.mu.Unlock()
 		return false, false, nil
 	}
-	e.mu.Lock()
-	e.r, e.left, e.ends = rv, size-cost, now+int64(ls.ttl)
-	e.result(r, SourceStore)
-	e.mu.Unlock()
-	return true, false, nil
+	return ls.install(e, rv, r, q.cost, w, now), false, nil
 }
 
 // giveBack settles a lease that handed out all but left of its tokens,

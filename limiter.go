@@ -203,9 +203,11 @@ func (l *Limiter) PeekN(ctx context.Context, key string, n int64, plans ...strin
 
 // Reset makes the buckets of key for the named plans full again, in the
 // store and in the fallback store, and forgets the key's remembered
-// denials. With no plan named, it resets every plan of the Limiter. Other
-// instances' denial caches see the Reset once the RetryAfter they
-// remember has passed.
+// denials and leases (Plan.Lease), whose rest it does not give back: the
+// bucket is full without it. With no plan named, it resets every plan of
+// the Limiter. Other instances' denial caches see the Reset once the
+// RetryAfter they remember has passed, and their leases serve their rest
+// until they end.
 func (l *Limiter) Reset(ctx context.Context, key string, names ...string) error {
 	if err := checkKey(key); err != nil {
 		return err
@@ -231,6 +233,9 @@ func (l *Limiter) Reset(ctx context.Context, key string, names ...string) error 
 	}
 	if l.denials != nil {
 		l.denials.Forget(key) // also refuses denials asked before the Reset
+	}
+	if l.leases != nil {
+		l.leases.drop(key, plans)
 	}
 	return nil
 }

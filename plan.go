@@ -93,8 +93,13 @@ type Plan struct {
 	// lease instead of one per decision. The unused rest goes back when
 	// the lease ends (WithLeaseTTL) and at Limiter.Close; other
 	// instances meanwhile see up to Lease tokens per instance as taken.
-	// 1 to Capacity; 0 for a window plan or a shadowed one. The default,
-	// 0, decides every request in Redis.
+	// A lease serves only the plan it was taken for: after SetPlans, a
+	// resolver's new plan or a new Version, the next decision gives it
+	// back and the store decides under the new plan; Limiter.Reset drops
+	// it. A plan shadowed by WithShadow takes no lease, so that it
+	// reports what enforcement would. 1 to Capacity; 0 for a window plan
+	// or one with Shadow set. The default, 0, decides every request in
+	// Redis.
 	Lease int64
 }
 

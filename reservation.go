@@ -95,18 +95,24 @@ type Settlement struct {
 // plan gets ErrInvalidPlan. A store other than a MemoryStore or RedisStore,
 // or a fallback store other than a MemoryStore, gets errors.ErrUnsupported.
 //
-// Errors are AllowN's. A hold that is never settled costs nothing beyond
-// the tokens taken, which refill as usual.
+// Errors are AllowN's. A caller whose context ends while the store takes
+// the hold gets its context's error, and the hold, if granted, is given
+// back. A hold that is never settled costs nothing beyond the tokens
+// taken, which refill as usual.
 func (l *Limiter) Reserve(ctx context.Context, key string, n int64, plans ...string) (*Reservation, error) {
 	if !l.holds {
 		return nil, errUnsupported(modeHold)
 	}
 	r := l.newReservation(key, n)
-	if err := l.named(ctx, &r.result, op{key: key, n: n, mode: modeHold, hold: &r.hold}, plans); err != nil {
+	if err := l.reserve(ctx, r, plans); err != nil {
 		return nil, err
 	}
-	l.held(r)
 	return r, nil
+}
+
+// op is what the store is asked for r: to hold its tokens.
+func (r *Reservation) op() op {
+	return op{key: r.key, n: r.n, mode: modeHold, hold: &r.hold}
 }
 
 // newReservation returns a reservation of n tokens of key, for decide to

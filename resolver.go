@@ -106,12 +106,15 @@ func (l *Limiter) callResolver(ctx context.Context, key string, in, out *Plan) (
 }
 
 // variantOf returns the entry of plan *p, of e's name, shadowed if the
-// Limiter shadows every plan (which it sets in *p).
+// Limiter shadows every plan (which it sets in *p). A new plan is checked
+// as it was given, before WithShadow shadowed it, as New checks its
+// table: a Lease is valid on it, and ignored while it is shadowed.
 func (l *Limiter) variantOf(e *planEntry, p *Plan) (*planEntry, error) {
+	given := p.Shadow
 	if l.shadowAll {
 		p.Shadow = true
 	}
-	return e.variant(p)
+	return e.variant(p, given)
 }
 
 // exemptResult is the decision on plans when the key is exempt from all.
@@ -184,10 +187,10 @@ func (l *Limiter) entryOf(t *planTable, name string) *planEntry {
 func (l *Limiter) entryFor(t *planTable, p Plan) (*planEntry, error) {
 	e := l.entryOf(t, p.Name)
 	if e == nil {
-		p.Shadow = p.Shadow || l.shadowAll
 		if err := p.validate(); err != nil {
 			return nil, err
 		}
+		p.Shadow = p.Shadow || l.shadowAll
 		e = l.others.add(p, l.stats.plan)
 	}
 	return l.variantOf(e, &p)

@@ -62,8 +62,9 @@ func newEntry(p Plan, counts *planCount) *planEntry {
 }
 
 // variant returns the entry of plan *p, of e's name: e itself, a variant
-// seen before, or a new one, which it validates first.
-func (e *planEntry) variant(p *Plan) (*planEntry, error) {
+// seen before, or a new one, which it validates first, with the Shadow
+// flag its caller gave (shadow), before WithShadow set it.
+func (e *planEntry) variant(p *Plan, shadow bool) (*planEntry, error) {
 	if *p == e.one[0] {
 		return e, nil
 	}
@@ -75,7 +76,9 @@ func (e *planEntry) variant(p *Plan) (*planEntry, error) {
 			}
 		}
 	}
-	if err := p.validate(); err != nil {
+	given := *p
+	given.Shadow = shadow
+	if err := given.validate(); err != nil {
 		return nil, err
 	}
 	v := newEntry(*p, e.counts)

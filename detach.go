@@ -1,0 +1,92 @@
+package tollgate
+
+import (
+	"context"
+	"sync/atomic"
+	"time"
+)
+
+// reserveTimeout bounds a Reserve's store call once its caller has given
+// up waiting for it: the hold is then given back.
+const reserveTimeout = 2 * time.Second
+
+// handoff settles who owns the outcome of a store call made on a context
+// of its own for a caller that may give up waiting: the caller, if the
+// call claims it first, or else the call, which must then keep or give
+// back what it took.
+type handoff struct {
+	state atomic.Int32 // 0 open, 1 claimed for the caller, 2 abandoned by it
+	done  chan struct{}
+}
+
+// claim reports whether the caller still waits, and keeps it waiting for
+// the outcome.
+func (h *handoff) claim() bool {
+	return h.state.CompareAndSwap(0, 1) || h.state.Load() == 1
+}
+
+// abandon reports whether the caller gave up before the call claimed it.
+func (h *handoff) abandon() bool {
+	return h.state.CompareAndSwap(0, 2)
+}
+
+// detach returns a context with ctx's values but not its cancellation,
+// for a store call whose outcome must not be lost when its caller gives
+// up: it ends d from now, or at ctx's deadline if that is later.
+func detach(ctx context.Context, d time.Duration) (context.Context, context.CancelFunc) {
+	end := time.Now().Add(d)
+	if dl, ok := ctx.Deadline(); ok && dl.After(end) {
+		end = dl
+	}
+	return context.WithDeadline(context.WithoutCancel(ctx), end)
+}
+
+// reserve decides r, a reservation of the named plans, and counts it if
+// granted: on a store that can fail, on a context of its own.
+func (l *Limiter) reserve(ctx context.Context, r *Reservation, plans []string) error {
+	if !l.local {
+		return l.reserveDetached(ctx, r, plans)
+	}
+	if err := l.named(ctx, &r.result, r.op(), plans); err != nil {
+		return err
+	}
+	l.held(r)
+	return nil
+}
+
+// reserveDetached decides r, a reservation of the named plans on a store
+// that can fail, on a context of its own, on a goroutine: a caller whose
+// ctx ends first gets its error at once, and a hold granted without it is
+// given back, so that no hold whose reply was dropped keeps its tokens.
+func (l *Limiter) reserveDetached(ctx context.Context, r *Reservation, plans []string) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	w := &handoff{done: make(chan struct{})}
+	var err error // the decision's, the caller's once w.done is closed
+	rctx, cancel := detach(ctx, reserveTimeout)
+	go func() {
+		defer cancel()
+		derr := l.named(rctx, &r.result, r.op(), plans)
+		if derr == nil {
+			l.held(r)
+		}
+		if w.claim() {
+			err = derr
+			close(w.done)
+			return
+		}
+		if derr == nil && r.result.Allowed {
+			_, _ = r.Cancel(rctx)
+		}
+	}()
+	select {
+	case <-w.done:
+	case <-ctx.Done():
+		if w.abandon() {
+			return ctx.Err()
+		}
+		<-w.done // claimed: the reservation is the caller's
+	}
+	return err
+}

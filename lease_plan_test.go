@@ -1,0 +1,171 @@
+package tollgate
+
+import (
+	"context"
+	"fmt"
+	"sync/atomic"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// TestShadowedLeasedPlanDecides: with WithShadow, a plan with a Lease
+// decides alike whether it comes from the table, a resolver or
+// AllowPlans: shadowed, it takes no lease, and never fails.
+func TestShadowedLeasedPlanDecides(t *testing.T) {
+	ctx := context.Background()
+	rs, _, _ := newMiniredisStore(t)
+	resolved := func(_ context.Context, _ string, p Plan) (Plan, error) { return leasedPlan, nil }
+	plain := leasedPlan
+	plain.Lease = 0
+	l, err := New(rs, []Plan{plain}, WithShadow(), WithPlanResolver(resolved), WithLogger(nil))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = l.Close() })
+	for name, decide := range map[string]func(key string) (Result, error){
+		"resolver":   func(key string) (Result, error) { return l.Allow(ctx, key) },
+		"AllowPlans": func(key string) (Result, error) { return l.AllowPlans(ctx, key, 1, leasedPlan) },
+	} {
+		for i := range 3 {
+			r, err := decide(name)
+			require.NoError(t, err, "%s: a shadowed plan's Lease is ignored", name)
+			assert.True(t, r.Allowed, name)
+			assert.Equal(t, SourceStore, r.Source, "%s: decided in Redis, not from a lease", name)
+			assert.Equal(t, leasedPlan.Capacity-int64(i+1), r.Remaining, name)
+		}
+	}
+	tl, err := New(rs, []Plan{leasedPlan}, WithShadow(), WithLogger(nil))
+	require.NoError(t, err, "New takes a leased plan under WithShadow")
+	t.Cleanup(func() { _ = tl.Close() })
+	r, err := tl.Allow(ctx, "new")
+	require.NoError(t, err)
+	assert.Equal(t, SourceStore, r.Source)
+	assert.Equal(t, int64(99), remaining(t, rs, "new"), "one token taken, no lease")
+}
+
+// TestShadowedLeasedPlanReportsItsTwin: a leased plan and its shadow,
+// each on a key of its own, are asked for the same 13 tokens of 10: the
+// shadow reports a would-be denial exactly where its twin denies, and
+// ends with the tokens the twin ends with.
+func TestShadowedLeasedPlanReportsItsTwin(t *testing.T) {
+	ctx := context.Background()
+	rs, _, _ := newMiniredisStore(t)
+	plan := Plan{Name: "hot", Capacity: 10, Rate: 1, Lease: 8}
+	enforced, err := New(rs, []Plan{plan}, WithLogger(nil))
+	require.NoError(t, err)
+	shadow, err := New(rs, []Plan{plan}, WithShadow(), WithLogger(nil))
+	require.NoError(t, err)
+	var denied, wouldDeny int
+	for i := range 13 {
+		en, err := enforced.Allow(ctx, "enforced")
+		require.NoError(t, err)
+		sh, err := shadow.Allow(ctx, "shadow")
+		require.NoError(t, err)
+		assert.True(t, sh.Allowed)
+		assert.Equal(t, !en.Allowed, sh.ShadowDenied, "request %d", i)
+		if !en.Allowed {
+			denied++
+		}
+		if sh.ShadowDenied {
+			wouldDeny++
+		}
+	}
+	require.NoError(t, enforced.Close())
+	require.NoError(t, shadow.Close())
+	assert.Equal(t, 3, denied)
+	assert.Equal(t, denied, wouldDeny)
+	assert.Equal(t, uint64(3), shadow.Stats().Plans[0].ShadowDenied)
+	assert.Equal(t, remaining(t, rs, "enforced"), remaining(t, rs, "shadow"))
+}
+
+// TestResetDropsTheKeysLease: after Reset, the key admits its capacity
+// and no more: the lease taken before it serves nothing after, and its
+// rest is not given back, which would overfill the bucket Reset filled.
+func TestResetDropsTheKeysLease(t *testing.T) {
+	ctx := context.Background()
+	rs, _, _ := newMiniredisStore(t)
+	l, err := New(rs, []Plan{leasedPlan}, WithLogger(nil))
+	require.NoError(t, err)
+	r, err := l.Allow(ctx, "k")
+	require.NoError(t, err)
+	require.Equal(t, SourceStore, r.Source, "a lease of 10 taken")
+	require.NoError(t, l.Reset(ctx, "k"))
+	admitted := countAdmitted(t, l, "k", 200)
+	require.NoError(t, l.Close())
+	assert.LessOrEqual(t, admitted, leasedPlan.Capacity, "a full bucket, once")
+	assert.GreaterOrEqual(t, admitted, leasedPlan.Capacity-leasedPlan.Lease, "less at most a lease in flight")
+	assert.Equal(t, leasedPlan.Capacity-admitted, remaining(t, rs, "k"))
+}
+
+// TestPlanChangeRetiresTheLease: a lease serves only the plan it was
+// taken for. After SetPlans, or a resolver's new tier, lowers the
+// capacity from 100 to 10, the key admits 10 at most and every Result
+// reports the new Limit, whether the new plan leases or not.
+func TestPlanChangeRetiresTheLease(t *testing.T) {
+	ctx := context.Background()
+	big := Plan{Name: "hot", Capacity: 100, Rate: 1, Lease: 50}
+	for _, small := range []Plan{
+		{Name: "hot", Capacity: 10, Rate: 1},
+		{Name: "hot", Capacity: 10, Rate: 1, Lease: 4},
+	} {
+		t.Run(fmt.Sprintf("SetPlans/lease%d", small.Lease), func(t *testing.T) {
+			rs, _, _ := newMiniredisStore(t)
+			l, err := New(rs, []Plan{big}, WithLogger(nil))
+			require.NoError(t, err)
+			_, err = l.Allow(ctx, "k")
+			require.NoError(t, err)
+			require.NoError(t, l.SetPlans([]Plan{small}))
+			checkDowngrade(t, l, rs, small)
+		})
+		t.Run(fmt.Sprintf("resolver/lease%d", small.Lease), func(t *testing.T) {
+			rs, _, _ := newMiniredisStore(t)
+			var downgraded atomic.Bool
+			tier := func(_ context.Context, _ string, p Plan) (Plan, error) {
+				if downgraded.Load() {
+					return small, nil
+				}
+				return p, nil
+			}
+			l, err := New(rs, []Plan{big}, WithPlanResolver(tier), WithLogger(nil))
+			require.NoError(t, err)
+			_, err = l.Allow(ctx, "k")
+			require.NoError(t, err)
+			downgraded.Store(true)
+			checkDowngrade(t, l, rs, small)
+		})
+	}
+}
+
+// checkDowngrade checks a key whose lease of 50 tokens of 100 was taken
+// before its plan became small: the key admits small's capacity, less at
+// most a lease of small's in flight, and after Close the bucket holds
+// exactly what was not admitted: the old lease's rest came back before
+// the new plan decided, not after, which would refill it.
+func checkDowngrade(t *testing.T, l *Limiter, rs *RedisStore, small Plan) {
+	t.Helper()
+	admitted := countAdmitted(t, l, "k", 100)
+	require.NoError(t, l.Close())
+	assert.LessOrEqual(t, admitted, small.Capacity)
+	assert.GreaterOrEqual(t, admitted, small.Capacity-small.Lease)
+	assert.Equal(t, small.Capacity-admitted, remaining(t, rs, "k"))
+}
+
+// countAdmitted asks l for a token of key n times and counts the tokens
+// admitted, each of which must report the Limit of the plan in force.
+func countAdmitted(t *testing.T, l *Limiter, key string, n int) int64 {
+	t.Helper()
+	var admitted int64
+	for range n {
+		r, err := l.Allow(context.Background(), key)
+		require.NoError(t, err)
+		if r.Allowed {
+			admitted++
+			p, _ := l.Plan(r.Plan)
+			if l.resolver != nil {
+				p, _ = l.resolver(context.Background(), key, p)
+			}
+			assert.Equal(t, p.Capacity, r.Limit, "source %v", r.Source)
+		}
+	}
+	return admitted
+}
