@@ -3,6 +3,7 @@ package tollgate
 import (
 	"context"
 	"sync"
+	"time"
 
 	"github.com/redis/go-redis/v9"
 
@@ -16,6 +17,9 @@ import (
 // It is safe for concurrent use.
 type health struct {
 	settings breaker.Settings
+	// budget is the longest a store call takes while this process runs;
+	// 0 when the store cannot tell (see callBudgeter).
+	budget time.Duration
 	// one serves every store but a Cluster, and a Cluster's keys whose
 	// master the client cannot name.
 	one     *breaker.Breaker
@@ -28,6 +32,9 @@ type health struct {
 func newHealth(store Store, s breaker.Settings) *health {
 	h := &health{one: breaker.New(s)}
 	h.settings = h.one.Settings() // with the defaults filled in
+	if cb, ok := store.(callBudgeter); ok {
+		h.budget = cb.callBudget()
+	}
 	if rs, ok := store.(*RedisStore); ok {
 		if c, ok := rs.client.(*redis.ClusterClient); ok {
 			h.store, h.cluster = rs, c
