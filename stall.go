@@ -68,26 +68,34 @@ func (t clientTimeouts) budget() time.Duration {
 // callBudget returns the longest a script call takes while this process
 // runs and Redis answers nothing, by the client's options: PoolTimeout,
 // DialTimeout (with DialerRetries), ReadTimeout, WriteTimeout, MaxRetries
-// and MaxRetryBackoff, and a Cluster's MaxRedirects. It is 0, unknown, for
-// a Ring, a client of another kind, or one without a read timeout.
+// and MaxRetryBackoff, and a Cluster's MaxRedirects. With batching, a
+// decision may first wait for a call under way, as long as a call's
+// network wait. It is 0, unknown, for a Ring, a client of another kind,
+// or one without a read timeout.
 func (s *RedisStore) callBudget() time.Duration {
+	var t clientTimeouts
 	switch c := s.client.(type) {
 	case *redis.Client: // a Sentinel failover client too
 		o := c.Options()
-		return clientTimeouts{pool: o.PoolTimeout, read: o.ReadTimeout, write: o.WriteTimeout,
+		t = clientTimeouts{pool: o.PoolTimeout, read: o.ReadTimeout, write: o.WriteTimeout,
 			dial:    dialWait(o.DialTimeout, o.DialerRetries, o.DialerRetryTimeout),
-			backoff: o.MaxRetryBackoff, attempts: max(o.MaxRetries, 0) + 1}.budget()
+			backoff: o.MaxRetryBackoff, attempts: max(o.MaxRetries, 0) + 1}
 	case *redis.ClusterClient:
 		o := c.Options()
 		pool := o.PoolTimeout
 		if pool == 0 && o.ReadTimeout > 0 {
 			pool = o.ReadTimeout + time.Second // go-redis's default for the nodes' clients
 		}
-		return clientTimeouts{pool: pool, read: o.ReadTimeout, write: o.WriteTimeout,
+		t = clientTimeouts{pool: pool, read: o.ReadTimeout, write: o.WriteTimeout,
 			dial:    dialWait(o.DialTimeout, o.DialerRetries, o.DialerRetryTimeout),
-			backoff: o.MaxRetryBackoff, attempts: (o.MaxRedirects + 1) * (max(o.MaxRetries, 0) + 1)}.budget()
+			backoff: o.MaxRetryBackoff, attempts: (o.MaxRedirects + 1) * (max(o.MaxRetries, 0) + 1)}
+	default:
+		return 0
 	}
-	return 0
+	if s.batch != nil {
+		t.pool += max(t.read, t.write)
+	}
+	return t.budget()
 }
 
 // dialWait returns the longest a dial takes: tries dials of timeout each,

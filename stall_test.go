@@ -168,8 +168,9 @@ func TestHungStoreInAStalledProcessTripsTheBreaker(t *testing.T) {
 }
 
 // README's client settings give a call budget of 200 ms: a wait for a
-// connection, then one network wait. Retries and redirects multiply it;
-// a client without a read timeout has none.
+// connection, then one network wait. Retries and redirects multiply it,
+// batching adds a wait for a call under way; a client without a read
+// timeout has none.
 func TestRedisStoreCallBudget(t *testing.T) {
 	readme := &redis.Options{Addr: "127.0.0.1:1", DialTimeout: 100 * time.Millisecond, ReadTimeout: 100 * time.Millisecond,
 		WriteTimeout: 100 * time.Millisecond, PoolTimeout: 100 * time.Millisecond, MaxRetries: -1, DialerRetries: 1}
@@ -194,4 +195,8 @@ func TestRedisStoreCallBudget(t *testing.T) {
 			assert.Equal(t, tc.want, NewRedisStore(tc.client).callBudget())
 		})
 	}
+	c := redis.NewClient(readme)
+	defer c.Close()
+	assert.Equal(t, readmeBudget+100*time.Millisecond, NewRedisStore(c, WithBatching()).callBudget(),
+		"a batched decision may first wait for a call under way")
 }
