@@ -266,6 +266,18 @@ func (l *Limiter) call(ctx context.Context, r *Result, b *breaker.Breaker, probe
 		return nil, nil
 	}
 	callerErr, storeFailed := l.blame(ctx, err, now)
+	if storeFailed && l.stalled(err, start, now) {
+		// Not the store's failure, and not the caller's doing: the failure
+		// policy answers this call, and the breaker hears nothing.
+		l.stats.storeCall(r, elapsed, errStalled)
+		if probe {
+			b.Abandon()
+		}
+		if callerErr != nil {
+			return callerErr, nil
+		}
+		return nil, err
+	}
 	if !storeFailed {
 		l.stats.storeCall(r, elapsed, nil)
 		if probe {

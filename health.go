@@ -3,6 +3,7 @@ package tollgate
 import (
 	"context"
 	"sync"
+	"time"
 
 	"github.com/tollgate-go/tollgate/breaker"
 )
@@ -14,6 +15,9 @@ import (
 // It is safe for concurrent use.
 type health struct {
 	settings breaker.Settings
+	// budget is the longest a store call takes while this process runs;
+	// 0 when the store cannot tell (see callBudgeter).
+	budget time.Duration
 	// one serves every store but a Cluster, and a Cluster's keys whose
 	// master the client cannot name.
 	one     *breaker.Breaker
@@ -25,6 +29,9 @@ type health struct {
 func newHealth(store Store, s breaker.Settings) *health {
 	h := &health{one: breaker.New(s)}
 	h.settings = h.one.Settings() // with the defaults filled in
+	if cb, ok := store.(callBudgeter); ok {
+		h.budget = cb.callBudget()
+	}
 	if m, ok := store.(mastersStore); ok && m.spread() {
 		h.masters = m
 	}

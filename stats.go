@@ -29,7 +29,10 @@ type Stats struct {
 	// "bad-reply", Redis's error class such as "OOM", "READONLY",
 	// "NOPERM" or "BUSY", and "other". Calls that failed through the
 	// caller's doing (bad input, its context ended or its deadline
-	// passed) are not failures.
+	// passed) are not failures. "stalled" counts the calls that timed
+	// out because this process was stopped or starved of CPU (their
+	// timeout came later than the client's timeouts allow): the failure
+	// policy answered them, but the breaker did not count them.
 	StoreErrors map[string]uint64
 	// StoreLatency counts the store calls by duration: StoreLatency[i] is
 	// the number that took at most LatencyBounds[i], and the last element
@@ -275,6 +278,8 @@ func errorClass(err error) string {
 	var rerr *redisscript.Error
 	var nerr net.Error
 	switch {
+	case err == errStalled:
+		return "stalled"
 	case errors.As(err, &rerr):
 		return rerr.Class
 	case errors.Is(err, ErrBadReply):
