@@ -160,14 +160,15 @@ func (e *memEntry) storeWindow(p *Plan, now int64) *window {
 }
 
 // fullAt returns when every bucket of the entry is full again, and every
-// window counts nothing.
+// window counts nothing: when the store may forget it for free. A bucket
+// that holds a version counts one fence longer, as Redis keeps it.
 func (e *memEntry) fullAt(now int64) int64 {
 	at := int64(0)
 	for _, b := range e.buckets {
 		if b.win != nil {
 			at = max(at, b.win.emptyAt())
 		} else {
-			at = max(at, b.FullAt(b.plan, now))
+			at = max(at, b.FullAt(b.plan, now)+b.ver.fence(&b.plan))
 		}
 	}
 	return at

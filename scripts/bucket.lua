@@ -189,7 +189,12 @@ end
 -- millisecond for the expiry clock. A bucket fills from its stamp, which
 -- is ahead of now after TIME stepped back or while it is in debt: counted
 -- from now, the key would expire, and read as full, that much early. SET
--- replaces whatever the key held.
+-- replaces whatever the key held. A bucket with a version outlives its
+-- refill by one more full refill of the larger of full and c at rate, as
+-- bucketVersion.fence computes, so that its version does not leave with
+-- it and a reset or an additive change apply again (ADR 30).
 local function writeBucket(key, t, ts, full, rate, now, pv, c)
-  redis.call('SET', key, encode(ts, t, pv, c), 'PX', whole(floor(((full - t) / rate + math.max(0, ts - now)) / 1000) + 2))
+  local us = (full - t) / rate + math.max(0, ts - now)
+  if pv > 0 then us = us + floor(math.max(full, c * 1000000) / rate) end
+  redis.call('SET', key, encode(ts, t, pv, c), 'PX', whole(floor(us / 1000) + 2))
 end
