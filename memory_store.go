@@ -76,10 +76,14 @@ func (e *memEntry) find(p *Plan) *memBucket {
 }
 
 // bucket returns the stored bucket of plan p, or a full one at now if
-// there is none.
+// there is none. A window kept for a plan of the name reads as fromWindow
+// makes it, as the script reads it.
 func (e *memEntry) bucket(p *Plan, now int64) TokenBucket {
-	if b := e.find(p); b != nil && b.win == nil {
-		return b.ver.inherit(b.TokenBucket, p, now)
+	if b := e.find(p); b != nil {
+		if b.win == nil {
+			return b.ver.inherit(b.TokenBucket, p, now)
+		}
+		return fromWindow(b.win, b.plan.Capacity, p, now)
 	}
 	return fullBucket(*p, now)
 }
@@ -97,12 +101,15 @@ func (e *memEntry) bringBack(p *Plan, b TokenBucket, now int64) {
 
 // window returns the stored window of plan p, or nil, which counts
 // nothing, if there is none. A window kept for a plan of another shape
-// reads as carry makes it, as the script reads it.
+// reads as carry makes it, and a bucket kept for a plan of the name as
+// fromBucket makes it, as the script reads them.
 func (e *memEntry) window(p *Plan, now int64) *window {
 	b := e.find(p)
 	switch {
-	case b == nil || b.win == nil:
+	case b == nil:
 		return nil
+	case b.win == nil:
+		return fromBucket(b.TokenBucket, p, now)
 	case sameShape(&b.plan, p):
 		return b.win
 	}
@@ -142,7 +149,8 @@ func (e *memEntry) store(p *Plan, b TokenBucket) {
 }
 
 // storeWindow returns plan p's window to write in: new if there is none,
-// and carried over if it was kept for a plan of another shape.
+// carried over if it was kept for a plan of another shape, and made from
+// the bucket if a plan of the name kept one.
 func (e *memEntry) storeWindow(p *Plan, now int64) *window {
 	eb := e.find(p)
 	switch {
@@ -150,7 +158,7 @@ func (e *memEntry) storeWindow(p *Plan, now int64) *window {
 		e.buckets = append(e.buckets, memBucket{plan: *p, win: &window{}})
 		return e.buckets[len(e.buckets)-1].win
 	case eb.win == nil:
-		*eb = memBucket{plan: *p, win: &window{}}
+		*eb = memBucket{plan: *p, win: fromBucket(eb.TokenBucket, p, now)}
 	case !sameShape(&eb.plan, p):
 		*eb = memBucket{plan: *p, win: carry(eb.win, eb.plan.Suppress != 0, p, now)}
 	case eb.plan.Capacity != p.Capacity || eb.plan.Suppress != p.Suppress:
