@@ -92,8 +92,8 @@ func newLeases(l *Limiter, ttl time.Duration) *leases {
 // the plan takes no lease, Redis had fewer tokens than a lease, or the
 // Limiter is closed.
 func (ls *leases) serve(ctx context.Context, r *Result, q *request) (bool, error) {
-	if len(q.plans) != 1 {
-		return false, nil
+	if len(q.plans) != 1 || !leasable(&q.plans[0], q.n) && !ls.leased(q.plans[0].Name) {
+		return false, nil // checked before a leaseAsk escapes to the heap
 	}
 	a := &leaseAsk{key: q.key, cost: q.n, plans: q.plans, given: q.given}
 	return ls.decide(ctx, r, a)
@@ -103,9 +103,6 @@ func (ls *leases) serve(ctx context.Context, r *Result, q *request) (bool, error
 func (ls *leases) decide(ctx context.Context, r *Result, a *leaseAsk) (bool, error) {
 	key, cost, plans := a.key, a.cost, a.plans
 	leasing := leasable(&plans[0], cost)
-	if !leasing && !ls.leased(plans[0].Name) {
-		return false, nil
-	}
 	for {
 		e := ls.lookup(key, plans[0].Name, leasing)
 		if e == nil {

@@ -77,10 +77,14 @@ func (e *memEntry) find(p *Plan) *memBucket {
 }
 
 // bucket returns the stored bucket of plan p, or a full one at now if
-// there is none.
+// there is none. A window kept for a plan of the name reads as fromWindow
+// makes it, as the script reads it.
 func (e *memEntry) bucket(p *Plan, now int64) TokenBucket {
-	if b := e.find(p); b != nil && b.win == nil {
-		return b.ver.inherit(b.TokenBucket, p, now)
+	if b := e.find(p); b != nil {
+		if b.win == nil {
+			return b.ver.inherit(b.TokenBucket, p, now)
+		}
+		return fromWindow(b.win, b.plan.Capacity, p, now)
 	}
 	return fullBucket(*p, now)
 }
@@ -98,12 +102,15 @@ func (e *memEntry) bringBack(p *Plan, b TokenBucket, now int64) {
 
 // window returns the stored window of plan p, or nil, which counts
 // nothing, if there is none. A window kept for a plan of another shape
-// reads as carry makes it, as the script reads it.
+// reads as carry makes it, and a bucket kept for a plan of the name as
+// fromBucket makes it, as the script reads them.
 func (e *memEntry) window(p *Plan, now int64) *window {
 	b := e.find(p)
 	switch {
-	case b == nil || b.win == nil:
+	case b == nil:
 		return nil
+	case b.win == nil:
+		return fromBucket(b.TokenBucket, p, now)
 	case sameShape(&b.plan, p):
 		return b.win
 	}
@@ -143,7 +150,8 @@ func (e *memEntry) store(p *Plan, b TokenBucket) {
 }
 
 // storeWindow returns plan p's window to write in: new if there is none,
-// and carried over if it was kept for a plan of another shape.
+// carried over if it was kept for a plan of another shape, and made from
+// the bucket if a plan of the name kept one.
 func (e *memEntry) storeWindow(p *Plan, now int64) *window {
 	eb := e.find(p)
 	switch {
@@ -151,7 +159,7 @@ func (e *memEntry) storeWindow(p *Plan, now int64) *window {
 		e.buckets = append(e.buckets, memBucket{plan: *p, win: &window{}})
 		return e.buckets[len(e.buckets)-1].win
 	case eb.win == nil:
-		*eb = memBucket{plan: *p, win: &window{}}
+		*eb = memBucket{plan: *p, win: fromBucket(eb.TokenBucket, p, now)}
 	case !sameShape(&eb.plan, p):
 		*eb = memBucket{plan: *p, win: carry(eb.win, eb.plan.Suppress != 0, p, now)}
 	case eb.plan.Capacity != p.Capacity || eb.plan.Suppress != p.Suppress:
@@ -161,14 +169,15 @@ func (e *memEntry) storeWindow(p *Plan, now int64) *window {
 }
 
 // fullAt returns when every bucket of the entry is full again, and every
-// window counts nothing.
+// window counts nothing: when the store may forget it for free. A bucket
+// that holds a version counts one fence longer, as Redis keeps it.
 func (e *memEntry) fullAt(now int64) int64 {
 	at := int64(0)
 	for _, b := range e.buckets {
 		if b.win != nil {
 			at = max(at, b.win.emptyAt())
 		} else {
-			at = max(at, b.FullAt(b.plan, now))
+			at = max(at, b.FullAt(b.plan, now)+b.ver.fence(&b.plan))
 		}
 	}
 	return at

@@ -308,3 +308,37 @@ func TestMemoryStoreKeepsKeysInUse(t *testing.T) {
 	assert.LessOrEqual(t, float64(admitted), bound, "100,000 other drained keys through a store of 1,000")
 	assert.LessOrEqual(t, m.Len(), 1000)
 }
+
+// TestEvictionKeepsAVersionAsRedisWould fills a store of two keys with a
+// key whose bucket holds a version, full again for 50 ms, and a key of an
+// unversioned plan, full as long: a newcomer evicts the second, whose
+// bucket gives nothing back, and not the version, which Redis would still
+// keep. Had the version gone, the old plan would drain the key and the
+// new plan would reset it again. Map order picks among keys alike, so it
+// runs 20 times.
+func TestEvictionKeepsAVersionAsRedisWould(t *testing.T) {
+	ctx := context.Background()
+	old := Plan{Name: "p", Capacity: 20, Rate: 200}
+	next := Plan{Name: "p", Capacity: 20, Rate: 200, Version: 2, Inherit: InheritReset}
+	for run := range 20 {
+		now := t0
+		m := NewMemoryStore(WithMaxKeys(2))
+		m.fakeNow = func() int64 { return now }
+		for _, k := range []struct {
+			key  string
+			plan Plan
+		}{{"k", next}, {"x", old}} {
+			_, err := m.Take(ctx, k.key, 1, []Plan{k.plan})
+			require.NoError(t, err)
+		}
+		now += 55_000 // both full 5 ms after their decision
+		_, err := m.Take(ctx, "newcomer", 1, []Plan{old})
+		require.NoError(t, err)
+		r, err := m.Take(ctx, "k", old.Capacity, []Plan{old})
+		require.NoError(t, err)
+		require.True(t, r.Allowed)
+		r, err = m.Take(ctx, "k", 1, []Plan{next})
+		require.NoError(t, err)
+		assert.False(t, r.Allowed, "run %d: the reset applied again", run)
+	}
+}

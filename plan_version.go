@@ -92,6 +92,21 @@ func (v bucketVersion) written(p *Plan) bucketVersion {
 	return bucketVersion{pv: max(v.pv, p.Version), c: p.Capacity}
 }
 
+// fence returns how long, in µs, a bucket that holds version v outlives
+// its refill under plan p, the plan that wrote it last: one full refill
+// of the larger of p's capacity and v.c at p's rate, or 0 if v holds no
+// version. A version that left with its bucket would let a reset or an
+// additive change apply again; kept this long, the capacity such a
+// change grants again is at most what the rate would have refilled
+// while the bucket stood full. scripts/bucket.lua adds the same to a
+// versioned bucket's expiry.
+func (v bucketVersion) fence(p *Plan) int64 {
+	if v.pv == 0 {
+		return 0
+	}
+	return int64(math.Floor(float64(max(p.Capacity, v.c)*microTokens) / p.Rate))
+}
+
 // inherit returns bucket b as plan p reads it: taken over by p.Inherit
 // if p's version is above the bucket's, else as it is. The capacity it
 // had is the last versioned write's, or p's own if none is known. The

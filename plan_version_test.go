@@ -2,6 +2,7 @@ package tollgate
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -113,5 +114,76 @@ func TestAdditiveChangeAppliesOnceUnderFlipFlop(t *testing.T) {
 		c := redistest.NewClient(t, &redis.Options{Addr: addr})
 		b := storedBucket(t, c, stores[0].(*RedisStore).Key("k", "api"))
 		assert.Equal(t, int64(2), b.Version, "the version is never lowered")
+	})
+}
+
+// TestResetAppliesOnceThoughTheKeyExpires has an instance of an
+// unversioned plan and one of a version that inherits by reset take turns
+// on one key: the old drains it, then the new, and then the key sits idle
+// for longer than a full refill, eight times. The reset is a capacity
+// granted once; losing the version with an expired key must not grant it
+// again on every turn. Admissions stay within 2 × capacity + rate ×
+// elapsed for idle spells shorter and longer than the version outlives
+// the bucket, on the MemoryStore, on the script (miniredis, whose keys
+// expire as the test moves its clock) and on a real Redis when there is
+// one.
+func TestResetAppliesOnceThoughTheKeyExpires(t *testing.T) {
+	old := Plan{Name: "p", Capacity: 20, Rate: 200}
+	next := Plan{Name: "p", Capacity: 20, Rate: 200, Version: 2, Inherit: InheritReset}
+	// turns returns the admissions of eight turns, and the µs from the
+	// first decision to the last; idle moves the clock on.
+	turns := func(t *testing.T, stores [2]Store, idle func()) int64 {
+		admitted := int64(0)
+		for turn := range 8 {
+			if turn > 0 {
+				idle()
+			}
+			for i, p := range []Plan{old, next} {
+				for range 2 * next.Capacity {
+					r, err := stores[i].Take(context.Background(), "k", 1, []Plan{p})
+					require.NoError(t, err)
+					if !r.Allowed {
+						break
+					}
+					admitted++
+				}
+			}
+		}
+		return admitted
+	}
+	bound := func(elapsed int64) float64 {
+		return float64(2*next.Capacity) + next.Rate*float64(elapsed)/1e6
+	}
+	for _, idle := range []int64{110_000, 150_000, 210_000, 250_000, 1_000_000} { // µs; a full refill is 100 ms
+		t.Run(fmt.Sprint("idle ", idle/1000, "ms"), func(t *testing.T) {
+			rs, mr, setTime := newMiniredisStore(t)
+			now := t0
+			ms := newClockedMemoryStore(&now)
+			step := func() {
+				now += idle
+				setTime(now)
+				mr.FastForward(time.Duration(idle) * time.Microsecond)
+			}
+			for name, stores := range map[string][2]Store{"memory": {ms, ms}, "script": {rs, rs}} {
+				start := now
+				admitted := turns(t, stores, step)
+				t.Logf("%s: %d admitted; bound %.0f", name, admitted, bound(now-start))
+				assert.LessOrEqual(t, float64(admitted), bound(now-start), "%s: %d admitted in %d µs", name, admitted, now-start)
+			}
+		})
+	}
+	t.Run("redis", func(t *testing.T) {
+		addr := redistest.Addr(t)
+		prefix := redistest.KeyPrefix()
+		var stores [2]Store
+		for i := range stores {
+			stores[i] = NewRedisStore(redistest.NewClient(t, &redis.Options{Addr: addr}), WithKeyPrefix(prefix))
+		}
+		probe := redistest.NewClient(t, &redis.Options{Addr: addr})
+		start := redistest.Time(t, probe)
+		admitted := turns(t, stores, func() { time.Sleep(110 * time.Millisecond) })
+		elapsed := redistest.Time(t, probe) - start
+		t.Logf("%d admitted; bound %.1f", admitted, bound(elapsed))
+		assert.LessOrEqual(t, float64(admitted), bound(elapsed), "%d admitted in %d µs", admitted, elapsed)
 	})
 }

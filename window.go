@@ -178,6 +178,31 @@ func carry(old *window, wasSuppressed bool, p *Plan, now int64) *window {
 	return w
 }
 
+// fromBucket returns a window of plan p holding, in the sub-window of
+// now, what bucket b, kept for a plan of the name that was a token
+// bucket, has used of p: p's capacity less the whole tokens b holds as
+// stored, never below 0. The plan changed kind; what the bucket has left
+// is what the window has left, never more (ADR 31). Offered counts, if p
+// is suppressed, start equal to the admitted ones. scripts/limit.lua
+// reads a bucket alike.
+func fromBucket(b TokenBucket, p *Plan, now int64) *window {
+	used := p.Capacity - min(p.Capacity, b.Tokens/microTokens)
+	w := &window{}
+	w.add(p, now, used, used)
+	return w
+}
+
+// fromWindow returns the bucket of plan p that window w, kept for a plan
+// of the name and of capacity c that was a sliding window, reads as at
+// now: holding what w has left, c less what it counts, at most p's
+// capacity, never below 0, stamped now. Such a bucket inherits no
+// version: the change of kind carries it over instead (ADR 31).
+// scripts/bucket.lua reads a window alike.
+func fromWindow(w *window, c int64, p *Plan, now int64) TokenBucket {
+	admitted, _ := w.counts(now)
+	return TokenBucket{Tokens: min(p.Capacity, max(0, c-admitted)) * microTokens, Stamp: now}
+}
+
 // suppression returns the probability, 0 to 1, that a suppressed plan
 // refuses cost more tokens, with admitted and offered counted in its
 // window: 0 up to the soft limit S (Capacity), 1 past the hard limit H,

@@ -668,7 +668,7 @@ func TestWindowReplacesForeignData(t *testing.T) {
 			assert.Equal(t, int64(0), r.Remaining)
 			fields, err := c.HGetAll(ctx, key).Result()
 			require.NoError(t, err)
-			assert.Equal(t, map[string]string{"v": "w250000/4", b: "3"}, fields)
+			assert.Equal(t, map[string]string{"v": "w250000/4", "c": "3", b: "3"}, fields)
 
 			full := mr.Dump()
 			r, err = s.Take(ctx, "k", 1, []Plan{win})
@@ -719,4 +719,108 @@ func TestWindowShapeChangeCarriesCounts(t *testing.T) {
 			assert.GreaterOrEqual(t, admitted, base.Capacity, "the first version's limit at least")
 		})
 	}
+}
+
+// TestChangeOfKindCarriesConsumption alternates a token bucket and a
+// sliding window of one plan name on one key at one instant, as instances
+// with either plan, SetPlans or a resolver do: each kind reads what the
+// other has left, so together they admit no more than the larger
+// capacity (and a suppressed window's band above its capacity), and no
+// less than the smaller capacity. Both stores agree on every decision, whichever kind starts.
+func TestChangeOfKindCarriesConsumption(t *testing.T) {
+	ctx := context.Background()
+	bucket := Plan{Name: "p", Capacity: 10, Rate: 1}
+	win := Plan{Name: "p", Capacity: 10, Window: time.Minute}
+	for _, tt := range []struct {
+		name    string
+		b, w    Plan
+		bound   int64
+		atLeast int64
+	}{
+		{"equal", bucket, win, 10, 10},
+		{"a larger bucket", Plan{Name: "p", Capacity: 100, Rate: 1}, win, 100, 10},
+		{"a larger window", bucket, Plan{Name: "p", Capacity: 100, Window: time.Minute}, 100, 10},
+		{"a suppressed window", bucket, Plan{Name: "p", Capacity: 10, Window: time.Minute, Suppress: 1.5}, 15, 10},
+		{"a versioned bucket that resets", Plan{Name: "p", Capacity: 10, Rate: 1, Version: 2, Inherit: InheritReset}, win, 10, 10},
+	} {
+		for first := range 2 {
+			t.Run(fmt.Sprint(tt.name, "/", []string{"bucket", "window"}[first], " first"), func(t *testing.T) {
+				rs, _, _ := newMiniredisStore(t)
+				now := t0
+				ms := newClockedMemoryStore(&now)
+				rs.random, ms.random = sameDraws(), sameDraws()
+				admitted := int64(0)
+				for i := range 100 {
+					p := []Plan{tt.b, tt.w}[(i+first)%2]
+					got, err := rs.Take(ctx, "k", 1, []Plan{p})
+					require.NoError(t, err)
+					want, err := ms.Take(ctx, "k", 1, []Plan{p})
+					require.NoError(t, err)
+					require.Equal(t, want, got, "step %d: Lua and MemoryStore disagree", i)
+					if got.Allowed {
+						admitted++
+					}
+				}
+				t.Logf("%d of 100 admitted", admitted)
+				assert.LessOrEqual(t, admitted, tt.bound, "the kinds together")
+				assert.GreaterOrEqual(t, admitted, tt.atLeast, "the smaller capacity at least")
+			})
+		}
+	}
+	t.Run("SetPlans", func(t *testing.T) {
+		now := t0
+		l, err := New(newClockedMemoryStore(&now), []Plan{bucket}, WithLogger(nil))
+		require.NoError(t, err)
+		admitted := 0
+		for i := range 100 {
+			require.NoError(t, l.SetPlans([]Plan{[]Plan{bucket, win}[i%2]}))
+			r, err := l.Allow(ctx, "k")
+			require.NoError(t, err)
+			if r.Allowed {
+				admitted++
+			}
+		}
+		assert.Equal(t, 10, admitted)
+	})
+}
+
+// FuzzChangeOfKind has a token bucket and a sliding window of one plan
+// name, of fuzzed capacities, take fuzzed costs from one key in a fuzzed
+// order at one instant: since each kind reads what the other has left,
+// never more, together they admit no more than the larger capacity, and
+// a suppressed window's band above its capacity, up to its hard limit.
+func FuzzChangeOfKind(f *testing.F) {
+	f.Add(uint16(10), uint16(10), false, []byte{1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2})
+	f.Add(uint16(100), uint16(10), true, []byte{9, 1, 3, 0, 255, 7, 2, 2, 2, 2, 130, 1})
+	f.Add(uint16(1), uint16(64), false, []byte{0, 1, 0, 1, 3, 3, 3, 3})
+	f.Fuzz(func(t *testing.T, capB, capW uint16, suppress bool, ops []byte) {
+		b := Plan{Name: "p", Capacity: int64(capB), Rate: 1}
+		w := Plan{Name: "p", Capacity: int64(capW), Window: time.Minute}
+		if suppress {
+			w.Suppress = 1.5
+		}
+		if b.validateNumbers() != nil || w.validateNumbers() != nil {
+			return
+		}
+		now := t0
+		m := newClockedMemoryStore(&now)
+		m.random = sameDraws()
+		limit := max(b.Capacity, w.Capacity)
+		if suppress {
+			limit += w.hardLimit() - w.Capacity // the band a suppressed window admits in
+		}
+		admitted := int64(0)
+		for i, op := range ops {
+			p := []Plan{b, w}[op%2]
+			cost := min(int64(op/2)%8, p.Capacity)
+			r, err := m.Take(context.Background(), "k", cost, []Plan{p})
+			require.NoError(t, err)
+			if r.Allowed {
+				admitted += cost
+			}
+			if admitted > limit {
+				t.Fatalf("op %d: %d admitted at one instant, limit %d", i, admitted, limit)
+			}
+		}
+	})
 }

@@ -88,12 +88,52 @@ else
   end
 end
 
+-- windowCounts returns what a window's hash h, as HGETALL lists it,
+-- counts at now in its own shape: the tokens admitted and offered (its
+-- admitted ones if it was not suppressed), and its capacity in tokens, or
+-- nil if it has none; or nothing if h is not a window. It is window.counts
+-- for a window that limit.lua carries into another shape (ADR 16) or
+-- another kind (ADR 31).
+local function windowCounts(h, now)
+  local v, c
+  for j = 1, #h, 2 do
+    if h[j] == 'v' then v = h[j + 1] elseif h[j] == 'c' then c = h[j + 1] end
+  end
+  local g, k = string.match(v or '', '^[ws](%d+)/(%d+)$')
+  if not g or (c and not string.find(c, '^%d+$')) then return end
+  g, k = tonumber(g), tonumber(k)
+  local b, newest, admitted, offered = floor(now / g), nil, 0, 0
+  for j = 1, #h, 2 do
+    local f = h[j]
+    if f ~= 'v' and f ~= 'c' then
+      local x, n = tonumber(string.match(f, '^o?(%d+)$')), string.find(h[j + 1], '^%d+$') and tonumber(h[j + 1])
+      if not x or not n or x > max53 or n > max53 then return end
+      if newest == nil or x > newest then newest = x end
+      if x >= b - k then
+        if string.byte(f) == 111 then offered = offered + n else admitted = admitted + n end
+      end
+    end
+  end
+  if newest and newest > b + k then admitted, offered = 0, 0 end -- garbage ahead of the clock
+  if string.byte(v) == 119 then offered = admitted end -- 'w': no offered counts
+  return admitted, offered, c and tonumber(c)
+end
+
 -- readBucket returns the bucket at key as stored, full at now if it is
--- missing, expired or not a bucket (such as a window's hash, or data of
--- another schema), and the plan version pv (0 if none) and the capacity
--- c of the last write by a plan with a version (nil if none).
+-- missing, expired or not a bucket (data of another schema), and the
+-- plan version pv (0 if none) and the capacity c of the last write by a
+-- plan with a version (nil if none). A window of the name (its plan
+-- changed kind) reads as a bucket at now holding what the window has
+-- left, its capacity (full's, if it has none) less what it counts, at
+-- most full, with pv -1: such a bucket inherits nothing (ADR 31).
 local function readBucket(key, full, now)
   local s = redis.pcall('GET', key)
+  if type(s) == 'table' then
+    local h = redis.pcall('HGETALL', key)
+    local admitted, _, c = windowCounts(h.err and {} or h, now)
+    if not admitted then return full, now, 0 end
+    return math.min(full, math.max(0, (c or full / 1000000) - admitted) * 1000000), now, -1
+  end
   if type(s) ~= 'string' then return full, now, 0 end
   local n = #s
   if n < 8 or (n > 14 and n ~= 28) then return full, now, 0 end
@@ -107,9 +147,10 @@ end
 -- bucket's, pv, takes the bucket over once, by its inheritance (vs is
 -- version × 4 + inheritance: 1 proportional, 2 reset, 3 additive, 0
 -- as-is) from the capacity oc of the bucket's last versioned write, or
--- its own if none is known.
+-- its own if none is known. A pv below 0, a bucket just made from a
+-- window, inherits nothing.
 local function inherit(t, ts, full, now, vs, pv, oc)
-  if floor(vs / 4) <= pv then return t, ts end
+  if pv < 0 or floor(vs / 4) <= pv then return t, ts end
   local how, old = vs % 4, full
   if oc and oc > 0 then old = oc * 1000000 end
   if how == 1 then
@@ -189,7 +230,12 @@ end
 -- millisecond for the expiry clock. A bucket fills from its stamp, which
 -- is ahead of now after TIME stepped back or while it is in debt: counted
 -- from now, the key would expire, and read as full, that much early. SET
--- replaces whatever the key held.
+-- replaces whatever the key held. A bucket with a version outlives its
+-- refill by one more full refill of the larger of full and c at rate, as
+-- bucketVersion.fence computes, so that its version does not leave with
+-- it and a reset or an additive change apply again (ADR 30).
 local function writeBucket(key, t, ts, full, rate, now, pv, c)
-  redis.call('SET', key, encode(ts, t, pv, c), 'PX', whole(floor(((full - t) / rate + math.max(0, ts - now)) / 1000) + 2))
+  local us = (full - t) / rate + math.max(0, ts - now)
+  if pv > 0 then us = us + floor(math.max(full, c * 1000000) / rate) end
+  redis.call('SET', key, encode(ts, t, pv, c), 'PX', whole(floor(us / 1000) + 2))
 end

@@ -59,6 +59,7 @@
 -- once, from capacity c (or its own, if none), as plan_version.go does.
 --
 -- Window: a hash {v = 'w' or 's' (suppressed) .. g .. '/' .. k,
+-- c = the capacity in tokens of the last plan that wrote it,
 -- <i> = tokens admitted in sub-window i = floor(µs / g),
 -- o<i> = tokens offered (suppressed plans)}. At now, sub-windows from
 -- floor(now / g) - k on count, and those after it: the oldest counts in
@@ -68,7 +69,11 @@
 --
 -- Data of another schema or type is replaced, never misread. A window of
 -- another shape (the plan's width, k or suppression changed) is replaced
--- too, but what it still counts moves into the current sub-window.
+-- too, but what it still counts moves into the current sub-window. A plan
+-- that changed kind carries what the other kind has left (ADR 31): a
+-- bucket reads a window as holding its capacity c less what it counts, a
+-- window reads a bucket as counting its own capacity less the whole
+-- tokens the bucket holds, in the current sub-window.
 
 -- The numbers the store sends are decimal strings that arithmetic
 -- converts (x + 0): once, where tonumber converts twice (Lua 5.1 checks,
@@ -103,7 +108,8 @@ local back -- bucket plans whose stamp Refill brought back: written, allowed or 
 -- off), the newest sub-window (newest), the newest with an admitted count
 -- (last), stale fields to delete (stale), and the fields read (xs).
 local b, adm, off, newest, last, stale, xs
-local carry -- window plans whose key held a window of another shape: its counts
+local carry -- window plans whose key held a window of another shape, or a bucket: its counts
+local wc -- window plans: the capacity their window holds, c
 
 for i = 1, plans do
   local a = wide and 4 * i - 1 or 2 * i -- plan i's first argument
@@ -149,6 +155,9 @@ for i = 1, plans do
         local f = h[j]
         if f == 'v' then
           version = h[j + 1]
+        elseif f == 'c' then
+          wc = wc or {}
+          wc[i] = tonumber(h[j + 1])
         else
           -- Only what HINCRBY writes: digits, and 'o' before an offered
           -- count's sub-window. tonumber alone would take '1.0' or '0x1',
@@ -180,25 +189,25 @@ for i = 1, plans do
         foreign = foreign or {}
         foreign[i] = true
       end
-      local og, ok_ = string.match(ok and version or '', '^[ws](%d+)/(%d+)$')
-      if og and version ~= id then
+      if wc then wc[i] = nil end -- replaced: its capacity goes with it
+      local ca, co
+      if h.err then
+        -- A bucket of the name (the plan changed kind): what it holds, as
+        -- stored, is what the window has left, as window.go's
+        -- fromBucket counts it (ADR 31).
+        local t = readBucket(KEYS[i], -1, now)
+        if t >= 0 then
+          ca = cap - math.min(cap, floor(t / 1000000))
+          co = ca
+        end
+      elseif ok and version ~= id then
         -- A window of another shape (the plan changed): what it still
         -- counts moves into the current sub-window, where it stays
         -- longer, as window.go's carry does. Offered counts come along
         -- if it had them, or its admitted ones stand for them.
-        og, ok_ = tonumber(og), tonumber(ok_)
-        local ob, onw, ca, co = floor(now / og), nil, 0, 0
-        for j = 1, #h, 2 do
-          if h[j] ~= 'v' then
-            local x, c = tonumber(string.match(h[j], '^o?(%d+)$')), tonumber(h[j + 1])
-            if onw == nil or x > onw then onw = x end
-            if x >= ob - ok_ then
-              if string.byte(h[j]) == 111 then co = co + c else ca = ca + c end
-            end
-          end
-        end
-        if onw and onw > ob + ok_ then ca, co = 0, 0 end
-        if string.byte(version) == 119 then co = ca end -- 'w': no offered counts
+        ca, co = windowCounts(h, now)
+      end
+      if ca then
         carry = carry or {}
         carry[i] = {ca, co}
         na, no, nw, nl, sx, h = ca, co, nil, nil, nil, {string.format('%d', bi), ca}
@@ -277,7 +286,9 @@ for i = 1, plans do
       local field = string.format('%d', bi)
       if foreign and foreign[i] then redis.call('DEL', KEYS[i]) end
       if newest[i] == nil then
-        redis.call('HSET', KEYS[i], 'v', (hard > 0 and 's' or 'w') .. ARGV[a + 1] .. '/' .. ARGV[a + 2])
+        redis.call('HSET', KEYS[i], 'v', (hard > 0 and 's' or 'w') .. ARGV[a + 1] .. '/' .. ARGV[a + 2], 'c', whole(cap))
+      elseif not (wc and wc[i] == cap) then
+        redis.call('HSET', KEYS[i], 'c', whole(cap)) -- the capacity changed
       end
       if carry and carry[i] then
         if carry[i][1] > 0 then redis.call('HINCRBY', KEYS[i], field, whole(carry[i][1])) end
