@@ -8,7 +8,6 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/tollgate-go/tollgate/internal/redisscript"
-	"github.com/tollgate-go/tollgate/scripts"
 )
 
 // Batching limits: a batch holds at most maxBatch decisions, and at most
@@ -27,7 +26,7 @@ func (s *RedisStore) batchCalls() {
 	case *redis.ClusterClient, *redis.Ring:
 		return
 	}
-	s.batch = &batcher{client: s.client, one: s.script, many: redisscript.NewBatch(scripts.BucketFunctions, scripts.LimitBody)}
+	s.batch = &batcher{client: s.client, one: s.script, many: redisscript.NewBatch(luaBucket, luaLimit)}
 }
 
 // batcher gathers the decisions of one RedisStore into batches. It is safe

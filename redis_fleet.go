@@ -6,12 +6,11 @@ import (
 	"time"
 
 	"github.com/tollgate-go/tollgate/internal/redisscript"
-	"github.com/tollgate-go/tollgate/scripts"
 )
 
 // fleetScript is the heartbeat script (scripts/fleet.lua), shared by every
 // RedisStore.
-var fleetScript = redisscript.New(scripts.Fleet)
+var fleetScript = redisscript.New(luaFleet)
 
 // heartbeat implements fleetStore: it records instance id as alive for
 // ttl in the fleet's sorted set, and returns how many instances are.

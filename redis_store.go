@@ -12,7 +12,6 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/tollgate-go/tollgate/internal/redisscript"
-	"github.com/tollgate-go/tollgate/scripts"
 )
 
 // defaultKeyPrefix is the first part of every Redis key unless
@@ -52,8 +51,8 @@ type RedisStore struct {
 func NewRedisStore(client redis.UniversalClient, opts ...Option) *RedisStore {
 	c := config{keyPrefix: defaultKeyPrefix}
 	err := applyOptions(&c, takerRedisStore, opts)
-	s := &RedisStore{client: client, prefix: c.keyPrefix, script: redisscript.New(scripts.Limit),
-		settleScript: redisscript.New(scripts.Settle), random: random53}
+	s := &RedisStore{client: client, prefix: c.keyPrefix, script: redisscript.New(limitScript),
+		settleScript: redisscript.New(settleScript), random: random53}
 	if c.batching {
 		s.batchCalls()
 	}

@@ -25,7 +25,6 @@ import (
 	"github.com/tollgate-go/tollgate/internal/bucketvalue"
 	"github.com/tollgate-go/tollgate/internal/redisscript"
 	"github.com/tollgate-go/tollgate/internal/redistest"
-	"github.com/tollgate-go/tollgate/scripts"
 )
 
 var gold = Plan{Name: "gold", Capacity: 4, Rate: 2}
@@ -326,7 +325,7 @@ func TestRedisStoreAutoPipelines(t *testing.T) {
 	mr := miniredis.RunT(t)
 	c := redis.NewClient(&redis.Options{Addr: mr.Addr()})
 	t.Cleanup(func() { _ = c.Close() })
-	require.NoError(t, c.ScriptLoad(ctx, scripts.Limit).Err()) // no NOSCRIPT, and no EVAL
+	require.NoError(t, c.ScriptLoad(ctx, limitScript).Err()) // no NOSCRIPT, and no EVAL
 	var h scriptCounter
 	c.AddHook(&h)
 	ap, err := c.AutoPipeline()
@@ -884,7 +883,7 @@ func TestLuaAgreesWithGoOnRealRedis(t *testing.T) {
 		cost := rng.Int64N(min(p.Capacity, 5) + 1)
 		keys := []string{key}
 		args := s.args(cost, []Plan{p})
-		reply, err := c.Eval(ctx, scripts.Limit, keys, args...).Result()
+		reply, err := c.Eval(ctx, limitScript, keys, args...).Result()
 		require.NoError(t, err)
 		got := make([]TokenBucket, 1)
 		allowed, now, _, err := parseReply(got, make([]planState, 1), reply, []Plan{p}, cost)

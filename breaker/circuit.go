@@ -1,18 +1,26 @@
 package breaker
 
 // This file holds the state machine of a Shared breaker as pure Go: the
-// same steps as scripts/circuit_breaker.lua, on a struct instead of a Redis
+// same steps as circuit_breaker.lua, on a struct instead of a Redis
 // hash and on a time the caller passes. The Fallback policy runs it
 // locally while Redis is down, and TestCircuitAgreesWithScript feeds both
 // the same steps and demands the same replies.
 
 import (
+	_ "embed"
+
 	"github.com/tollgate-go/tollgate/internal/redisscript"
-	"github.com/tollgate-go/tollgate/scripts"
 )
 
+// luaCircuit runs one step of a distributed circuit breaker on its one
+// key; circuit holds the same state machine. Its header documents its
+// KEYS, ARGV and reply.
+//
+//go:embed circuit_breaker.lua
+var luaCircuit string
+
 // script is the one script that reads and changes a Shared breaker.
-var script = redisscript.New(scripts.CircuitBreaker)
+var script = redisscript.New(luaCircuit)
 
 // boolInt returns 1 for true, as the script takes flags.
 func boolInt(v bool) int {

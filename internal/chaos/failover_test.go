@@ -5,6 +5,8 @@ package chaos
 import (
 	"context"
 	"fmt"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -15,7 +17,6 @@ import (
 
 	"github.com/tollgate-go/tollgate/internal/redisscript"
 	"github.com/tollgate-go/tollgate/internal/redistest"
-	"github.com/tollgate-go/tollgate/scripts"
 )
 
 // Failover scenarios: a Cluster master and a Sentinel master killed under
@@ -49,9 +50,22 @@ func scriptCached(t *testing.T, addr string) bool {
 	t.Helper()
 	c := redis.NewClient(&redis.Options{Addr: addr})
 	defer c.Close()
-	ok, err := c.ScriptExists(context.Background(), redisscript.New(scripts.Limit).SHA()).Result()
+	ok, err := c.ScriptExists(context.Background(), redisscript.New(limitScript(t)).SHA()).Result()
 	require.NoError(t, err)
 	return ok[0]
+}
+
+// limitScript returns the text of the script a decision runs, as the
+// RedisStore builds it: scripts/bucket.lua, then scripts/limit.lua.
+func limitScript(t *testing.T) string {
+	t.Helper()
+	var text string
+	for _, name := range []string{"bucket.lua", "limit.lua"} {
+		b, err := os.ReadFile(filepath.Join("..", "..", "scripts", name))
+		require.NoError(t, err)
+		text += string(b)
+	}
+	return text
 }
 
 // waitReplicaSynced waits until the server at addr is a replica whose link

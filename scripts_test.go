@@ -1,4 +1,4 @@
-package scripts
+package tollgate
 
 import (
 	"math"
@@ -9,9 +9,6 @@ import (
 	"github.com/stretchr/testify/require"
 	lua "github.com/yuin/gopher-lua"
 )
-
-// t0 is the fake Redis's TIME, in µs.
-const t0 = int64(1_700_000_000_000_000)
 
 // redis72Number is how Redis 7.2.0 to 7.2.4 pass a Lua number to a
 // command (fpconv_dtoa, before redis/redis#13115 in 7.2.5): a whole number
@@ -109,12 +106,12 @@ func runScriptAs72(t *testing.T, data map[string]string, src string, keys, argv 
 func TestHoldOfALargeRoundCostSettlesOnRedis72(t *testing.T) {
 	data := map[string]string{}
 	keys := []string{"tg:{k}:2:p", "tg:{k}:2:~h"}
-	reply := runScriptAs72(t, data, Limit, keys, []string{"100000000", "1000000000", "1000000", "900000"})
+	reply := runScriptAs72(t, data, limitScript, keys, []string{"100000000", "1000000000", "1000000", "900000"})
 	require.Equal(t, lua.LNumber(1), reply.RawGetInt(1), "allowed")
 	require.Contains(t, data, keys[1], "the hold is set")
 	hold := data[keys[1]]
 
-	reply = runScriptAs72(t, data, Settle, keys, []string{"100000000", "0", "900000", "0", "1000000000", "1000000", "0"})
+	reply = runScriptAs72(t, data, settleScript, keys, []string{"100000000", "0", "900000", "0", "1000000000", "1000000", "0"})
 	require.Equal(t, lua.LNumber(0), reply.RawGetInt(1), "status 0: settled as a live hold, not as data not ours (hold %q)", hold)
 	require.Equal(t, "s", data[keys[1]], "the tombstone")
 }
@@ -132,7 +129,7 @@ func TestBucketExpiryOfARoundNumberOnRedis72(t *testing.T) {
 	data := map[string]string{}
 	// 99,999,998 tokens refill at 1,000 a second in 99,999,998 ms, and the
 	// expiry adds 2 ms.
-	reply := runScriptAs72(t, data, Limit, []string{"tg:{k}:2:p"}, []string{"99999998", "99999998", "1000"})
+	reply := runScriptAs72(t, data, limitScript, []string{"tg:{k}:2:p"}, []string{"99999998", "99999998", "1000"})
 	require.Equal(t, lua.LNumber(1), reply.RawGetInt(1), "allowed")
 	require.Contains(t, data, "tg:{k}:2:p", "the bucket is written")
 }

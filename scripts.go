@@ -1,0 +1,43 @@
+package tollgate
+
+import _ "embed"
+
+// The Lua scripts the RedisStore runs, read from scripts/ when the package
+// is built, so that the store and the tests that check them read the same
+// text. Each script's header documents its KEYS, ARGV and reply.
+var (
+	// luaBucket holds the token bucket's functions and the clock they
+	// read, which luaLimit and luaSettle share: the prelude of both, which
+	// a batch (redisscript.Batch) runs once for many decisions.
+	//
+	//go:embed scripts/bucket.lua
+	luaBucket string
+
+	// luaLimit decides on every chained plan of one key, token buckets and
+	// sliding windows alike, in one atomic step, and records a
+	// reservation's hold; TokenBucket, window and chain hold the same
+	// arithmetic.
+	//
+	//go:embed scripts/limit.lua
+	luaLimit string
+
+	// luaSettle settles a reservation's hold on the buckets of one key: it
+	// refunds what was held and not used, or charges what was used beyond
+	// it.
+	//
+	//go:embed scripts/settle.lua
+	luaSettle string
+
+	// luaFleet records one heartbeat of a Limiter's instance and counts
+	// the instances alive, for the fallback's share during an outage.
+	//
+	//go:embed scripts/fleet.lua
+	luaFleet string
+)
+
+// limitScript and settleScript are the scripts a decision and a
+// settlement run, each with the bucket's functions before it.
+var (
+	limitScript  = luaBucket + luaLimit
+	settleScript = luaBucket + luaSettle
+)
