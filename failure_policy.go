@@ -1,0 +1,206 @@
+package tollgate
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/tollgate-go/tollgate/breaker"
+	"github.com/tollgate-go/tollgate/internal/redisscript"
+)
+
+// This file holds the step of a decision that asks a store that can fail:
+// behind its breaker, judging each failure (the caller's, the store's, or
+// this process's stall), and deciding by the failure policy while the
+// store fails.
+
+// errBreakerOpen is the cause of ErrStoreUnavailable while the breaker
+// keeps calls from the store.
+var errBreakerOpen = errors.New("circuit breaker open")
+
+// ask has the store decide o into *r: a store of this process at once,
+// one that can fail behind its breaker. While it fails, the failure policy
+// decides instead.
+func (l *Limiter) ask(ctx context.Context, r *Result, o *op) error {
+	if l.local {
+		var err error
+		*r, err = l.decider.decide(ctx, *o)
+		return err
+	}
+	start := l.now()
+	b := l.health.forKey(ctx, o.key, o.plans)
+	ok, probe := b.Allow()
+	if !ok {
+		return l.degrade(ctx, r, o, errBreakerOpen)
+	}
+	callerErr, storeErr := l.call(ctx, r, b, probe, start, func() (err error) {
+		*r, err = l.decider.decide(ctx, *o)
+		return err
+	})
+	switch {
+	case callerErr != nil:
+		*r = Result{}
+		return callerErr
+	case storeErr != nil:
+		return l.degrade(ctx, r, o, storeErr)
+	}
+	return nil
+}
+
+// call makes fn, a call to the store that puts its outcome in *r, times
+// it, and judges a failure: the breaker hears it, unless the caller's own
+// doing ended the call. It returns the error the caller gets instead of
+// an answer, or the store's failure, for the failure policy to answer.
+// probe says whether this call is the breaker's probe; start is when the
+// decision asked, on the Limiter's clock.
+func (l *Limiter) call(ctx context.Context, r *Result, b *breaker.Breaker, probe bool, start int64, fn func() error) (callerErr, storeErr error) {
+	// A probe must end in Success, Failure or Abandon, or the breaker stays
+	// half-open for ever: also when the store panics or its goroutine
+	// exits (runtime.Goexit, which recover does not see). Every way out
+	// after the store returns ends it.
+	returned := false
+	if probe {
+		defer func() {
+			if !returned {
+				b.Abandon()
+			}
+		}()
+	}
+	err := fn()
+	returned = true
+	now := l.now()
+	elapsed := time.Duration(now - start)
+	if err == nil {
+		l.stats.storeCall(r, elapsed, nil)
+		if now-l.lastSuccess.Load() > int64(time.Millisecond) {
+			l.lastSuccess.Store(now) // to the ms: a write per call would make cores wait
+		}
+		b.Success()
+		if l.outage.active() {
+			l.recovered(now)
+		}
+		return nil, nil
+	}
+	callerErr, storeFailed := l.blame(ctx, err, now)
+	if storeFailed && l.stalled(err, start, now) {
+		// Not the store's failure, and not the caller's doing: the failure
+		// policy answers this call, and the breaker hears nothing.
+		l.stats.storeCall(r, elapsed, errStalled)
+		if probe {
+			b.Abandon()
+		}
+		if callerErr != nil {
+			return callerErr, nil
+		}
+		return nil, err
+	}
+	if !storeFailed {
+		l.stats.storeCall(r, elapsed, nil)
+		if probe {
+			b.Abandon()
+		}
+		return callerErr, nil
+	}
+	l.stats.storeCall(r, elapsed, err)
+	l.outage.failed(now)
+	if b.Failure() {
+		l.tripped(err)
+	}
+	if callerErr != nil {
+		return callerErr, nil
+	}
+	return nil, err
+}
+
+// deadlineSlack is how close to its deadline a caller may be for a store
+// call that timed out to count as cut short by the caller: the store's
+// client may time out at the deadline a moment before the context's own
+// timer marks it done.
+const deadlineSlack = time.Millisecond
+
+// blame judges a store call that failed with err at now (the Limiter's
+// clock). It returns the error to give the caller instead of a decision,
+// nil when the failure policy should decide, and whether the store failed.
+//
+//   - Bad input is the caller's alone.
+//   - An error Redis answered (OOM, READONLY, a bad reply) is the store's,
+//     however close the caller's deadline.
+//   - A call that ended after the caller's context did, or that timed out
+//     within deadlineSlack of the caller's deadline, was cut short by the
+//     caller: the caller gets its context's error, and the store is not
+//     blamed, so that impatient callers cannot open the breaker on a
+//     healthy store. Unless no store call has succeeded for a cooldown:
+//     then the store is hung or too slow for every caller, and is blamed
+//     too.
+func (l *Limiter) blame(ctx context.Context, err error, now int64) (callerErr error, storeFailed bool) {
+	if isCallerError(err) {
+		return err, false
+	}
+	var rerr *redisscript.Error
+	answered := errors.As(err, &rerr) || errors.Is(err, ErrBadReply)
+	cerr := ctx.Err()
+	if cerr == nil && !answered {
+		if dl, ok := ctx.Deadline(); ok && time.Until(dl) <= deadlineSlack {
+			cerr = context.DeadlineExceeded
+		}
+	}
+	switch {
+	case cerr == nil:
+		return nil, true
+	case errors.Is(err, cerr):
+		callerErr = err
+	default:
+		callerErr = cerr
+	}
+	starved := now-l.lastSuccess.Load() >= int64(l.health.settings.Cooldown)
+	return callerErr, answered || starved
+}
+
+// degrade decides o by the failure policy, without the store, into *r.
+// The fallback store decides on this instance's share of each plan
+// (WithFleet), which holds at least the tokens asked about.
+func (l *Limiter) degrade(ctx context.Context, r *Result, o *op, cause error) error {
+	switch l.policy {
+	case breaker.FailOpen:
+		*r = failOpenResult(o.plans)
+		return nil
+	case breaker.FailClosed:
+		*r = Result{}
+		return fmt.Errorf("%w: %w", ErrStoreUnavailable, cause)
+	}
+	share := *o
+	share.plans = shareOf(o.plans, l.fleetSize(), o.n)
+	var err error
+	if *r, err = l.fallbackDecider.decide(ctx, share); err != nil {
+		*r = Result{}
+		return fmt.Errorf("%w: fallback store failed too: %w", ErrStoreUnavailable, err)
+	}
+	r.Source = SourceFallback
+	return nil
+}
+
+// tripped logs the start of an outage when the breaker trips, once: a
+// partial outage trips the breaker again after each probe that closed it,
+// and those trips are counted for the line that ends the outage.
+func (l *Limiter) tripped(err error) {
+	if !l.outage.begin(time.Now().UnixNano()) {
+		return
+	}
+	l.log.Warn("tollgate: store failing; deciding by failure policy until it recovers",
+		"policy", l.policy.String(), "error", err)
+}
+
+// recovered logs the end of an outage, once: at a success when the breaker
+// is closed and no call has failed for two cool-downs before now (the
+// Limiter's clock).
+func (l *Limiter) recovered(now int64) {
+	if !l.health.closed() {
+		return
+	}
+	start, failed, trips, ok := l.outage.end(now, 2*int64(l.health.settings.Cooldown))
+	if ok {
+		l.log.Info("tollgate: store recovered", "outage", time.Duration(time.Now().UnixNano()-start),
+			"failed_calls", failed, "trips", trips)
+	}
+}

@@ -1,0 +1,96 @@
+package tollgate
+
+// takeWindows is takeInto for a chain with window plans.
+func (m *MemoryStore) takeWindows(r *Result, key string, cost int64, plans []Plan) {
+	// Fixed arrays keep a decision on up to four chained plans off the heap.
+	var bbuf [4]TokenBucket
+	var wbuf [4]*window
+	var sbuf [4]planState
+	buckets, windows, states := bbuf[:], wbuf[:], sbuf[:] // states of windows
+	if len(plans) > len(bbuf) {
+		buckets, windows, states = make([]TokenBucket, len(plans)), make([]*window, len(plans)), make([]planState, len(plans))
+	}
+	var u uint64
+	suppressed := suppressedIn(plans)
+	if suppressed {
+		u = m.random()
+	}
+
+	s, e, now := m.lock(key)
+	for i := range plans {
+		if p := &plans[i]; p.isWindow() {
+			windows[i] = e.window(p, now)
+		} else {
+			buckets[i] = e.bucket(p, now)
+		}
+	}
+	allowed, wd := chain(plans, buckets, windows, now, cost, u)
+	o := outcome{plans: plans, buckets: buckets, windows: states, now: now, cost: cost, allowed: allowed, wd: wd}
+	taken := allowed && cost > 0
+	if taken || suppressed && cost > 0 {
+		if e == nil {
+			e = s.entry(key, len(plans), m.perCap, now)
+		}
+		e.writeChain(&o, windows)
+	}
+	for i := range plans {
+		switch p := &plans[i]; {
+		case p.isWindow():
+			// Windows change in place: they are described under the lock.
+			states[i] = describeWindow(p, windows[i], now, cost, allowed && wd&(1<<i) == 0)
+		case !taken:
+			// A denial or a read leaves the buckets as they were, but a
+			// denial brings back a stamp too far ahead.
+			buckets[i] = e.bucket(p, now)
+			if cost > 0 {
+				e.bringBack(p, buckets[i], now)
+			}
+		}
+	}
+	s.mu.Unlock()
+	r.describe(&o)
+}
+
+// writeChain writes what the decision o on a chain with windows took:
+// its cost from the bucket and into the window of each plan, if it was
+// allowed, but for a shadowed plan that would deny; and what a suppressed
+// window was offered. windows[i] is the window of plan i, which it
+// replaces with the one it writes in.
+func (e *memEntry) writeChain(o *outcome, windows []*window) {
+	now, cost := o.now, o.cost
+	for i := range o.plans {
+		taken := o.allowed && cost > 0 && o.wd&(1<<i) == 0 // a shadowed plan that would deny takes nothing
+		switch p := &o.plans[i]; {
+		case !p.isWindow():
+			if taken {
+				o.buckets[i].Tokens -= cost * microTokens
+				e.store(p, o.buckets[i])
+			} else {
+				e.bringBack(p, e.bucket(p, now), now)
+			}
+		case taken:
+			windows[i] = e.storeWindow(p, now)
+			windows[i].add(p, now, cost, cost)
+		case p.Suppress != 0:
+			windows[i] = e.storeWindow(p, now)
+			windows[i].add(p, now, 0, cost)
+		}
+	}
+}
+
+// describeWindow returns what a Result reports of window w of plan p after
+// a decision that wrote in it what the decision wrote: its counts before
+// the decision are its counts now, less what it took.
+func describeWindow(p *Plan, w *window, now, cost int64, allowed bool) planState {
+	admitted, offered := w.counts(now)
+	ready := now
+	if allowed && cost > 0 {
+		admitted -= cost
+	} else {
+		ready = w.readyAt(p, now, asked(cost))
+	}
+	if p.Suppress != 0 && cost > 0 {
+		offered -= cost
+	}
+	return windowState(p, windowCounts{admitted, offered, ready, w.resetAt(now)}, now, cost, allowed)
+}
