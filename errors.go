@@ -4,7 +4,6 @@ import (
 	"errors"
 
 	"github.com/tollgate-go/tollgate/breaker"
-	"github.com/tollgate-go/tollgate/internal/redisscript"
 )
 
 // Errors returned by tollgate. They are wrapped with detail, so match them
@@ -37,24 +36,17 @@ var (
 	// returns under FailClosed too.
 	ErrStoreUnavailable = breaker.ErrStoreUnavailable
 
-	// ErrBadReply means Redis answered the script with a reply of the
-	// wrong shape. It counts as a store failure.
-	ErrBadReply = redisscript.ErrBadReply
-
-	// ErrAlreadySettled means a reservation was settled before: the second
-	// Settle or Cancel changed nothing. A retry of a Settle that failed
-	// with an error may get it when the first did reach the store.
-	ErrAlreadySettled = errors.New("tollgate: reservation already settled")
+	// ErrNotHeld means Settle or Cancel changed nothing, because the
+	// reservation holds no tokens: it was not granted (Reservation.OK
+	// reports false), or it was settled before. A retry of a Settle that
+	// failed with an error gets it when the first did reach the store.
+	ErrNotHeld = errors.New("tollgate: reservation holds nothing to settle")
 
 	// ErrHoldExpired means a reservation's hold was gone when it was
 	// settled: it outlived its time to live (WithHoldTTL), Redis lost it,
 	// or it held data tollgate did not write, which is replaced. Nothing
 	// was refunded; tokens used beyond the reservation were still charged.
 	ErrHoldExpired = errors.New("tollgate: reservation hold expired")
-
-	// ErrNotGranted means Settle or Cancel was called on a reservation
-	// that was not granted, which took nothing.
-	ErrNotGranted = errors.New("tollgate: reservation not granted")
 
 	// ErrWaitExceedsDeadline means Wait would have to wait past the
 	// context's deadline, so it returned at once.

@@ -138,7 +138,7 @@ func (l *Limiter) blame(ctx context.Context, err error, now int64) (callerErr er
 		return err, false
 	}
 	var rerr *redisscript.Error
-	answered := errors.As(err, &rerr) || errors.Is(err, ErrBadReply)
+	answered := errors.As(err, &rerr) || errors.Is(err, redisscript.ErrBadReply)
 	cerr := ctx.Err()
 	if cerr == nil && !answered {
 		if dl, ok := ctx.Deadline(); ok && time.Until(dl) <= deadlineSlack {

@@ -81,11 +81,12 @@ type Plan struct {
 	// applies Inherit to its tokens, once, and stores the version with
 	// the bucket (ADR 22), so that instances of old and new versions
 	// running side by side never apply it twice. The default, 0, stores
-	// nothing more and keeps the tokens, clamped (InheritAsIs). It must
-	// be 0 for a window plan.
+	// nothing more and keeps the tokens, clamped. It must be 0 for a
+	// window plan.
 	Version uint32
 	// Inherit is what a higher Version does to the bucket's tokens. The
-	// default is InheritAsIs; any other needs a Version.
+	// default, the zero Inheritance, keeps them, clamped to the new
+	// Capacity; any other needs a Version.
 	Inherit Inheritance
 	// Lease, when not 0, lets a Limiter on a RedisStore lease up to this
 	// many tokens of a key at once and spend them locally, for a

@@ -6,18 +6,20 @@ import (
 )
 
 // Inheritance says what a token bucket's tokens become when a plan of a
-// higher Plan.Version takes it over (ADR 22), as bucket4j's
+// higher Plan.Version takes it over, as bucket4j's
 // TokensInheritanceStrategy does. Old and new are the capacities before
-// and after, in tokens.
+// and after, in tokens. The zero Inheritance, the default, keeps the
+// tokens, clamped to the new capacity: what every plan change does
+// without a version.
 type Inheritance uint8
 
+// inheritAsIs is the zero Inheritance.
+const inheritAsIs Inheritance = 0
+
 const (
-	// InheritAsIs keeps the tokens, clamped to the new capacity: what
-	// every plan change does without a version. It is the default.
-	InheritAsIs Inheritance = iota
 	// InheritProportional keeps the bucket as full as it was: tokens ×
 	// new ÷ old, rounded down to a micro-token.
-	InheritProportional
+	InheritProportional Inheritance = iota + 1
 	// InheritReset fills the bucket to the new capacity.
 	InheritReset
 	// InheritAdditive keeps the tokens, clamped to the new capacity, and
@@ -25,13 +27,13 @@ const (
 	// extra burst at once.
 	InheritAdditive
 
-	numInheritances = iota
+	numInheritances = iota + 1
 )
 
 // String returns "as-is", "proportional", "reset" or "additive".
 func (h Inheritance) String() string {
 	switch h {
-	case InheritAsIs:
+	case inheritAsIs:
 		return "as-is"
 	case InheritProportional:
 		return "proportional"
@@ -50,7 +52,7 @@ func (p Plan) validateVersion() error {
 	switch {
 	case p.Inherit >= numInheritances:
 		return fmt.Errorf("%w: unknown inheritance %d", ErrInvalidPlan, p.Inherit)
-	case p.Inherit != InheritAsIs && p.Version == 0:
+	case p.Inherit != inheritAsIs && p.Version == 0:
 		return fmt.Errorf("%w: inheritance %s needs a version above 0, or it would apply on every decision", ErrInvalidPlan, p.Inherit)
 	case p.Version != 0 && p.isWindow():
 		return fmt.Errorf("%w: versions are for token buckets", ErrInvalidPlan)

@@ -39,7 +39,7 @@ func TestInheritanceAgrees(t *testing.T) {
 		how  Inheritance
 		want int64 // tokens left after the change and one more taken
 	}{
-		{InheritAsIs, 3},
+		{inheritAsIs, 3},
 		{InheritProportional, 7},
 		{InheritReset, 19},
 		{InheritAdditive, 13},

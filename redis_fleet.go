@@ -24,7 +24,7 @@ func (s *RedisStore) heartbeat(ctx context.Context, id string, ttl time.Duration
 	}
 	n, ok := reply.(int64)
 	if !ok || n < 1 {
-		return 0, fmt.Errorf("%w: fleet size", ErrBadReply)
+		return 0, fmt.Errorf("%w: fleet size", redisscript.ErrBadReply)
 	}
 	return n, nil
 }

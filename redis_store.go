@@ -300,7 +300,7 @@ func parseReply(buckets []TokenBucket, windows []planState, reply any, plans []P
 	}
 	// The allowed bit, then a bit per shadowed plan that would deny.
 	if wd = uint64(vals[0]) >> 1; vals[0] < 0 || wd&^shadowMask(plans) != 0 {
-		return false, 0, 0, fmt.Errorf("%w: allowed flag is %d", ErrBadReply, vals[0])
+		return false, 0, 0, fmt.Errorf("%w: allowed flag is %d", redisscript.ErrBadReply, vals[0])
 	}
 	allowed, now = vals[0]&1 == 1, vals[1]
 	vals = vals[2:]
@@ -313,7 +313,7 @@ func parseReply(buckets []TokenBucket, windows []planState, reply any, plans []P
 		}
 		admitted, offered, ready, reset := vals[0], vals[1], vals[2], vals[3]
 		if ready < now || reset < now || ready-now > maxWait || reset-now > maxWait {
-			return false, 0, 0, fmt.Errorf("%w: a window's wait is out of range", ErrBadReply)
+			return false, 0, 0, fmt.Errorf("%w: a window's wait is out of range", redisscript.ErrBadReply)
 		}
 		windows[i] = windowState(p, windowCounts{admitted, offered, ready, reset}, now, cost, allowed && wd&(1<<i) == 0)
 		vals = vals[4:]

@@ -250,7 +250,7 @@ func TestParseReply(t *testing.T) {
 			if tt.ok {
 				assert.NoError(t, err)
 			} else {
-				assert.ErrorIs(t, err, ErrBadReply)
+				assert.ErrorIs(t, err, redisscript.ErrBadReply)
 			}
 		})
 	}
@@ -260,7 +260,7 @@ func TestParseReply(t *testing.T) {
 			if tt.ok {
 				assert.NoError(t, err)
 			} else {
-				assert.ErrorIs(t, err, ErrBadReply)
+				assert.ErrorIs(t, err, redisscript.ErrBadReply)
 			}
 		})
 	}
@@ -388,7 +388,7 @@ func wellFormed(reply any, plans []Plan) bool {
 
 // FuzzParseReply hands parseReply replies of fuzzed shapes: it never
 // panics, and it accepts exactly the well-formed ones, returning their
-// values; every other reply is an error wrapping ErrBadReply.
+// values; every other reply is an error wrapping redisscript.ErrBadReply.
 func FuzzParseReply(f *testing.F) {
 	// data: plans-1, then per plan a, b, m (capacity 1+a×b, maxCapacity
 	// if m%8 == 0), then the reply; tag 10 is the script's shape, whose
@@ -418,8 +418,8 @@ func FuzzParseReply(f *testing.F) {
 		buckets, windows := make([]TokenBucket, len(plans)), make([]planState, len(plans))
 		allowed, now, _, err := parseReply(buckets, windows, reply, plans, cost)
 		if !wellFormed(reply, plans) {
-			if !errors.Is(err, ErrBadReply) {
-				t.Fatalf("reply %#v for %d plans: err %v, want ErrBadReply", reply, len(plans), err)
+			if !errors.Is(err, redisscript.ErrBadReply) {
+				t.Fatalf("reply %#v for %d plans: err %v, want redisscript.ErrBadReply", reply, len(plans), err)
 			}
 			return
 		}

@@ -166,9 +166,8 @@ func (r *Reservation) Result() Result {
 //     where the tokens are not there, up to one capacity of debt; the rest
 //     is reported as Uncharged.
 //
-// Errors: ErrNotGranted for a reservation that took nothing;
-// ErrAlreadySettled for a second Settle or Cancel, which changes nothing;
-// ErrHoldExpired when the hold outlived WithHoldTTL, Redis lost it, or it
+// Errors: ErrNotHeld for a reservation that took nothing, and for a
+// second Settle or Cancel, which change nothing; ErrHoldExpired when the hold outlived WithHoldTTL, Redis lost it, or it
 // held data tollgate did not write: then nothing is
 // refunded and the excess is still charged, and the Settlement tells it;
 // ErrInvalidCost for an actual below 0 or above 9,007,199,254; the
@@ -192,7 +191,7 @@ func (r *Reservation) Result() Result {
 // alone.
 func (r *Reservation) Settle(ctx context.Context, actual int64) (Settlement, error) {
 	if !r.result.Allowed {
-		return Settlement{}, ErrNotGranted
+		return Settlement{}, ErrNotHeld
 	}
 	if actual < 0 || actual > maxCapacity {
 		return Settlement{}, fmt.Errorf("%w: %d tokens used is out of range", ErrInvalidCost, actual)
@@ -203,10 +202,10 @@ func (r *Reservation) Settle(ctx context.Context, actual int64) (Settlement, err
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.settled {
-		return Settlement{}, ErrAlreadySettled
+		return Settlement{}, ErrNotHeld
 	}
 	st, err := r.l.settle(ctx, r, actual)
-	if err == nil || errors.Is(err, ErrHoldExpired) || errors.Is(err, ErrAlreadySettled) {
+	if err == nil || errors.Is(err, ErrHoldExpired) || errors.Is(err, ErrNotHeld) {
 		r.settled = true
 	}
 	return st, err
@@ -255,7 +254,7 @@ func (l *Limiter) settle(ctx context.Context, r *Reservation, actual int64) (st 
 	}
 	switch status {
 	case holdSettled:
-		return st, ErrAlreadySettled
+		return st, ErrNotHeld
 	case holdGone:
 		return st, ErrHoldExpired
 	case holdBad:

@@ -73,7 +73,7 @@ func TestReserveSettle(t *testing.T) {
 		assert.True(t, st.Allowed)
 
 		again, err := r.Settle(ctx, 0)
-		require.ErrorIs(t, err, ErrAlreadySettled)
+		require.ErrorIs(t, err, ErrNotHeld)
 		assert.Zero(t, again.Refunded)
 		peek, err := l.Peek(ctx, "k")
 		require.NoError(t, err)
@@ -172,7 +172,7 @@ func TestSettleAfterTheHoldExpired(t *testing.T) {
 		require.ErrorIs(t, err, ErrHoldExpired)
 		assert.Equal(t, int64(100), st.Charged, "the excess is still charged")
 		_, err = over.Settle(ctx, 700)
-		require.ErrorIs(t, err, ErrAlreadySettled, "and only once")
+		require.ErrorIs(t, err, ErrNotHeld, "and only once")
 		stats := l.Stats().Reservations
 		assert.Equal(t, [...]uint64{2, 2, 2, 0, 100, 0}, [...]uint64{stats.Held, stats.Settled, stats.Expired,
 			stats.Refunded, stats.Charged, stats.Uncharged}, "held, settled, expired, refunded, charged, uncharged")
@@ -200,7 +200,7 @@ func TestSettleBadInput(t *testing.T) {
 		require.NoError(t, err)
 		require.False(t, denied.OK())
 		_, err = denied.Settle(ctx, 0)
-		assert.ErrorIs(t, err, ErrNotGranted)
+		assert.ErrorIs(t, err, ErrNotHeld)
 		_, err = r.Cancel(ctx)
 		assert.NoError(t, err, "the bad calls settled nothing")
 
@@ -247,7 +247,7 @@ func TestSettleConcurrentlyRefundsOnce(t *testing.T) {
 				switch {
 				case err == nil:
 					ok.Add(1)
-				case errors.Is(err, ErrAlreadySettled):
+				case errors.Is(err, ErrNotHeld):
 					again.Add(1)
 				}
 			})

@@ -136,7 +136,7 @@ func parseSettleReply(buckets []TokenBucket, reply any) (now, lost int64, status
 		return 0, 0, 0, err
 	}
 	if vals[0] > int64(holdBad) {
-		return 0, 0, 0, fmt.Errorf("%w: settle status is %d", ErrBadReply, vals[0])
+		return 0, 0, 0, fmt.Errorf("%w: settle status is %d", redisscript.ErrBadReply, vals[0])
 	}
 	for i := range buckets {
 		buckets[i] = TokenBucket{Tokens: vals[2+2*i], Stamp: vals[3+2*i]}

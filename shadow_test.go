@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/tollgate-go/tollgate/internal/redisscript"
 	"github.com/tollgate-go/tollgate/internal/redistest"
 )
 
@@ -138,7 +139,7 @@ func TestShadowReplyBits(t *testing.T) {
 	assert.True(t, allowed)
 	assert.Equal(t, uint64(2), wd)
 	_, _, _, err = parseReply(buckets, nil, []any{int64(1 + 2*1), t0, int64(0), t0, int64(0), t0}, plans, 1)
-	assert.ErrorIs(t, err, ErrBadReply)
+	assert.ErrorIs(t, err, redisscript.ErrBadReply)
 }
 
 func TestShadowedPlanDeepInAChain(t *testing.T) {

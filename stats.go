@@ -282,7 +282,7 @@ func errorClass(err error) string {
 		return "stalled"
 	case errors.As(err, &rerr):
 		return rerr.Class
-	case errors.Is(err, ErrBadReply):
+	case errors.Is(err, redisscript.ErrBadReply):
 		return "bad-reply"
 	case errors.As(err, &nerr) && nerr.Timeout(), errors.Is(err, context.DeadlineExceeded):
 		return "timeout"

@@ -91,7 +91,7 @@ func TestStatsErrorClasses(t *testing.T) {
 		want string
 	}{
 		{&redisscript.Error{Class: "OOM"}, "OOM"},
-		{fmt.Errorf("%w: shape", ErrBadReply), "bad-reply"},
+		{fmt.Errorf("%w: shape", redisscript.ErrBadReply), "bad-reply"},
 		{context.DeadlineExceeded, "timeout"},
 		{context.Canceled, "canceled"},
 		{errors.New("dial: refused"), "other"},

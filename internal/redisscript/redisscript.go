@@ -19,7 +19,7 @@ import (
 )
 
 // ErrBadReply means a script's reply did not have the expected shape. The
-// root package exports it as tollgate.ErrBadReply.
+// root package wraps it in what a store returns.
 var ErrBadReply = errors.New("tollgate: unexpected reply from Redis")
 
 // Script is a Lua script and its SHA-1. It is safe for concurrent use.

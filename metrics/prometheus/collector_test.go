@@ -20,6 +20,7 @@ import (
 
 	"github.com/tollgate-go/tollgate"
 	"github.com/tollgate-go/tollgate/breaker"
+	"github.com/tollgate-go/tollgate/internal/redisscript"
 	"github.com/tollgate-go/tollgate/internal/storetest"
 	tgprom "github.com/tollgate-go/tollgate/metrics/prometheus"
 )
@@ -329,7 +330,7 @@ func TestStoreErrorsByClass(t *testing.T) {
 		storetest.TimeoutError{},
 		&net.OpError{Op: "dial", Net: "tcp", Err: errors.New("connection refused")},
 		&net.OpError{Op: "dial", Net: "tcp", Err: errors.New("connection refused")},
-		fmt.Errorf("parse: %w", tollgate.ErrBadReply),
+		fmt.Errorf("parse: %w", redisscript.ErrBadReply),
 		errors.New("something else"),
 	} {
 		f.Fail(err)
