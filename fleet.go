@@ -112,19 +112,3 @@ func (l *Limiter) fleetSize() int64 {
 	}
 	return max(l.fleet.size.Load(), 1)
 }
-
-// Close stops what the Limiter runs in the background: the heartbeat of
-// WithFleet, and the sweeper of leases (Plan.Lease), whose unused tokens
-// it gives back to Redis, waiting for those calls. The Limiter still
-// decides after Close, without leases, its fallback with the fleet's size
-// last seen. Close is idempotent and returns nil; a Limiter without
-// WithFleet or leased plans needs no Close.
-func (l *Limiter) Close() error {
-	if l.fleet != nil {
-		l.fleet.close()
-	}
-	if l.leases != nil {
-		l.leases.close()
-	}
-	return nil
-}

@@ -124,54 +124,6 @@ func exemptResult(plans []Plan) Result {
 	return r
 }
 
-// AllowPlans takes cost tokens, at least 1, from the bucket of every plan
-// given for key, or from none of them if any plan lacks the tokens: it is
-// AllowN for a caller that holds its plans, such as the plan of the key's
-// customer tier. A plan's Name names its bucket, whether or not the
-// Limiter's table has a plan of that name: plans of one name with other
-// parameters share the bucket (see PlanResolver). The resolver is not
-// asked; WithShadow applies.
-//
-// Plans are checked as New checks them, on every call (ErrInvalidPlan);
-// the Limiter keeps up to 16 distinct plans per name, checked once, so
-// that repeating them costs no allocation. Stats counts their decisions
-// by name; names outside the table come after the table's plans.
-//
-// Errors are AllowN's, and ErrUnknownPlan when no plan is given.
-func (l *Limiter) AllowPlans(ctx context.Context, key string, cost int64, plans ...Plan) (r Result, err error) {
-	if len(plans) == 0 {
-		return r, fmt.Errorf("%w: no plan given", ErrUnknownPlan)
-	}
-	t := l.table.Load()
-	// The plans decided on are the Limiter's copies, never the caller's
-	// slice: it stays on the caller's stack.
-	var use []Plan
-	var entry *planEntry
-	if len(plans) == 1 {
-		if entry, err = l.entryFor(t, plans[0]); err != nil {
-			return r, err
-		}
-		use = entry.one
-	} else {
-		use = make([]Plan, len(plans))
-		for i, p := range plans {
-			e, err := l.entryFor(t, p)
-			if err != nil {
-				return r, err
-			}
-			for _, q := range use[:i] {
-				if q.Name == p.Name {
-					return r, fmt.Errorf("%w: plan %q is given twice in one call", ErrInvalidPlan, p.Name)
-				}
-			}
-			use[i] = e.one[0]
-		}
-	}
-	q := request{op: op{key: key, n: cost, plans: use}, table: t, entry: entry, given: true}
-	err = l.decide(ctx, &r, &q)
-	return r, err
-}
-
 // entryOf returns the entry of the plan named name: the table's, or one
 // AllowPlans made; nil if there is none.
 func (l *Limiter) entryOf(t *planTable, name string) *planEntry {
