@@ -34,7 +34,7 @@ func (l *Limiter) ask(ctx context.Context, r *Result, o *op) error {
 	if !ok {
 		return l.degrade(ctx, r, o, errBreakerOpen)
 	}
-	callerErr, storeErr := l.call(ctx, r, b, probe, start, func() (err error) {
+	callerErr, storeErr := l.call(ctx, r, pass{b, probe, start}, func() (err error) {
 		*r, err = l.decider.decide(ctx, *o)
 		return err
 	})
@@ -48,13 +48,20 @@ func (l *Limiter) ask(ctx context.Context, r *Result, o *op) error {
 	return nil
 }
 
+// pass is a store call the breaker let through: the breaker, whether the
+// call is its probe, and when the decision asked, on the Limiter's clock.
+type pass struct {
+	b     *breaker.Breaker
+	probe bool
+	start int64
+}
+
 // call makes fn, a call to the store that puts its outcome in *r, times
 // it, and judges a failure: the breaker hears it, unless the caller's own
 // doing ended the call. It returns the error the caller gets instead of
 // an answer, or the store's failure, for the failure policy to answer.
-// probe says whether this call is the breaker's probe; start is when the
-// decision asked, on the Limiter's clock.
-func (l *Limiter) call(ctx context.Context, r *Result, b *breaker.Breaker, probe bool, start int64, fn func() error) (callerErr, storeErr error) {
+func (l *Limiter) call(ctx context.Context, r *Result, p pass, fn func() error) (callerErr, storeErr error) {
+	b, probe, start := p.b, p.probe, p.start
 	// A probe must end in Success, Failure or Abandon, or the breaker stays
 	// half-open for ever: also when the store panics or its goroutine
 	// exits (runtime.Goexit, which recover does not see). Every way out

@@ -270,7 +270,7 @@ func (ls *leases) take(ctx context.Context, e *lease, r *Result, q *leaseAsk, w 
 		e.mu.Unlock()
 		return false, false, nil
 	}
-	return ls.install(e, rv, r, q.cost, w, now), false, nil
+	return ls.install(e, rv, r, q.cost, w), false, nil
 }
 
 // giveBack settles a lease that handed out all but left of its tokens,

@@ -66,7 +66,8 @@ func (ls *leases) takeDetached(ctx context.Context, e *lease, r *Result, q *leas
 // request of cost from it into *r if its caller still waits (w), which it
 // reports. If Reset dropped e meanwhile, rv is not kept, and its rest not
 // given back: the bucket Reset filled may hold those tokens already.
-func (ls *leases) install(e *lease, rv *Reservation, r *Result, cost int64, w *handoff, now int64) bool {
+func (ls *leases) install(e *lease, rv *Reservation, r *Result, cost int64, w *handoff) bool {
+	now := ls.l.now()
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	charged := w.claim()

@@ -270,7 +270,7 @@ func (l *Limiter) settleGuarded(ctx context.Context, o settleOp) (st Settlement,
 	b := l.health.forKey(ctx, o.key, o.plans)
 	cause := errBreakerOpen
 	if ok, probe := b.Allow(); ok {
-		callerErr, storeErr := l.call(ctx, &st.Result, b, probe, l.now(), func() (err error) {
+		callerErr, storeErr := l.call(ctx, &st.Result, pass{b, probe, l.now()}, func() (err error) {
 			st, status, err = o.hold.store.(settler).settle(ctx, o)
 			return err
 		})
