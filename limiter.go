@@ -34,6 +34,7 @@ import (
 	"time"
 
 	"github.com/tollgate-go/tollgate/internal/denialcache"
+	"github.com/tollgate-go/tollgate/internal/isnil"
 )
 
 // RateLimiter decides whether a key may proceed. *Limiter implements it;
@@ -79,7 +80,7 @@ var _ RateLimiter = (*Limiter)(nil)
 // calls only look plans up by name. A call that names no plan uses
 // plans[0].
 func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
-	if store == nil {
+	if isnil.Value(store) {
 		return nil, fmt.Errorf("%w: nil store", ErrInvalidOption)
 	}
 	if err := wiringError(store); err != nil {
@@ -145,8 +146,11 @@ func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
 
 // wiringError returns the mistake a store was built with, which it would
 // otherwise report on every call: a RedisStore with a nil client or a
-// braced key prefix.
+// braced key prefix; or a typed nil store. A nil s is none: no mistake.
 func wiringError(s Store) error {
+	if s != nil && isnil.Value(s) {
+		return fmt.Errorf("%w: nil store", ErrInvalidOption)
+	}
 	if rs, ok := s.(*RedisStore); ok {
 		return rs.err
 	}

@@ -11,6 +11,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/tollgate-go/tollgate/internal/isnil"
 	"github.com/tollgate-go/tollgate/internal/redisscript"
 	"github.com/tollgate-go/tollgate/scripts"
 )
@@ -55,8 +56,9 @@ func WithKeyPrefix(prefix string) RedisOption {
 	return func(s *RedisStore) { s.prefix = prefix }
 }
 
-// NewRedisStore returns a RedisStore that uses client. A nil client or an
-// unusable option is a wiring mistake, reported as ErrInvalidOption by New
+// NewRedisStore returns a RedisStore that uses client. A nil client (also
+// a typed nil, such as a *redis.Client never set) or an unusable option is
+// a wiring mistake, reported as ErrInvalidOption by New
 // when the store is given to a Limiter, so that it shows at startup, and
 // by every call of a store used on its own.
 func NewRedisStore(client redis.UniversalClient, opts ...RedisOption) *RedisStore {
@@ -66,7 +68,7 @@ func NewRedisStore(client redis.UniversalClient, opts ...RedisOption) *RedisStor
 		o(s)
 	}
 	switch {
-	case client == nil:
+	case isnil.Value(client):
 		s.err = fmt.Errorf("%w: nil Redis client", ErrInvalidOption)
 	case strings.ContainsAny(s.prefix, "{}"):
 		s.err = fmt.Errorf("%w: key prefix contains a brace", ErrInvalidOption)
