@@ -79,9 +79,9 @@ func (l *Limiter) decideOn(ctx context.Context, r *Result, t *planTable, key str
 	cache := l.denials != nil && cost > 0 && !suppressedIn(plans)
 	var pk string   // the denial cache's name for plans
 	var asked int64 // when the store was asked, on the Limiter's clock, which the cache shares
-	if cache {
+	if l.denials != nil {
 		pk, asked = planKey(plans, entry), l.now()
-		if l.cached(r, key, pk, cost, asked) {
+		if l.cached(r, key, pk, cost, asked, cache) {
 			if h == nil || !h.lease {
 				l.record(ctx, r, cost, entry, t)
 			}
@@ -95,7 +95,7 @@ func (l *Limiter) decideOn(ctx context.Context, r *Result, t *planTable, key str
 			l.mem.takeInto(r, key, cost, plans)
 		}
 	} else {
-		if !cache {
+		if l.denials == nil {
 			asked = l.now()
 		}
 		if err := l.ask(ctx, r, key, cost, plans, asked, h); err != nil {
@@ -139,7 +139,9 @@ func (t *planTable) resolve(names []string) ([]Plan, *planEntry, error) {
 // planKey names the plans of a request for the denial cache by their
 // fingerprints, so that a remembered denial answers only for the same
 // parameters: a raised limit (a resolver's tier upgrade, SetPlans) is
-// asked of the store at once. One plan, the common case, costs nothing.
+// asked of the store at once, and a request under a plan's other
+// parameters forgets the key's denials under the old ones, which a round
+// trip back would find stale. One plan, the common case, costs nothing.
 func planKey(plans []Plan, entry *planEntry) string {
 	if entry != nil {
 		return entry.fp
@@ -152,8 +154,15 @@ func planKey(plans []Plan, entry *planEntry) string {
 }
 
 // cached answers the request from a remembered denial, as of now, and
-// reports whether there was one.
-func (l *Limiter) cached(r *Result, key, pk string, cost, now int64) bool {
+// reports whether there was one. A request that no denial may answer
+// (may is false) is not looked up: the cache only forgets the key's
+// denials under other parameters of its plans, which the store's answer
+// supersedes.
+func (l *Limiter) cached(r *Result, key, pk string, cost, now int64, may bool) bool {
+	if !may {
+		l.denials.Supersede(key, pk)
+		return false
+	}
 	at, until, ok := l.denials.Get(key, pk, cost, now, r)
 	if !ok {
 		return false
