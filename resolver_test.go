@@ -160,6 +160,36 @@ func TestTierRoundTripForgetsRememberedDenials(t *testing.T) {
 	}
 }
 
+// ResolveAs names the key a resolver sees for one key of the bucket's
+// kind; the bucket stays the key's, and other keys are seen as they are.
+func TestResolveAsGivesTheResolverTheCallersKey(t *testing.T) {
+	var seen []string
+	l, err := New(NewMemoryStore(), []Plan{freeTier}, WithLogger(nil), WithPlanResolver(func(_ context.Context, key string, p Plan) (Plan, error) {
+		seen = append(seen, key)
+		if key == "g" {
+			return goldTier, nil
+		}
+		return p, nil
+	}))
+	require.NoError(t, err)
+	ctx := ResolveAs(context.Background(), "header:K:g", "g")
+	ctx = ResolveAs(ctx, "principal:x", "x")
+	r, err := l.Allow(ctx, "header:K:g")
+	require.NoError(t, err)
+	assert.Equal(t, int64(10), r.Limit, "the gold tier, found past the nearer ResolveAs")
+	_, err = l.Allow(ctx, "principal:x")
+	require.NoError(t, err)
+	_, err = l.Allow(ctx, "g")
+	require.NoError(t, err)
+	assert.Equal(t, []string{"g", "x", "g"}, seen)
+	r, err = l.Peek(ctx, "header:K:g")
+	require.NoError(t, err)
+	assert.Equal(t, int64(9), r.Remaining, "the bucket is the key's")
+	r, err = l.Peek(context.Background(), "header:K:g")
+	require.NoError(t, err)
+	assert.Equal(t, int64(2), r.Limit, "without ResolveAs, the resolver sees the key")
+}
+
 func TestResolverBadAnswers(t *testing.T) {
 	ctx := context.Background()
 	errLookup := errors.New("tier lookup failed")

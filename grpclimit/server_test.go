@@ -398,3 +398,72 @@ func TestDeniedStatusDescribesAWindow(t *testing.T) {
 	require.Len(t, qf.GetViolations(), 1)
 	assert.Equal(t, "1 tokens in any 1m0s", qf.GetViolations()[0].GetDescription())
 }
+
+// readmeTiers is README's tier example ("Tiers: a plan per key"), with
+// tiers.Of a map; seen collects the keys the resolver was given.
+func readmeTiers(t *testing.T, seen chan<- string) *tollgate.Limiter {
+	t.Helper()
+	tiers := map[string]string{"key-gold": "gold"}
+	lim, err := tollgate.New(tollgate.NewMemoryStore(), []tollgate.Plan{{Name: "api", Capacity: 20, Rate: 10}},
+		tollgate.WithPlanResolver(func(ctx context.Context, key string, p tollgate.Plan) (tollgate.Plan, error) {
+			select {
+			case seen <- key:
+			default:
+			}
+			if tiers[key] == "gold" {
+				return tollgate.Plan{Name: p.Name, Capacity: 200, Rate: 100}, nil
+			}
+			return p, nil
+		}))
+	require.NoError(t, err)
+	return lim
+}
+
+// Behind ByMetadata, README's tier example sees the API key, so the gold
+// tier applies: 50 calls at once pass, where the default plan admits 20
+// and 10 more a second; and so for every message of a stream. The bucket
+// stays the metadata key's.
+func TestInterceptorsApplyREADMEsTiers(t *testing.T) {
+	for name, key := range map[string]KeyFunc{"metadata": ByMetadata("x-api-key"), "per method": PerMethod(ByMetadata("x-api-key"))} {
+		t.Run(name, func(t *testing.T) {
+			seen := make(chan string, 1)
+			lim := readmeTiers(t, seen)
+			_, client := limitedServer(t, lim, key, WithPlans("api"), WithStreamMessages(Reject, nil, "api"))
+			admitted := map[string]int{}
+			for _, apiKey := range []string{"key-gold", "key-free"} {
+				for range 50 {
+					if _, err := client.EmptyCall(withKey(apiKey), &testgrpc.Empty{}); err == nil {
+						admitted[apiKey]++
+					}
+				}
+				assert.Equal(t, apiKey, <-seen, "the resolver is given the API key")
+			}
+			assert.Equal(t, 50, admitted["key-gold"], "the gold tier")
+			assert.Less(t, admitted["key-free"], 50, "the default plan")
+
+			stream, err := client.StreamingInputCall(withKey("key-gold"))
+			require.NoError(t, err)
+			for range 50 {
+				require.NoError(t, stream.Send(&testgrpc.StreamingInputCallRequest{}))
+			}
+			resp, err := stream.CloseAndRecv()
+			require.NoError(t, err, "every message under the gold tier")
+			assert.Equal(t, int32(50), resp.GetAggregatedPayloadSize())
+		})
+	}
+}
+
+// A client interceptor's Waiter, the Limiter, gives the resolver the
+// caller's key too.
+func TestClientInterceptorGivesTheResolverTheCallersKey(t *testing.T) {
+	seen := make(chan string, 1)
+	lim := readmeTiers(t, seen)
+	i := UnaryClientInterceptor(lim, PerMethod(Key("key-gold")), WithClientPlans("api"))
+	invoke := func(context.Context, string, any, any, *grpc.ClientConn, ...grpc.CallOption) error { return nil }
+	require.NoError(t, i(context.Background(), emptyCall, nil, nil, nil, invoke))
+	assert.Equal(t, "/grpc.testing.TestService/EmptyCall|key-gold", <-seen, "a key of no kind is its own")
+
+	i = UnaryClientInterceptor(lim, ByPrincipal(func(context.Context) (string, bool) { return "user-42", true }), WithClientPlans("api"))
+	require.NoError(t, i(context.Background(), emptyCall, nil, nil, nil, invoke))
+	assert.Equal(t, "user-42", <-seen)
+}

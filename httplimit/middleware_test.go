@@ -348,8 +348,9 @@ func (w *headerWriter) Write(b []byte) (int, error) { return len(b), nil }
 func (w *headerWriter) WriteHeader(int)             {}
 
 func TestMiddlewareAllocations(t *testing.T) {
-	// ByHeader builds its key (1); the fields cost a string and a
-	// []string (2); the decision itself allocates nothing.
+	// ByHeader builds its key (1); the context that names the API key
+	// for a PlanResolver (1); the fields cost a string and a []string
+	// (2); the decision itself allocates nothing.
 	lim, err := tollgate.New(tollgate.NewMemoryStore(), []tollgate.Plan{{Name: "p", Capacity: 1 << 30, Rate: 1e6}})
 	require.NoError(t, err)
 	h := Middleware(lim, ByHeader("X-Api-Key"), WithPlans("p"))(ok)
@@ -361,7 +362,7 @@ func TestMiddlewareAllocations(t *testing.T) {
 		clear(w.h)
 		h.ServeHTTP(w, r)
 	})
-	assert.Equal(t, 3.0, allocs)
+	assert.Equal(t, 4.0, allocs)
 }
 
 // BenchmarkMiddleware compares a bare handler with the same handler behind
@@ -387,6 +388,108 @@ func BenchmarkMiddleware(b *testing.B) {
 				clear(w.h)
 				bc.h.ServeHTTP(w, r)
 			}
+		})
+	}
+}
+
+// readmeTiers is README's tier example ("Tiers: a plan per key"), with
+// tiers.Of a map; seen collects the keys the resolver was given.
+func readmeTiers(t *testing.T, seen chan<- string) *tollgate.Limiter {
+	t.Helper()
+	tiers := map[string]string{"key-gold": "gold", "key-internal": "internal"}
+	lim, err := tollgate.New(tollgate.NewMemoryStore(), []tollgate.Plan{{Name: "api", Capacity: 20, Rate: 10}},
+		tollgate.WithPlanResolver(func(ctx context.Context, key string, p tollgate.Plan) (tollgate.Plan, error) {
+			select {
+			case seen <- key:
+			default:
+			}
+			switch tiers[key] {
+			case "gold":
+				return tollgate.Plan{Name: p.Name, Capacity: 200, Rate: 100}, nil
+			case "internal":
+				return tollgate.Plan{}, tollgate.ErrExempt
+			}
+			return p, nil
+		}))
+	require.NoError(t, err)
+	return lim
+}
+
+// Behind ByHeader, README's tier example sees the API key, so the gold
+// tier applies: 50 requests at once pass, where the default plan admits
+// 20 and 10 more a second.
+func TestMiddlewareAppliesREADMEsTiers(t *testing.T) {
+	for _, settle := range []bool{false, true} {
+		t.Run(fmt.Sprintf("settle %t", settle), func(t *testing.T) {
+			seen := make(chan string, 1)
+			lim := readmeTiers(t, seen)
+			opts := []Option{WithPlans("api")}
+			if settle {
+				opts = append(opts, WithSettle(func(*http.Request, Response) int64 { return 1 }))
+			}
+			srv := httptest.NewServer(Middleware(lim, ByHeader("X-Api-Key"), opts...)(ok))
+			defer srv.Close()
+			admitted := map[string]int{}
+			for _, key := range []string{"key-gold", "key-free"} {
+				for range 50 {
+					req, err := http.NewRequest("GET", srv.URL, nil)
+					require.NoError(t, err)
+					req.Header.Set("X-Api-Key", key)
+					resp, err := srv.Client().Do(req)
+					require.NoError(t, err)
+					_ = resp.Body.Close()
+					if resp.StatusCode == http.StatusOK {
+						admitted[key]++
+					}
+				}
+				assert.Equal(t, key, <-seen, "the resolver is given the API key")
+			}
+			assert.Equal(t, 50, admitted["key-gold"], "the gold tier")
+			assert.Less(t, admitted["key-free"], 50, "the default plan")
+
+			// The bucket is still the namespaced key's.
+			ctx := tollgate.ResolveAs(context.Background(), "header:X-Api-Key:key-gold", "key-gold")
+			r, err := lim.Peek(ctx, "header:X-Api-Key:key-gold")
+			require.NoError(t, err)
+			assert.Equal(t, int64(200), r.Limit)
+			assert.LessOrEqual(t, r.Remaining, int64(150+10), "50 taken, a little refilled")
+			r, err = lim.Peek(context.Background(), "key-gold")
+			require.NoError(t, err)
+			assert.Equal(t, int64(200), r.Remaining, "no bucket of the bare key")
+		})
+	}
+}
+
+// Every KeyFunc of this package gives a PlanResolver the value it found,
+// without its kind or route; a KeyFunc of one's own, its key.
+func TestMiddlewareGivesTheResolverTheCallersKey(t *testing.T) {
+	type principalKey struct{}
+	principal := func(ctx context.Context) (string, bool) {
+		id, ok := ctx.Value(principalKey{}).(string)
+		return id, ok
+	}
+	for _, tt := range []struct {
+		name string
+		key  KeyFunc
+		want string
+	}{
+		{"header", ByHeader("X-Api-Key"), "key-gold"},
+		{"ip", ByIP(), "203.0.113.7"},
+		{"principal", ByPrincipal(principal), "user-42"},
+		{"route", PerRoute(ByHeader("X-Api-Key")), "key-gold"},
+		{"own", func(*http.Request) (string, error) { return "tenant-7", nil }, "tenant-7"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			seen := make(chan string, 1)
+			lim := readmeTiers(t, seen)
+			r := httptest.NewRequest("GET", "/items/1", nil)
+			r.RemoteAddr = "203.0.113.7:1234"
+			r.Header.Set("X-Api-Key", "key-gold")
+			r = r.WithContext(context.WithValue(r.Context(), principalKey{}, "user-42"))
+			w := httptest.NewRecorder()
+			Middleware(lim, tt.key, WithPlans("api"))(ok).ServeHTTP(w, r)
+			require.Equal(t, http.StatusOK, w.Code)
+			assert.Equal(t, tt.want, <-seen)
 		})
 	}
 }
