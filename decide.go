@@ -35,12 +35,12 @@ func (l *Limiter) decide(ctx context.Context, r *Result, q *request) error {
 		}
 	}
 	cache := l.cacheable(q)
-	if cache {
+	if l.denials != nil {
 		q.pk = planKey(q)
-	}
-	if cache && l.cached(r, q) {
-		l.record(ctx, r, q)
-		return nil
+		if l.cached(r, q, cache) {
+			l.record(ctx, r, q)
+			return nil
+		}
 	}
 	asked := l.now()
 	if err := l.ask(ctx, r, &q.op); err != nil {
@@ -144,7 +144,9 @@ func (l *Limiter) cacheable(q *request) bool {
 // planKey names the plans of q for the denial cache by their fingerprints,
 // so that a remembered denial answers only for the same parameters: a
 // raised limit (a resolver's tier upgrade, SetPlans) is asked of the store
-// at once. One plan, the common case, costs nothing.
+// at once, and a request under a plan's other parameters forgets the
+// key's denials under the old ones, which a round trip back would find
+// stale. One plan, the common case, costs nothing.
 func planKey(q *request) string {
 	if q.entry != nil {
 		return q.entry.fp
@@ -157,8 +159,15 @@ func planKey(q *request) string {
 }
 
 // cached answers q from a remembered denial, as of now, and reports
-// whether there was one.
-func (l *Limiter) cached(r *Result, q *request) bool {
+// whether there was one. A request that no denial may answer (may is
+// false: a read, or a suppressed plan) is not looked up: the cache only
+// forgets the key's denials under other parameters of its plans, which
+// the store's answer supersedes.
+func (l *Limiter) cached(r *Result, q *request, may bool) bool {
+	if !may {
+		l.denials.Supersede(q.key, q.pk)
+		return false
+	}
 	now := l.now()
 	at, until, ok := l.denials.Get(q.key, q.pk, q.n, now, r)
 	if !ok {

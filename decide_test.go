@@ -16,6 +16,7 @@ import (
 	"testing/synctest"
 	"time"
 
+	"github.com/alicebob/miniredis/v2"
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -696,4 +697,69 @@ func TestRedisErrorReplyNearTheDeadlineIsTheStores(t *testing.T) {
 	assert.NoError(t, err, "READONLY is no deadline: breaker.FailOpen decides")
 	assert.Equal(t, SourceFailOpen, r.Source)
 	assert.Equal(t, breaker.Open, l.health.one.State(), "the breaker hears the failure")
+}
+
+// clockedStores returns, by name, makers of a RedisStore on miniredis and
+// of a MemoryStore, each with a function that moves the store's clock on
+// and leaves the Limiter's, and its denial cache's, where they are.
+func clockedStores() map[string]func(t *testing.T) (Store, func(time.Duration)) {
+	return map[string]func(t *testing.T) (Store, func(time.Duration)){
+		"redis": func(t *testing.T) (Store, func(time.Duration)) {
+			mr := miniredis.RunT(t)
+			now := time.Now()
+			mr.SetTime(now)
+			c := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+			t.Cleanup(func() { _ = c.Close() })
+			return NewRedisStore(c), func(d time.Duration) { now = now.Add(d); mr.SetTime(now) }
+		},
+		"memory": func(*testing.T) (Store, func(time.Duration)) {
+			m := NewMemoryStore()
+			var now atomic.Int64
+			now.Store(time.Now().UnixMicro())
+			m.fakeNow = now.Load
+			return m, func(d time.Duration) { now.Add(d.Microseconds()) }
+		},
+	}
+}
+
+// drainAndRemember takes key's two tokens of a plan that refills once an
+// hour, has the next request denied, and checks that the Limiter
+// remembers the denial.
+func drainAndRemember(t *testing.T, l *Limiter, key string) {
+	t.Helper()
+	ctx := context.Background()
+	for range 2 {
+		r, err := l.Allow(ctx, key)
+		require.NoError(t, err)
+		require.True(t, r.Allowed)
+	}
+	r, err := l.Allow(ctx, key)
+	require.NoError(t, err)
+	require.False(t, r.Allowed)
+	r, err = l.Allow(ctx, key)
+	require.NoError(t, err)
+	require.False(t, r.Allowed)
+	require.Equal(t, SourceCache, r.Source, "the denial is remembered")
+}
+
+// A key asked under plans of other names keeps its remembered denials:
+// their buckets are not the same, and a limit per route keyed by client
+// must not send every request to the store.
+func TestDenialCacheKeepsDenialsOfOtherPlanNames(t *testing.T) {
+	ctx := context.Background()
+	s := newCountingStore()
+	l := newTestLimiter(t, s)
+	time.Sleep(time.Millisecond) // off the instant of New: see testDenialCacheSparesTheStore
+	_, err := l.AllowN(ctx, "k", 4, "gold")
+	require.NoError(t, err)
+	_, err = l.AllowN(ctx, "k", 100, "daily")
+	require.NoError(t, err)
+	for range 100 {
+		for _, name := range []string{"gold", "daily"} {
+			r, err := l.AllowN(ctx, "k", 2, name)
+			require.NoError(t, err)
+			require.False(t, r.Allowed)
+		}
+	}
+	assert.Equal(t, int64(4), s.calls.Load(), "two takes and one denial per plan")
 }

@@ -35,6 +35,7 @@ import (
 
 	"github.com/tollgate-go/tollgate/breaker"
 	"github.com/tollgate-go/tollgate/internal/denialcache"
+	"github.com/tollgate-go/tollgate/internal/isnil"
 )
 
 // RateLimiter decides whether a key may proceed. *Limiter implements it;
@@ -83,7 +84,7 @@ var _ RateLimiter = (*Limiter)(nil)
 // calls only look plans up by name. A call that names no plan uses
 // plans[0].
 func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
-	if store == nil {
+	if isnil.Value(store) {
 		return nil, fmt.Errorf("%w: nil store", ErrInvalidOption)
 	}
 	if err := wiringError(store); err != nil {

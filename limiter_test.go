@@ -30,6 +30,17 @@ func newTestLimiter(t *testing.T, store Store, opts ...Option) *Limiter {
 	return l
 }
 
+func TestNewRefusesATypedNilStore(t *testing.T) {
+	var m *MemoryStore
+	var r *RedisStore
+	for name, s := range map[string]Store{"memory": m, "redis": r} {
+		_, err := New(s, testPlans)
+		assert.ErrorIs(t, err, ErrInvalidOption, name)
+		_, err = New(NewMemoryStore(), testPlans, WithFallback(s))
+		assert.ErrorIs(t, err, ErrInvalidOption, name+" fallback")
+	}
+}
+
 func TestNewRejectsBadPlans(t *testing.T) {
 	tests := []struct {
 		name  string

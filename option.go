@@ -179,6 +179,10 @@ func WithShadow() Option {
 //     r's error (never a panic's value, which may quote the key), under
 //     every failure policy.
 //
+// r is given the key the caller meant (see ResolveAs): behind httplimit's
+// and grpclimit's KeyFuncs, the value without its kind, such as the API
+// key within "header:X-Api-Key:key-gold"; else the key decided.
+//
 // The Limiter keeps up to 16 distinct plans per name that r returned,
 // validated and fingerprinted once, so a resolver that returns cached
 // plans adds no allocation. The default is no resolver.

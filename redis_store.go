@@ -11,6 +11,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/tollgate-go/tollgate/internal/isnil"
 	"github.com/tollgate-go/tollgate/internal/redisscript"
 )
 
@@ -44,8 +45,9 @@ type RedisStore struct {
 	batch        *batcher      // nil unless WithBatching (batch.go)
 }
 
-// NewRedisStore returns a RedisStore that uses client. A nil client or an
-// unusable option is a wiring mistake, reported as ErrInvalidOption by New
+// NewRedisStore returns a RedisStore that uses client. A nil client (also
+// a typed nil, such as a *redis.Client never set) or an unusable option is
+// a wiring mistake, reported as ErrInvalidOption by New
 // when the store is given to a Limiter, so that it shows at startup, and
 // by every call of a store used on its own.
 func NewRedisStore(client redis.UniversalClient, opts ...Option) *RedisStore {
@@ -59,7 +61,7 @@ func NewRedisStore(client redis.UniversalClient, opts ...Option) *RedisStore {
 	switch {
 	case err != nil:
 		s.err = err
-	case client == nil:
+	case isnil.Value(client):
 		s.err = fmt.Errorf("%w: nil Redis client", ErrInvalidOption)
 	case strings.ContainsAny(s.prefix, "{}"):
 		s.err = fmt.Errorf("%w: key prefix contains a brace", ErrInvalidOption)

@@ -1677,3 +1677,18 @@ func runVariants(t *testing.T, seed uint64) {
 		}
 	}
 }
+
+func TestRedisStoreRefusesATypedNilClient(t *testing.T) {
+	ctx := context.Background()
+	var c *redis.Client
+	var cc *redis.ClusterClient
+	for name, client := range map[string]redis.UniversalClient{"client": c, "cluster": cc} {
+		t.Run(name, func(t *testing.T) {
+			s := NewRedisStore(client)
+			_, err := s.Take(ctx, "k", 1, []Plan{gold})
+			assert.ErrorIs(t, err, ErrInvalidOption, "used on its own")
+			_, err = New(s, testPlans)
+			assert.ErrorIs(t, err, ErrInvalidOption, "given to New")
+		})
+	}
+}

@@ -9,7 +9,10 @@ import (
 
 // PlanResolver chooses the plan that applies to key, given the plan p the
 // call named (as New or SetPlans gave it): for example the plan of the
-// key's customer tier, looked up in a cache. It returns p unchanged for
+// key's customer tier, looked up in a cache. key is the key the caller
+// meant, which ResolveAs may name apart from the bucket's key: behind
+// httplimit.ByHeader("X-Api-Key") it is the API key, "key-gold", while the
+// bucket stays "header:X-Api-Key:key-gold". It returns p unchanged for
 // no override. It must keep p.Name, which names the bucket: a key that
 // changes tier keeps its bucket, its tokens kept on an upgrade and
 // clamped to the new Capacity on a downgrade. It returns an error wrapping
@@ -92,7 +95,7 @@ func (l *Limiter) callResolver(ctx context.Context, key string, in, out *Plan) (
 		}
 	}()
 	name := in.Name
-	*out, err = l.resolver(ctx, key, *in)
+	*out, err = l.resolver(ctx, resolverKey(ctx, key), *in)
 	switch {
 	case err == nil:
 		if out.Name != name {
@@ -103,6 +106,45 @@ func (l *Limiter) callResolver(ctx context.Context, key string, in, out *Plan) (
 		return ErrExempt
 	}
 	return fmt.Errorf("%w: %w", ErrResolver, err)
+}
+
+// ResolveAs returns a context in which a decision on key gives the
+// PlanResolver the key as instead, the key the caller meant: the bucket
+// stays key's. httplimit's Middleware and grpclimit's interceptors call it
+// with the value their KeyFunc found, so that a resolver of API keys sees
+// "key-gold" where the bucket is "header:X-Api-Key:key-gold", and keys of
+// different kinds never share a bucket. Decisions on other keys under the
+// context are not changed. It costs an allocation.
+func ResolveAs(ctx context.Context, key, as string) context.Context {
+	return &resolveAs{Context: ctx, key: key, as: as}
+}
+
+// resolveAs is ResolveAs's context: one allocation, where WithValue would
+// box its value in a second.
+type resolveAs struct {
+	context.Context
+	key, as string
+}
+
+// resolveAsKey is the context key under which a resolveAs finds itself.
+type resolveAsKey struct{}
+
+func (c *resolveAs) Value(k any) any {
+	if k == (resolveAsKey{}) {
+		return c
+	}
+	return c.Context.Value(k)
+}
+
+// resolverKey returns the key the resolver is given for a decision on key
+// under ctx: the nearest ResolveAs's for key, or key itself.
+func resolverKey(ctx context.Context, key string) string {
+	for c, _ := ctx.Value(resolveAsKey{}).(*resolveAs); c != nil; c, _ = c.Context.Value(resolveAsKey{}).(*resolveAs) {
+		if c.key == key {
+			return c.as
+		}
+	}
+	return key
 }
 
 // variantOf returns the entry of plan *p, of e's name, shadowed if the

@@ -118,6 +118,79 @@ func TestTierUpgradeMidDenialIsAdmittedAtOnce(t *testing.T) {
 	})
 }
 
+// A denial remembered under the free tier does not outlive an upgrade and
+// a downgrade: the gold tier refilled the bucket, and the store admits
+// what Peek says remains.
+func TestTierRoundTripForgetsRememberedDenials(t *testing.T) {
+	free := Plan{Name: "api", Capacity: 2, Rate: Per(1, time.Hour)}
+	gold := Plan{Name: "api", Capacity: 10, Rate: 1000}
+	for name, newStore := range clockedStores() {
+		t.Run(name, func(t *testing.T) {
+			ctx := context.Background()
+			s, advance := newStore(t)
+			var isGold atomic.Bool
+			l, err := New(s, []Plan{free}, WithLogger(nil), WithDenialCache(100),
+				WithPlanResolver(func(_ context.Context, _ string, p Plan) (Plan, error) {
+					if isGold.Load() {
+						return gold, nil
+					}
+					return p, nil
+				}))
+			require.NoError(t, err)
+			drainAndRemember(t, l, "k")
+			isGold.Store(true)
+			advance(time.Second)
+			r, err := l.Allow(ctx, "k")
+			require.NoError(t, err)
+			require.True(t, r.Allowed, "the upgrade admits at once")
+			isGold.Store(false)
+
+			p, err := l.Peek(ctx, "k")
+			require.NoError(t, err)
+			require.Equal(t, int64(2), p.Remaining, "clamped to the free tier's capacity")
+			admitted := 0
+			for range 6 {
+				r, err := l.Allow(ctx, "k")
+				require.NoError(t, err)
+				if r.Allowed {
+					admitted++
+				}
+			}
+			assert.Equal(t, 2, admitted, "of 6, where Peek said 2 remain")
+		})
+	}
+}
+
+// ResolveAs names the key a resolver sees for one key of the bucket's
+// kind; the bucket stays the key's, and other keys are seen as they are.
+func TestResolveAsGivesTheResolverTheCallersKey(t *testing.T) {
+	var seen []string
+	l, err := New(NewMemoryStore(), []Plan{freeTier}, WithLogger(nil), WithPlanResolver(func(_ context.Context, key string, p Plan) (Plan, error) {
+		seen = append(seen, key)
+		if key == "g" {
+			return goldTier, nil
+		}
+		return p, nil
+	}))
+	require.NoError(t, err)
+	ctx := ResolveAs(context.Background(), "header:K:g", "g")
+	ctx = ResolveAs(ctx, "principal:x", "x")
+	r, err := l.Allow(ctx, "header:K:g")
+	require.NoError(t, err)
+	assert.Equal(t, int64(10), r.Limit, "the gold tier, found past the nearer ResolveAs")
+	_, err = l.Allow(ctx, "principal:x")
+	require.NoError(t, err)
+	_, err = l.Allow(ctx, "g")
+	require.NoError(t, err)
+	assert.Equal(t, []string{"g", "x", "g"}, seen)
+	r, err = l.Peek(ctx, "header:K:g")
+	require.NoError(t, err)
+	assert.Equal(t, int64(9), r.Remaining, "the bucket is the key's")
+	r, err = l.Peek(context.Background(), "header:K:g")
+	require.NoError(t, err)
+	assert.Equal(t, int64(2), r.Limit, "without ResolveAs, the resolver sees the key")
+}
+
 func TestResolverBadAnswers(t *testing.T) {
 	ctx := context.Background()
 	errLookup := errors.New("tier lookup failed")

@@ -136,9 +136,11 @@ func leaseIn(plans []Plan) bool {
 // clamped to it at its next decision, and a changed Rate applies from the
 // next decision on. While instances with the old plans and the new run
 // side by side, a key's admissions stay within max(old, new) Capacity +
-// max(old, new) Rate × elapsed time (README, "Operating it"). Remembered
-// denials name the plan's parameters, so a raised limit admits at once.
-// Stats keeps counting each name, also one the table no longer holds.
+// max(old, new) Rate × elapsed time (README, "Operating it"). It forgets
+// every remembered denial: under the new plans, or back under the old
+// after a round trip, a bucket may hold tokens that a denial remembered
+// under the old plans says it lacks. Stats keeps counting each name, also
+// one the table no longer holds.
 func (l *Limiter) SetPlans(plans []Plan) error {
 	t, err := newTable(plans, l.shadowAll, l.stats.plan)
 	if err != nil {
@@ -148,5 +150,8 @@ func (l *Limiter) SetPlans(plans []Plan) error {
 		return fmt.Errorf("%w: Plan.Lease needs a store, and a fallback store, that hold reservations", errUnsupported(modeHold))
 	}
 	l.table.Store(t)
+	if l.denials != nil { // nil when the cache is off
+		l.denials.ForgetAll()
+	}
 	return nil
 }

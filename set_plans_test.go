@@ -2,6 +2,7 @@ package tollgate
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"testing"
 	"testing/synctest"
@@ -72,6 +73,46 @@ func TestSetPlansUpgradeIsNotMaskedByTheDenialCache(t *testing.T) {
 		require.NoError(t, err)
 		assert.True(t, r.Allowed, "5 tokens accrued at the new rate")
 	})
+}
+
+// A denial remembered under a slow plan does not outlive a round trip
+// through a fast one, which refilled the bucket: here or on another
+// instance, which this one cannot hear.
+func TestSetPlansRoundTripForgetsRememberedDenials(t *testing.T) {
+	slow := Plan{Name: "api", Capacity: 2, Rate: Per(1, time.Hour)}
+	fast := Plan{Name: "api", Capacity: 2, Rate: 1000}
+	for name, newStore := range clockedStores() {
+		for _, elsewhere := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/fast decision elsewhere %t", name, elsewhere), func(t *testing.T) {
+				ctx := context.Background()
+				s, advance := newStore(t)
+				l, err := New(s, []Plan{slow}, WithLogger(nil), WithDenialCache(100))
+				require.NoError(t, err)
+				other, err := New(s, []Plan{fast}, WithLogger(nil), WithDenialCache(100))
+				require.NoError(t, err)
+				drainAndRemember(t, l, "k")
+				require.NoError(t, l.SetPlans([]Plan{fast}))
+				advance(time.Second)
+				decider := l
+				if elsewhere {
+					decider = other
+				}
+				r, err := decider.Allow(ctx, "k")
+				require.NoError(t, err)
+				require.True(t, r.Allowed, "the fast plan refilled the bucket")
+				require.NoError(t, l.SetPlans([]Plan{slow}))
+
+				p, err := l.Peek(ctx, "k")
+				require.NoError(t, err)
+				require.True(t, p.Allowed)
+				require.Equal(t, int64(1), p.Remaining)
+				r, err = l.Allow(ctx, "k")
+				require.NoError(t, err)
+				assert.True(t, r.Allowed, "Peek said a token remains; denied with RetryAfter %v", r.RetryAfter)
+				assert.Equal(t, SourceStore, r.Source)
+			})
+		}
+	}
 }
 
 // SetPlans races with decisions, Stats and Plan: run with -race.

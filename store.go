@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"time"
+
+	"github.com/tollgate-go/tollgate/internal/isnil"
 )
 
 // Store keeps token buckets and decides on them. RedisStore and MemoryStore
@@ -142,8 +144,12 @@ func isLocal(s Store) bool {
 }
 
 // wiringError returns the mistake a store was built with, which it would
-// otherwise report on every call.
+// otherwise report on every call, or that it is a typed nil. A nil s is
+// none: no mistake.
 func wiringError(s Store) error {
+	if s != nil && isnil.Value(s) {
+		return fmt.Errorf("%w: nil store", ErrInvalidOption)
+	}
 	if w, ok := s.(wiredStore); ok {
 		return w.wiringError()
 	}

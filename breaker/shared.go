@@ -14,6 +14,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/tollgate-go/tollgate/internal/isnil"
 	"github.com/tollgate-go/tollgate/internal/redisscript"
 )
 
@@ -79,15 +80,16 @@ type localCircuit struct {
 }
 
 // NewShared returns a Shared breaker on the Redis client c (a *redis.Client,
-// *redis.ClusterClient, a failover client or a Ring). It checks s and the
-// options and returns ErrInvalidSettings if one is out of range; it does
-// not touch Redis.
+// *redis.ClusterClient, a failover client or a Ring). It checks c, s and
+// the options and returns ErrInvalidSettings for a nil client (also a
+// typed nil, such as a *redis.Client never set) or a setting out of range;
+// it does not touch Redis.
 func NewShared(c redis.Scripter, s SharedSettings, opts ...SharedOption) (*Shared, error) {
 	cfg := sharedConfig{prefix: "tollgate", log: slog.Default()}
 	for _, o := range opts {
 		o(&cfg)
 	}
-	if c == nil {
+	if isnil.Value(c) {
 		return nil, fmt.Errorf("%w: nil Redis client", ErrInvalidSettings)
 	}
 	if err := s.validate(); err != nil {

@@ -629,3 +629,12 @@ func TestSharedStatsCountByState(t *testing.T) {
 	assert.Equal(t, 1, b.Stats().Open)
 	assert.Equal(t, fmt.Sprint(Closed), fmt.Sprint(s.Store))
 }
+
+func TestNewSharedRefusesATypedNilClient(t *testing.T) {
+	var c *redis.Client
+	var cc *redis.ClusterClient
+	for name, client := range map[string]redis.Scripter{"client": c, "cluster": cc} {
+		_, err := NewShared(client, SharedSettings{})
+		assert.ErrorIs(t, err, ErrInvalidSettings, name)
+	}
+}

@@ -11,6 +11,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/tollgate-go/tollgate"
+	"github.com/tollgate-go/tollgate/internal/callerkey"
 )
 
 // ClientOption configures the client interceptors.
@@ -111,7 +112,7 @@ func (c *client) wait(ctx context.Context, method string, req any) error {
 	if c.cost != nil {
 		cost = c.cost(ctx, method, req)
 	}
-	res, err := c.w.Wait(ctx, key, cost, c.plans...)
+	res, err := c.w.Wait(callerkey.Context(ctx, key), key, cost, c.plans...)
 	switch {
 	case errors.Is(err, tollgate.ErrWaitExceedsDeadline):
 		p, _ := c.w.(Planner)

@@ -40,6 +40,14 @@ var ErrNoKey = errors.New("grpclimit: no rate limit key in call")
 // keys as httplimit's for the same client, except that httplimit's
 // header keys start "header:", so an HTTP and a gRPC front end that share
 // a Limiter share the buckets of an IP address or a principal.
+//
+// A tollgate.PlanResolver behind the interceptors is given the value the
+// key holds after its kind and method (tollgate.ResolveAs): the API key
+// "key-gold" of the bucket "md:x-api-key:key-gold", the principal's ID,
+// the address, so that a resolver of customer tiers matches the key the
+// customer sent. A key of another shape, such as Key's or a KeyFunc's of
+// your own, is given as it is. Behind one Limiter that KeyFuncs of several
+// kinds feed, a resolver cannot tell their values apart.
 type KeyFunc func(ctx context.Context, fullMethod string) (string, error)
 
 // Key keys every call by key, which must not be empty: for a client

@@ -19,7 +19,9 @@
 // store outage under tollgate.FailClosed ends a call with
 // codes.Unavailable, not ResourceExhausted, so clients do not back off
 // from a healthy server for the wrong reason. Keys, which may be personal
-// data, never appear in any message, detail or metadata.
+// data, never appear in any message, detail or metadata. A
+// tollgate.PlanResolver is given the key the caller sent, such as the API
+// key within "md:x-api-key:key-gold" (see KeyFunc).
 //
 // On a client, UnaryClientInterceptor and StreamClientInterceptor wait
 // for a token before each call, within the call's deadline:
@@ -44,6 +46,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/tollgate-go/tollgate"
+	"github.com/tollgate-go/tollgate/internal/callerkey"
 	"github.com/tollgate-go/tollgate/internal/ratefields"
 )
 
@@ -383,7 +386,7 @@ func StreamServerInterceptor(l tollgate.RateLimiter, key KeyFunc, opts ...Option
 			if len(plans) == 0 {
 				plans = s.plansFor(info.FullMethod)
 			}
-			ss = &limitedStream{ServerStream: ss, s: s, key: k, plans: plans}
+			ss = &limitedStream{ServerStream: ss, s: s, key: k, plans: plans, ctx: callerkey.Context(ctx, k)}
 		}
 		return handler(srv, ss)
 	}
@@ -400,7 +403,8 @@ func (s *server) decide(ctx context.Context, fullMethod string, req any) (string
 	if s.cost != nil {
 		cost = s.cost(ctx, fullMethod, req)
 	}
-	res, err := s.lim.AllowN(ctx, key, cost, s.plansFor(fullMethod)...)
+	// A PlanResolver sees the API key, not the bucket's key.
+	res, err := s.lim.AllowN(callerkey.Context(ctx, key), key, cost, s.plansFor(fullMethod)...)
 	if err != nil {
 		return "", res, s.errorStatus(ctx, err)
 	}
@@ -431,6 +435,7 @@ type limitedStream struct {
 	s     *server
 	key   string
 	plans []string
+	ctx   context.Context // the stream's, naming the key's caller's key (callerkey)
 }
 
 // RecvMsg receives a message, then takes its tokens before the handler
@@ -439,7 +444,7 @@ func (ls *limitedStream) RecvMsg(m any) error {
 	if err := ls.ServerStream.RecvMsg(m); err != nil {
 		return err
 	}
-	s, ctx := ls.s, ls.ServerStream.Context()
+	s, ctx := ls.s, ls.ctx
 	cost := int64(1)
 	if s.msgCost != nil {
 		cost = s.msgCost(m)

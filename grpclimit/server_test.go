@@ -3,10 +3,14 @@ package grpclimit
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
+	"github.com/alicebob/miniredis/v2"
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
@@ -398,4 +402,96 @@ func TestDeniedStatusDescribesAWindow(t *testing.T) {
 	_, qf, _ := details(t, DeniedStatus(res, lim).Err())
 	require.Len(t, qf.GetViolations(), 1)
 	assert.Equal(t, "1 tokens in any 1m0s", qf.GetViolations()[0].GetDescription())
+}
+
+// resolverKeys notes the keys a PlanResolver was given.
+type resolverKeys struct {
+	mu   sync.Mutex
+	keys []string
+}
+
+func (k *resolverKeys) add(key string) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if !slices.Contains(k.keys, key) {
+		k.keys = append(k.keys, key)
+	}
+}
+
+// take returns the keys noted, sorted, and forgets them.
+func (k *resolverKeys) take() []string {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	keys := slices.Sorted(slices.Values(k.keys))
+	k.keys = nil
+	return keys
+}
+
+// readmeTiers is README's tier example ("Tiers: a plan per key"), with
+// tiers.Of a map, on a RedisStore on miniredis, whose clock stands still:
+// no bucket refills. It returns the keys the resolver is given.
+func readmeTiers(t *testing.T) (*tollgate.Limiter, *resolverKeys) {
+	t.Helper()
+	mr := miniredis.RunT(t)
+	mr.SetTime(time.Now())
+	c := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	t.Cleanup(func() { _ = c.Close() })
+	seen := &resolverKeys{}
+	tiers := map[string]string{"key-gold": "gold"}
+	lim, err := tollgate.New(tollgate.NewRedisStore(c), []tollgate.Plan{{Name: "api", Capacity: 20, Rate: 10}},
+		tollgate.WithPlanResolver(func(ctx context.Context, key string, p tollgate.Plan) (tollgate.Plan, error) {
+			seen.add(key)
+			if tiers[key] == "gold" {
+				return tollgate.Plan{Name: p.Name, Capacity: 200, Rate: 100}, nil
+			}
+			return p, nil
+		}))
+	require.NoError(t, err)
+	return lim, seen
+}
+
+// Behind ByMetadata, README's tier example sees the API key, so the gold
+// tier applies: 50 calls pass, where the default plan admits 20; and so
+// for every message of a stream.
+func TestInterceptorsApplyREADMEsTiers(t *testing.T) {
+	for name, key := range map[string]KeyFunc{"metadata": ByMetadata("x-api-key"), "per method": PerMethod(ByMetadata("x-api-key"))} {
+		t.Run(name, func(t *testing.T) {
+			lim, seen := readmeTiers(t)
+			_, client := limitedServer(t, lim, key, WithPlans("api"), WithStreamMessages(Reject, nil, "api"))
+			admitted := map[string]int{}
+			for _, apiKey := range []string{"key-gold", "key-free"} {
+				for range 50 {
+					if _, err := client.EmptyCall(withKey(apiKey), &testgrpc.Empty{}); err == nil {
+						admitted[apiKey]++
+					}
+				}
+			}
+			assert.Equal(t, map[string]int{"key-gold": 50, "key-free": 20}, admitted, "the gold tier, and the default plan")
+			assert.Equal(t, []string{"key-free", "key-gold"}, seen.take(), "the resolver is given the API keys")
+
+			stream, err := client.StreamingInputCall(withKey("key-gold"))
+			require.NoError(t, err)
+			for range 50 {
+				require.NoError(t, stream.Send(&testgrpc.StreamingInputCallRequest{}))
+			}
+			resp, err := stream.CloseAndRecv()
+			require.NoError(t, err, "every message under the gold tier")
+			assert.Equal(t, int32(50), resp.GetAggregatedPayloadSize())
+			assert.Equal(t, []string{"key-gold"}, seen.take())
+		})
+	}
+}
+
+// A client interceptor's Waiter, the Limiter, gives the resolver the
+// caller's key too.
+func TestClientInterceptorGivesTheResolverTheCallersKey(t *testing.T) {
+	lim, seen := readmeTiers(t)
+	invoke := func(context.Context, string, any, any, *grpc.ClientConn, ...grpc.CallOption) error { return nil }
+	i := UnaryClientInterceptor(lim, PerMethod(Key("key-gold")), WithClientPlans("api"))
+	require.NoError(t, i(context.Background(), emptyCall, nil, nil, nil, invoke))
+	assert.Equal(t, []string{emptyCall + "|key-gold"}, seen.take(), "a key of no kind is its own")
+
+	i = UnaryClientInterceptor(lim, ByPrincipal(func(context.Context) (string, bool) { return "user-42", true }), WithClientPlans("api"))
+	require.NoError(t, i(context.Background(), emptyCall, nil, nil, nil, invoke))
+	assert.Equal(t, []string{"user-42"}, seen.take())
 }

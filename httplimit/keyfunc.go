@@ -28,6 +28,15 @@ var ErrNoKey = errors.New("httplimit: no rate limit key in request")
 // "header:NAME:", "principal:"), so keys of different kinds never meet in
 // one Limiter: a client cannot send an API key that spells someone else's
 // IP address and drain that address's buckets.
+//
+// A tollgate.PlanResolver behind Middleware is given the value the key
+// holds after its kind and route (tollgate.ResolveAs): the API key
+// "key-gold" of the bucket "header:X-Api-Key:key-gold", the principal's
+// ID, the address, so that a resolver of customer tiers matches the key
+// the customer sent. A key of another shape, from a KeyFunc of your own,
+// is given as it is. Behind one Limiter that KeyFuncs of several kinds
+// feed, a resolver cannot tell their values apart: an address looks the
+// same whether it came as one or as a header's value.
 type KeyFunc func(*http.Request) (string, error)
 
 // ByHeader keys requests by the first value of the header name, for

@@ -7,6 +7,9 @@
 //	limit := httplimit.Middleware(lim, httplimit.ByIP(), httplimit.WithPlans("gold", "daily"))
 //	mux.Handle("/api/", limit(apiHandler))
 //
+// A tollgate.PlanResolver is given the key the client sent, such as the
+// API key within "header:X-Api-Key:key-gold" (see KeyFunc).
+//
 // Everything in this package is safe for concurrent use.
 package httplimit
 
@@ -18,6 +21,7 @@ import (
 	"slices"
 
 	"github.com/tollgate-go/tollgate"
+	"github.com/tollgate-go/tollgate/internal/callerkey"
 )
 
 // Middleware returns net/http middleware that rate limits requests: each
@@ -184,14 +188,15 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	if m.cost != nil {
 		cost = m.cost(r)
 	}
+	ctx := callerkey.Context(r.Context(), key) // a PlanResolver sees the API key, not the bucket's key
 	var res tollgate.Result
 	var held *tollgate.Reservation
 	if m.final != nil {
-		if held, err = m.lim.(Reserver).Reserve(r.Context(), key, cost, m.plans...); err == nil {
+		if held, err = m.lim.(Reserver).Reserve(ctx, key, cost, m.plans...); err == nil {
 			res = held.Result()
 		}
 	} else {
-		res, err = m.lim.AllowN(r.Context(), key, cost, m.plans...)
+		res, err = m.lim.AllowN(ctx, key, cost, m.plans...)
 	}
 	switch {
 	case errors.Is(err, tollgate.ErrInvalidKey):
@@ -212,7 +217,7 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		return
 	}
 	if held != nil {
-		m.serveHeld(w, r, held, next)
+		m.serveHeld(ctx, w, r, held, next)
 		return
 	}
 	next.ServeHTTP(w, r)

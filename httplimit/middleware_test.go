@@ -6,11 +6,15 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"testing/synctest"
 	"time"
 
+	"github.com/alicebob/miniredis/v2"
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -349,8 +353,9 @@ func (w *headerWriter) Write(b []byte) (int, error) { return len(b), nil }
 func (w *headerWriter) WriteHeader(int)             {}
 
 func TestMiddlewareAllocations(t *testing.T) {
-	// ByHeader builds its key (1); the fields cost a string and a
-	// []string (2); the decision itself allocates nothing.
+	// ByHeader builds its key (1); the context that names the API key
+	// for a PlanResolver (1); the fields cost a string and a []string
+	// (2); the decision itself allocates nothing.
 	lim, err := tollgate.New(tollgate.NewMemoryStore(), []tollgate.Plan{{Name: "p", Capacity: 1 << 30, Rate: 1e6}})
 	require.NoError(t, err)
 	h := Middleware(lim, ByHeader("X-Api-Key"), WithPlans("p"))(ok)
@@ -362,7 +367,7 @@ func TestMiddlewareAllocations(t *testing.T) {
 		clear(w.h)
 		h.ServeHTTP(w, r)
 	})
-	assert.Equal(t, 3.0, allocs)
+	assert.Equal(t, 4.0, allocs)
 }
 
 // BenchmarkMiddleware compares a bare handler with the same handler behind
@@ -388,6 +393,126 @@ func BenchmarkMiddleware(b *testing.B) {
 				clear(w.h)
 				bc.h.ServeHTTP(w, r)
 			}
+		})
+	}
+}
+
+// resolverKeys notes the keys a PlanResolver was given.
+type resolverKeys struct {
+	mu   sync.Mutex
+	keys []string
+}
+
+func (k *resolverKeys) add(key string) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if !slices.Contains(k.keys, key) {
+		k.keys = append(k.keys, key)
+	}
+}
+
+func (k *resolverKeys) list() []string {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return slices.Sorted(slices.Values(k.keys))
+}
+
+// readmeTiers is README's tier example ("Tiers: a plan per key"), with
+// tiers.Of a map, on a RedisStore on miniredis, whose clock stands still:
+// no bucket refills. It returns the keys the resolver is given.
+func readmeTiers(t *testing.T) (*tollgate.Limiter, *resolverKeys) {
+	t.Helper()
+	mr := miniredis.RunT(t)
+	mr.SetTime(time.Now())
+	c := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	t.Cleanup(func() { _ = c.Close() })
+	seen := &resolverKeys{}
+	tiers := map[string]string{"key-gold": "gold", "key-internal": "internal"}
+	lim, err := tollgate.New(tollgate.NewRedisStore(c), []tollgate.Plan{{Name: "api", Capacity: 20, Rate: 10}},
+		tollgate.WithPlanResolver(func(ctx context.Context, key string, p tollgate.Plan) (tollgate.Plan, error) {
+			seen.add(key)
+			switch tiers[key] {
+			case "gold":
+				return tollgate.Plan{Name: p.Name, Capacity: 200, Rate: 100}, nil
+			case "internal":
+				return tollgate.Plan{}, tollgate.ErrExempt
+			}
+			return p, nil
+		}))
+	require.NoError(t, err)
+	return lim, seen
+}
+
+// Behind ByHeader, README's tier example sees the API key, so the gold
+// tier applies: 50 requests pass, where the default plan admits 20. The
+// bucket stays the header key's.
+func TestMiddlewareAppliesREADMEsTiers(t *testing.T) {
+	for _, settle := range []bool{false, true} {
+		t.Run(fmt.Sprintf("settle %t", settle), func(t *testing.T) {
+			lim, seen := readmeTiers(t)
+			opts := []Option{WithPlans("api")}
+			if settle {
+				opts = append(opts, WithSettle(func(*http.Request, Response) int64 { return 1 }))
+			}
+			srv := httptest.NewServer(Middleware(lim, ByHeader("X-Api-Key"), opts...)(ok))
+			defer srv.Close()
+			admitted := map[string]int{}
+			for _, key := range []string{"key-gold", "key-free"} {
+				for range 50 {
+					req, err := http.NewRequest("GET", srv.URL, nil)
+					require.NoError(t, err)
+					req.Header.Set("X-Api-Key", key)
+					resp, err := srv.Client().Do(req)
+					require.NoError(t, err)
+					_ = resp.Body.Close()
+					if resp.StatusCode == http.StatusOK {
+						admitted[key]++
+					}
+				}
+			}
+			assert.Equal(t, map[string]int{"key-gold": 50, "key-free": 20}, admitted, "the gold tier, and the default plan")
+			assert.Equal(t, []string{"key-free", "key-gold"}, seen.list(), "the resolver is given the API keys")
+
+			ctx := context.Background()
+			r, err := lim.Peek(tollgate.ResolveAs(ctx, "header:X-Api-Key:key-gold", "key-gold"), "header:X-Api-Key:key-gold")
+			require.NoError(t, err)
+			assert.Equal(t, int64(150), r.Remaining, "the bucket is the header key's")
+			r, err = lim.Peek(ctx, "key-gold")
+			require.NoError(t, err)
+			assert.Equal(t, int64(200), r.Remaining, "the bare API key has no bucket of its own")
+		})
+	}
+}
+
+// Every KeyFunc of this package gives a PlanResolver the value it found,
+// without its kind or route; a KeyFunc of one's own, its key.
+func TestMiddlewareGivesTheResolverTheCallersKey(t *testing.T) {
+	type principalKey struct{}
+	principal := func(ctx context.Context) (string, bool) {
+		id, ok := ctx.Value(principalKey{}).(string)
+		return id, ok
+	}
+	for _, tt := range []struct {
+		name string
+		key  KeyFunc
+		want string
+	}{
+		{"header", ByHeader("X-Api-Key"), "key-gold"},
+		{"ip", ByIP(), "203.0.113.7"},
+		{"principal", ByPrincipal(principal), "user-42"},
+		{"route", PerRoute(ByHeader("X-Api-Key")), "key-gold"},
+		{"own", func(*http.Request) (string, error) { return "tenant-7", nil }, "tenant-7"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			lim, seen := readmeTiers(t)
+			r := httptest.NewRequest("GET", "/items/1", nil)
+			r.RemoteAddr = "203.0.113.7:1234"
+			r.Header.Set("X-Api-Key", "key-gold")
+			r = r.WithContext(context.WithValue(r.Context(), principalKey{}, "user-42"))
+			w := httptest.NewRecorder()
+			Middleware(lim, tt.key, WithPlans("api"))(ok).ServeHTTP(w, r)
+			require.Equal(t, http.StatusOK, w.Code)
+			assert.Equal(t, []string{tt.want}, seen.list())
 		})
 	}
 }

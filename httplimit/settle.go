@@ -38,14 +38,15 @@ func WithSettle(final func(r *http.Request, resp Response) int64) Option {
 }
 
 // serveHeld calls next for a request that got reservation res, and
-// settles it with what m.final makes of the response.
-func (m *middleware) serveHeld(w http.ResponseWriter, r *http.Request, res *tollgate.Reservation, next http.Handler) {
+// settles it with what m.final makes of the response, under ctx, the
+// reservation's: a PlanResolver sees the key it saw then.
+func (m *middleware) serveHeld(ctx context.Context, w http.ResponseWriter, r *http.Request, res *tollgate.Reservation, next http.Handler) {
 	cw := &countingWriter{ResponseWriter: w}
 	next.ServeHTTP(cw, r)
 	if cw.status == 0 {
 		cw.status = http.StatusOK
 	}
-	_, _ = res.Settle(context.WithoutCancel(r.Context()), max(0, m.final(r, Response{Status: cw.status, Bytes: cw.bytes})))
+	_, _ = res.Settle(context.WithoutCancel(ctx), max(0, m.final(r, Response{Status: cw.status, Bytes: cw.bytes})))
 }
 
 // countingWriter notes the status and counts the body bytes of a

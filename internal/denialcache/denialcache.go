@@ -2,9 +2,17 @@
 // pass, so that a key under attack costs the store one call per refill
 // instead of one per request. It stores any value and knows nothing of
 // buckets: the caller says until when each denial holds.
+//
+// A request names the plans it asked as one string: items joined by ',',
+// each a plan's name, '#' and its parameters (an item without '#' is a
+// name alone). Two requests of a key conflict when they name a plan of one
+// name with other parameters: the plan changed, and the bucket may have
+// filled under the other parameters, so a request under one forgets the
+// key's denials under the other.
 package denialcache
 
 import (
+	"math"
 	"strings"
 	"sync"
 	"time"
@@ -54,12 +62,14 @@ func (c *Cache[V]) Now() int64 { return int64(time.Since(c.epoch)) }
 // and returns when the store was asked for it and until when it holds.
 // Only the same plans and cost match: a costlier request would wait
 // longer, and a cheaper one may pass. A miss copies nothing: the value
-// may be large, and misses are the common case.
+// may be large, and misses are the common case. It forgets the key's
+// denials under plans that conflict with plans, as Supersede does.
 func (c *Cache[V]) Get(key, plans string, cost, now int64, into *V) (asked, until int64, ok bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	for i := range c.keys[key] {
-		d := &c.keys[key][i]
+	list := c.supersede(key, plans)
+	for i := range list {
+		d := &list[i]
 		if d.plans == plans && d.cost == cost && now < d.until {
 			*into = d.val
 			return d.at, d.until, true
@@ -69,8 +79,10 @@ func (c *Cache[V]) Get(key, plans string, cost, now int64, into *V) (asked, unti
 }
 
 // Put remembers a denial that holds until until, of a request sent at
-// asked (both readings of Now). A denial asked before the key's last
-// Forget may predate a Reset, and is not remembered.
+// asked (both readings of Now), and forgets the key's denials under plans
+// that conflict with plans. A denial asked before the last Forget or
+// ForgetAll may predate a Reset or a change of plans, and is not
+// remembered.
 func (c *Cache[V]) Put(key, plans string, cost int64, val V, asked, until int64) {
 	now := c.Now()
 	d := denial[V]{plans: plans, cost: cost, until: until, at: asked, val: val}
@@ -80,6 +92,7 @@ func (c *Cache[V]) Put(key, plans string, cost int64, val V, asked, until int64)
 		return
 	}
 	list, ok := c.keys[key]
+	c.supersede(key, plans)
 	if !ok && len(c.keys) >= c.max {
 		c.evict(now)
 	}
@@ -141,6 +154,63 @@ func (c *Cache[V]) Forget(key string) {
 	delete(c.keys, key)
 	c.forgotAt = c.Now()
 	c.mu.Unlock()
+}
+
+// ForgetAll drops every remembered denial, and refuses denials of
+// requests sent before now, which may predate the change of plans that
+// forgets.
+func (c *Cache[V]) ForgetAll() {
+	c.mu.Lock()
+	c.keys = make(map[string][]denial[V])
+	c.forgotAt = c.Now()
+	c.mu.Unlock()
+}
+
+// Supersede forgets key's denials under plans that conflict with plans:
+// a request under plans went to the store, whose answer is newer.
+func (c *Cache[V]) Supersede(key, plans string) {
+	c.mu.Lock()
+	c.supersede(key, plans)
+	c.mu.Unlock()
+}
+
+// ended is the until of a forgotten denial: it holds at no reading of Now.
+const ended = math.MinInt64
+
+// supersede ends key's denials under plans that conflict with plans, in
+// place, so that neither the map nor its key is written, and returns the
+// key's denials. Requires c.mu.
+func (c *Cache[V]) supersede(key, plans string) []denial[V] {
+	list := c.keys[key]
+	for i := range list {
+		if d := &list[i]; d.until != ended && d.plans != plans && conflict(d.plans, plans) {
+			*d = denial[V]{until: ended} // and drop its value, which may hold slices
+		}
+	}
+	return list
+}
+
+// conflict reports whether plan lists a and b name a plan of one name with
+// other parameters.
+func conflict(a, b string) bool {
+	for a != "" {
+		var x string
+		x, a, _ = strings.Cut(a, ",")
+		for rest := b; rest != ""; {
+			var y string
+			y, rest, _ = strings.Cut(rest, ",")
+			if x != y && nameOf(x) == nameOf(y) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// nameOf returns the plan name of an item of a plan list.
+func nameOf(item string) string {
+	name, _, _ := strings.Cut(item, "#")
+	return name
 }
 
 // Len returns the number of keys the cache holds.

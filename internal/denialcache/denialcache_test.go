@@ -68,3 +68,54 @@ func TestKeepsADenialOfTheFirstInstant(t *testing.T) {
 	assert.True(t, ok)
 	assert.Equal(t, 7, v)
 }
+
+func TestARequestUnderOtherParametersForgetsTheKeysDenials(t *testing.T) {
+	c := New[int](10, time.Now())
+	now := c.Now()
+	c.Put("k", "api#2/1", 1, 0, now, now+hour)
+	c.Put("k", "daily#100/1", 1, 0, now, now+hour)
+	c.Put("k", "api#2/1,daily#100/1", 1, 0, now, now+hour)
+	c.Put("other", "api#2/1", 1, 0, now, now+hour)
+
+	_, _, ok := c.Get("k", "api#10/5", 1, now, new(int))
+	assert.False(t, ok)
+	_, _, ok = c.Get("k", "api#2/1", 1, now, new(int))
+	assert.False(t, ok, "forgotten: the bucket may have filled under the other parameters")
+	_, _, ok = c.Get("k", "api#2/1,daily#100/1", 1, now, new(int))
+	assert.False(t, ok, "a chain that holds the plan is forgotten too")
+	_, _, ok = c.Get("k", "daily#100/1", 1, now, new(int))
+	assert.True(t, ok, "another plan's bucket is not the same")
+	_, _, ok = c.Get("other", "api#2/1", 1, now, new(int))
+	assert.True(t, ok, "another key's")
+
+	c.Supersede("k", "daily#100/2")
+	_, _, ok = c.Get("k", "daily#100/1", 1, now, new(int))
+	assert.False(t, ok, "a read under other parameters forgets too")
+
+	c.Put("k", "api#2/1", 1, 0, now+1, now+hour)
+	c.Put("k", "api#2/2", 1, 0, now+1, now+hour)
+	_, _, ok = c.Get("k", "api#2/1", 1, now, new(int))
+	assert.False(t, ok, "a denial under other parameters forgets too")
+	assert.LessOrEqual(t, len(c.keys["k"]), MaxPerKey)
+}
+
+func TestForgetAll(t *testing.T) {
+	c := New[int](10, time.Now())
+	asked := c.Now()
+	c.Put("k", "p", 1, 0, asked, asked+hour)
+	c.ForgetAll()
+	assert.Zero(t, c.Len())
+	c.Put("k", "p", 1, 0, asked, asked+hour)
+	_, _, ok := c.Get("k", "p", 1, c.Now(), new(int))
+	assert.False(t, ok, "a denial asked before the change of plans may be stale")
+}
+
+func TestGetAllocatesNothing(t *testing.T) {
+	c := New[[4]int64](10, time.Now())
+	now := c.Now()
+	c.Put("k", "api#2/1,daily#100/1", 1, [4]int64{}, now, now+hour)
+	var v [4]int64
+	assert.Zero(t, testing.AllocsPerRun(100, func() { c.Get("k", "api#2/1,daily#100/1", 1, now, &v) }), "a hit")
+	assert.Zero(t, testing.AllocsPerRun(100, func() { c.Get("k", "api#2/1", 2, now, &v) }), "a miss")
+	assert.Zero(t, testing.AllocsPerRun(100, func() { c.Get("k", "api#2/2", 1, now, &v) }), "a conflict")
+}
