@@ -65,7 +65,7 @@ type Limiter struct {
 	holdTTL         time.Duration
 
 	table     atomic.Pointer[planTable] // New's plans, or SetPlans's
-	resolver  PlanResolver              // nil: none
+	resolver  planResolver              // nil: none
 	shadowAll bool                      // WithShadow
 	others    otherPlans                // AllowPlans's plans not in the table
 	fleet     *fleet                    // WithFleet; nil: none
@@ -172,7 +172,7 @@ func (l *Limiter) Allow(ctx context.Context, key string, plans ...string) (r Res
 //
 // Errors: ErrInvalidKey, ErrUnknownPlan, ErrInvalidCost (below 1, or above
 // a plan's capacity), the caller's own context error, ErrResolver and
-// ErrInvalidPlan from a PlanResolver (WithPlanResolver), and, under
+// ErrInvalidPlan from a plan resolver (WithPlanResolver), and, under
 // FailClosed only, ErrStoreUnavailable.
 func (l *Limiter) AllowN(ctx context.Context, key string, cost int64, plans ...string) (r Result, err error) {
 	err = l.named(ctx, &r, op{key: key, n: cost}, plans)
@@ -269,7 +269,7 @@ func (l *Limiter) Wait(ctx context.Context, key string, cost int64, plans ...str
 // AllowN for a caller that holds its plans, such as the plan of the key's
 // customer tier. A plan's Name names its bucket, whether or not the
 // Limiter's table has a plan of that name: plans of one name with other
-// parameters share the bucket (see PlanResolver). The resolver is not
+// parameters share the bucket (see WithPlanResolver). The resolver is not
 // asked; WithShadow applies.
 //
 // Plans are checked as New checks them, on every call (ErrInvalidPlan);

@@ -1,6 +1,7 @@
 package tollgate
 
 import (
+	"context"
 	"fmt"
 	"log/slog"
 	"time"
@@ -56,7 +57,7 @@ type config struct {
 	denialKeys *int // nil: the default
 	holdTTL    time.Duration
 	leaseTTL   time.Duration
-	resolver   PlanResolver
+	resolver   planResolver
 	shadow     bool
 	fleet      *time.Duration // the heartbeat's interval; nil: no fleet
 
@@ -156,7 +157,7 @@ func WithLeaseTTL(d time.Duration) Option {
 // puts one: decisions take tokens exactly as if enforced, and report what
 // enforcement would have denied (Result.ShadowDenied, PlanStats
 // .ShadowDenied), but every request is allowed. It also shadows the plans
-// of SetPlans, a PlanResolver and AllowPlans. Failure policies apply as
+// of SetPlans, a plan resolver (WithPlanResolver) and AllowPlans. Failure policies apply as
 // usual: under FailClosed an outage is still an error. The default
 // enforces the plans as they say.
 func WithShadow() Option {
@@ -165,7 +166,14 @@ func WithShadow() Option {
 
 // WithPlanResolver has r choose, per key, the plans that the plan names of
 // a call stand for (Allow, AllowN, Peek, Wait; not AllowPlans, whose
-// caller holds its plans). What r answers:
+// caller holds its plans): for example the plan of the key's customer
+// tier, looked up in a cache. r is given the plan p the call named, as New
+// or SetPlans gave it, and returns p unchanged for no override. It must
+// keep p.Name, which names the bucket: a key that changes tier keeps its
+// bucket, its tokens kept on an upgrade and clamped to the new Capacity
+// on a downgrade. r runs on every decision, once per plan asked, after
+// the key is checked and before the store: it must be fast and safe for
+// concurrent use. What r answers:
 //
 //   - a valid plan of the same name: it decides, in the bucket of that
 //     name. Its Shadow flag applies as it returns it (WithShadow still
@@ -186,7 +194,7 @@ func WithShadow() Option {
 // The Limiter keeps up to 16 distinct plans per name that r returned,
 // validated and fingerprinted once, so a resolver that returns cached
 // plans adds no allocation. The default is no resolver.
-func WithPlanResolver(r PlanResolver) Option {
+func WithPlanResolver(r func(ctx context.Context, key string, p Plan) (Plan, error)) Option {
 	return Option{name: "WithPlanResolver", taker: takerNew, apply: func(c *config) { c.resolver = r }}
 }
 

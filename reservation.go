@@ -184,7 +184,7 @@ func (r *Reservation) Result() Result {
 // remember has passed.
 //
 // The buckets are adjusted with the plans in force at Settle, of the names
-// the reservation was decided on (after SetPlans, or a PlanResolver that
+// the reservation was decided on (after SetPlans, or a plan resolver (WithPlanResolver) that
 // now answers another tier), so a refund refills at today's rate; a plan
 // whose name is gone, or that the resolver now exempts or fails on, is
 // settled as it was reserved, and one whose name is a window now is left
@@ -303,7 +303,7 @@ func (l *Limiter) settleGuarded(ctx context.Context, o settleOp) (st Settlement,
 // plansInForce returns the plans a settlement of r adjusts, and the plans
 // it leaves alone (bit i for plan i, as hold.skip): for each plan the
 // reservation was decided on, the plan of that name that a decision on
-// r's key would use now (SetPlans, the PlanResolver), so that a refund
+// r's key would use now (SetPlans, WithPlanResolver), so that a refund
 // refills, and a debt accrues, at the rate in force. A plan whose name
 // left the table, or that the resolver exempts or fails on, keeps the
 // reservation's; so does its Shadow flag, since the reservation took from

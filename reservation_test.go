@@ -827,7 +827,7 @@ func TestDebtSurvivesAFasterPlan(t *testing.T) {
 // TestSettleUsesThePlanInForce reserves, lowers the plan's rate from 10/s
 // to 1/s, and settles 10 s later with a refund of 1: the bucket refills at
 // the rate in force, 10 tokens, not at the reservation's, which left 100
-// where the plan allows 11. The same holds when a PlanResolver moves the
+// where the plan allows 11. The same holds when a plan resolver (WithPlanResolver) moves the
 // key to a slower tier.
 func TestSettleUsesThePlanInForce(t *testing.T) {
 	ctx := context.Background()

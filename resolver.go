@@ -7,32 +7,19 @@ import (
 	"sync"
 )
 
-// PlanResolver chooses the plan that applies to key, given the plan p the
-// call named (as New or SetPlans gave it): for example the plan of the
-// key's customer tier, looked up in a cache. key is the key the caller
-// meant, which ResolveAs may name apart from the bucket's key: behind
-// httplimit.ByHeader("X-Api-Key") it is the API key, "key-gold", while the
-// bucket stays "header:X-Api-Key:key-gold". It returns p unchanged for
-// no override. It must keep p.Name, which names the bucket: a key that
-// changes tier keeps its bucket, its tokens kept on an upgrade and
-// clamped to the new Capacity on a downgrade. It returns an error wrapping
-// ErrExempt to exempt the key from p.
-//
-// A resolver runs on every decision, once per plan asked, after the key
-// is checked and before the store: it must be fast and safe for
-// concurrent use.
-type PlanResolver func(ctx context.Context, key string, p Plan) (Plan, error)
+// planResolver is the type of WithPlanResolver's function.
+type planResolver = func(ctx context.Context, key string, p Plan) (Plan, error)
 
-// SourceExempt means a PlanResolver exempted the key from every plan asked
+// SourceExempt means a plan resolver (WithPlanResolver) exempted the key from every plan asked
 // (ErrExempt): the request was allowed without any bucket.
 const SourceExempt Source = numSources
 
 var (
-	// ErrExempt is what a PlanResolver returns, wrapped or not, to exempt a
+	// ErrExempt is what a plan resolver (WithPlanResolver) returns, wrapped or not, to exempt a
 	// key from a plan (see WithPlanResolver). A Limiter never returns it.
 	ErrExempt = errors.New("tollgate: exempt")
 
-	// ErrResolver means the PlanResolver failed (returned an error other
+	// ErrResolver means the plan resolver (WithPlanResolver) failed (returned an error other
 	// than ErrExempt, or panicked), so the call decided nothing. It wraps
 	// the resolver's error.
 	ErrResolver = errors.New("tollgate: plan resolver failed")
@@ -109,7 +96,7 @@ func (l *Limiter) callResolver(ctx context.Context, key string, in, out *Plan) (
 }
 
 // ResolveAs returns a context in which a decision on key gives the
-// PlanResolver the key as instead, the key the caller meant: the bucket
+// plan resolver (WithPlanResolver) the key as instead, the key the caller meant: the bucket
 // stays key's. httplimit's Middleware and grpclimit's interceptors call it
 // with the value their KeyFunc found, so that a resolver of API keys sees
 // "key-gold" where the bucket is "header:X-Api-Key:key-gold", and keys of

@@ -19,7 +19,7 @@ var (
 )
 
 // tiers is a resolver that gives the keys in gold the gold tier.
-func tiers(gold map[string]bool) PlanResolver {
+func tiers(gold map[string]bool) planResolver {
 	return func(_ context.Context, key string, p Plan) (Plan, error) {
 		if p.Name == "api" && gold[key] {
 			return goldTier, nil
@@ -196,7 +196,7 @@ func TestResolverBadAnswers(t *testing.T) {
 	errLookup := errors.New("tier lookup failed")
 	tests := []struct {
 		name    string
-		resolve PlanResolver
+		resolve planResolver
 		want    error
 	}{
 		{"error", func(context.Context, string, Plan) (Plan, error) { return Plan{}, errLookup }, errLookup},

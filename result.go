@@ -66,7 +66,7 @@ type PlanResult struct {
 	// soft limit, 1 past its hard limit. It is 0 for other plans.
 	Suppression float64
 	// Rate and Window are those of the plan as applied, which a
-	// PlanResolver or AllowPlans may have chosen for the key, for example
+	// plan resolver (WithPlanResolver) or AllowPlans may have chosen for the key, for example
 	// 10 tokens per second, or a Window of 1m; what Limit is to Capacity.
 	Rate   float64
 	Window time.Duration

@@ -41,7 +41,7 @@ var ErrNoKey = errors.New("grpclimit: no rate limit key in call")
 // header keys start "header:", so an HTTP and a gRPC front end that share
 // a Limiter share the buckets of an IP address or a principal.
 //
-// A tollgate.PlanResolver behind the interceptors is given the value the
+// A plan resolver (tollgate.WithPlanResolver) behind the interceptors is given the value the
 // key holds after its kind and method (tollgate.ResolveAs): the API key
 // "key-gold" of the bucket "md:x-api-key:key-gold", the principal's ID,
 // the address, so that a resolver of customer tiers matches the key the

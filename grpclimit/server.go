@@ -20,7 +20,7 @@
 // codes.Unavailable, not ResourceExhausted, so clients do not back off
 // from a healthy server for the wrong reason. Keys, which may be personal
 // data, never appear in any message, detail or metadata. A
-// tollgate.PlanResolver is given the key the caller sent, such as the API
+// plan resolver (tollgate.WithPlanResolver) is given the key the caller sent, such as the API
 // key within "md:x-api-key:key-gold" (see KeyFunc).
 //
 // On a client, UnaryClientInterceptor and StreamClientInterceptor wait
@@ -403,7 +403,7 @@ func (s *server) decide(ctx context.Context, fullMethod string, req any) (string
 	if s.cost != nil {
 		cost = s.cost(ctx, fullMethod, req)
 	}
-	// A PlanResolver sees the API key, not the bucket's key.
+	// A plan resolver sees the API key, not the bucket's key.
 	res, err := s.lim.AllowN(callerkey.Context(ctx, key), key, cost, s.plansFor(fullMethod)...)
 	if err != nil {
 		return "", res, s.errorStatus(ctx, err)

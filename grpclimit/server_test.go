@@ -404,7 +404,7 @@ func TestDeniedStatusDescribesAWindow(t *testing.T) {
 	assert.Equal(t, "1 tokens in any 1m0s", qf.GetViolations()[0].GetDescription())
 }
 
-// resolverKeys notes the keys a PlanResolver was given.
+// resolverKeys notes the keys a plan resolver was given.
 type resolverKeys struct {
 	mu   sync.Mutex
 	keys []string

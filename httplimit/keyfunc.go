@@ -29,7 +29,7 @@ var ErrNoKey = errors.New("httplimit: no rate limit key in request")
 // one Limiter: a client cannot send an API key that spells someone else's
 // IP address and drain that address's buckets.
 //
-// A tollgate.PlanResolver behind Middleware is given the value the key
+// A plan resolver (tollgate.WithPlanResolver) behind Middleware is given the value the key
 // holds after its kind and route (tollgate.ResolveAs): the API key
 // "key-gold" of the bucket "header:X-Api-Key:key-gold", the principal's
 // ID, the address, so that a resolver of customer tiers matches the key

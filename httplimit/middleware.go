@@ -7,7 +7,7 @@
 //	limit := httplimit.Middleware(lim, httplimit.ByIP(), httplimit.WithPlans("gold", "daily"))
 //	mux.Handle("/api/", limit(apiHandler))
 //
-// A tollgate.PlanResolver is given the key the client sent, such as the
+// A plan resolver (tollgate.WithPlanResolver) is given the key the client sent, such as the
 // API key within "header:X-Api-Key:key-gold" (see KeyFunc).
 //
 // Everything in this package is safe for concurrent use.
@@ -188,7 +188,7 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	if m.cost != nil {
 		cost = m.cost(r)
 	}
-	ctx := callerkey.Context(r.Context(), key) // a PlanResolver sees the API key, not the bucket's key
+	ctx := callerkey.Context(r.Context(), key) // a plan resolver sees the API key, not the bucket's key
 	var res tollgate.Result
 	var held *tollgate.Reservation
 	if m.final != nil {

@@ -354,7 +354,7 @@ func (w *headerWriter) WriteHeader(int)             {}
 
 func TestMiddlewareAllocations(t *testing.T) {
 	// ByHeader builds its key (1); the context that names the API key
-	// for a PlanResolver (1); the fields cost a string and a []string
+	// for a plan resolver (1); the fields cost a string and a []string
 	// (2); the decision itself allocates nothing.
 	lim, err := tollgate.New(tollgate.NewMemoryStore(), []tollgate.Plan{{Name: "p", Capacity: 1 << 30, Rate: 1e6}})
 	require.NoError(t, err)
@@ -397,7 +397,7 @@ func BenchmarkMiddleware(b *testing.B) {
 	}
 }
 
-// resolverKeys notes the keys a PlanResolver was given.
+// resolverKeys notes the keys a plan resolver was given.
 type resolverKeys struct {
 	mu   sync.Mutex
 	keys []string
@@ -484,7 +484,7 @@ func TestMiddlewareAppliesREADMEsTiers(t *testing.T) {
 	}
 }
 
-// Every KeyFunc of this package gives a PlanResolver the value it found,
+// Every KeyFunc of this package gives a plan resolver the value it found,
 // without its kind or route; a KeyFunc of one's own, its key.
 func TestMiddlewareGivesTheResolverTheCallersKey(t *testing.T) {
 	type principalKey struct{}

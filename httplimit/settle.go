@@ -39,7 +39,7 @@ func WithSettle(final func(r *http.Request, resp Response) int64) Option {
 
 // serveHeld calls next for a request that got reservation res, and
 // settles it with what m.final makes of the response, under ctx, the
-// reservation's: a PlanResolver sees the key it saw then.
+// reservation's: a plan resolver sees the key it saw then.
 func (m *middleware) serveHeld(ctx context.Context, w http.ResponseWriter, r *http.Request, res *tollgate.Reservation, next http.Handler) {
 	cw := &countingWriter{ResponseWriter: w}
 	next.ServeHTTP(cw, r)

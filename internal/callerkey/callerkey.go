@@ -1,5 +1,5 @@
 // Package callerkey finds, within a key that a KeyFunc of httplimit or
-// grpclimit built, the key the caller meant, for a PlanResolver to see.
+// grpclimit built, the key the caller meant, for a plan resolver to see.
 package callerkey
 
 import (
@@ -42,7 +42,7 @@ func value(key string) (string, bool) {
 	return "", false
 }
 
-// Context returns ctx, in which a decision on key gives a PlanResolver the
+// Context returns ctx, in which a decision on key gives a plan resolver the
 // key the caller meant (Of), if that is not key itself
 // (tollgate.ResolveAs).
 func Context(ctx context.Context, key string) context.Context {
