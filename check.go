@@ -22,13 +22,10 @@ import (
 // other Store is asked to read a bucket.
 func (l *Limiter) Check(ctx context.Context) error {
 	var err error
-	switch s := l.store.(type) {
-	case *MemoryStore:
-		return nil
-	case *RedisStore:
-		err = s.check(ctx)
-	default:
-		_, err = s.Take(ctx, reservedKey, 0, []Plan{checkPlan})
+	if c, ok := l.store.(checkedStore); ok {
+		err = c.check(ctx)
+	} else if !l.local {
+		_, err = l.store.Take(ctx, reservedKey, 0, []Plan{checkPlan})
 	}
 	if err == nil || ctx.Err() != nil {
 		return err

@@ -341,8 +341,8 @@ func (l *Limiter) Stats() Stats {
 		s.BreakerHalfOpened = h.entered(breaker.HalfOpen)
 		s.BreakerClosed = h.entered(breaker.Closed)
 	}
-	if rs, ok := l.store.(*RedisStore); ok {
-		s.ScriptLoads = rs.ScriptLoads()
+	if ss, ok := l.store.(scriptStore); ok {
+		s.ScriptLoads = ss.ScriptLoads()
 	}
 	if l.fleet != nil {
 		s.FleetSize = l.fleet.size.Load()
