@@ -16,12 +16,17 @@ import (
 // pass the Result they return, so it is built in place rather than copied
 // up the steps.
 func (l *Limiter) decide(ctx context.Context, r *Result, q *request) error {
-	if err := l.plansFor(ctx, q); err != nil {
-		if errors.Is(err, ErrExempt) {
-			*r = exemptResult(q.plans)
-			return nil
-		}
+	if err := checkKey(q.key); err != nil {
 		return err
+	}
+	if l.resolver != nil && !q.given {
+		if err := l.plansFor(ctx, q); err != nil {
+			if errors.Is(err, ErrExempt) {
+				*r = exemptResult(q.plans)
+				return nil
+			}
+			return err
+		}
 	}
 	if err := l.check(ctx, q); err != nil {
 		return err
@@ -42,8 +47,17 @@ func (l *Limiter) decide(ctx context.Context, r *Result, q *request) error {
 			return nil
 		}
 	}
-	asked := l.now()
-	if err := l.ask(ctx, r, &q.op); err != nil {
+	var asked int64 // on the Limiter's clock: a store of this process is not timed
+	if cache || !l.local {
+		asked = l.now()
+	}
+	var err error
+	if l.local { // a store of this process cannot fail: no breaker, no policy
+		*r, err = l.decider.decide(ctx, q.op)
+	} else {
+		err = l.ask(ctx, r, &q.op, asked)
+	}
+	if err != nil {
 		return err
 	}
 	if cache {
@@ -68,17 +82,10 @@ func (l *Limiter) named(ctx context.Context, r *Result, o op, names []string) er
 	return l.decide(ctx, r, &q)
 }
 
-// plansFor checks q's key and has the resolver choose q's plans for it
-// (WithPlanResolver), unless the caller gave them (AllowPlans). It returns
-// ErrExempt, with q's plans as asked, when the resolver exempts the key
-// from every plan.
+// plansFor has the resolver choose q's plans for q's key
+// (WithPlanResolver). It returns ErrExempt, with q's plans as asked, when
+// the resolver exempts the key from every plan.
 func (l *Limiter) plansFor(ctx context.Context, q *request) error {
-	if err := checkKey(q.key); err != nil {
-		return err
-	}
-	if q.given || l.resolver == nil {
-		return nil
-	}
 	var err error
 	q.plans, q.entry, err = l.resolveFor(ctx, q.table, q.key, q.plans, q.entry)
 	return err

@@ -19,16 +19,10 @@ import (
 // keeps calls from the store.
 var errBreakerOpen = errors.New("circuit breaker open")
 
-// ask has the store decide o into *r: a store of this process at once,
-// one that can fail behind its breaker. While it fails, the failure policy
-// decides instead.
-func (l *Limiter) ask(ctx context.Context, r *Result, o *op) error {
-	if l.local {
-		var err error
-		*r, err = l.decider.decide(ctx, *o)
-		return err
-	}
-	start := l.now()
+// ask has the store, one that can fail, decide o into *r behind its
+// breaker, timed from start (the Limiter's clock). While it fails, the
+// failure policy decides instead.
+func (l *Limiter) ask(ctx context.Context, r *Result, o *op, start int64) error {
 	b := l.health.forKey(ctx, o.key, o.plans)
 	ok, probe := b.Allow()
 	if !ok {

@@ -73,7 +73,7 @@ func (ls *leases) reservation(key string, n int64, given bool) *Reservation {
 func (ls *leases) hold(ctx context.Context, rv *Reservation, plans []Plan) error {
 	rv.hold.plans = plans
 	o := op{key: rv.key, n: rv.n, mode: modeHold, plans: plans, hold: &rv.hold}
-	if err := ls.l.ask(ctx, &rv.result, &o); err != nil {
+	if err := ls.l.ask(ctx, &rv.result, &o, ls.l.now()); err != nil {
 		return err
 	}
 	ls.l.held(rv)

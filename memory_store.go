@@ -114,39 +114,24 @@ func (m *MemoryStore) Take(ctx context.Context, key string, cost int64, plans []
 	if err := ctx.Err(); err != nil {
 		return Result{}, err
 	}
-	m.takeInto(&r, key, cost, plans)
-	return r, nil
+	if cost == 0 {
+		return m.decide(ctx, op{key: key, n: 1, mode: modeRead, plans: plans})
+	}
+	return m.decide(ctx, op{key: key, n: cost, plans: plans})
 }
 
-// decide implements decider: a take, a read or a hold, already checked.
-// A hold is the Reservation itself, in this process: the store only dates
-// its expiry.
+// decide implements decider: a take, a read or a hold, already checked,
+// with its Result built in place. A hold is the Reservation itself, in
+// this process: the store only dates its expiry.
 func (m *MemoryStore) decide(_ context.Context, o op) (r Result, _ error) {
-	m.takeInto(&r, o.key, o.cost(), o.plans)
-	if o.mode == modeHold {
-		o.hold.granted(m, m.now()+o.hold.ttl.Microseconds())
-	}
-	return r, nil
-}
-
-func (m *MemoryStore) self() Store { return m }
-
-// wiringError implements wiredStore: an option of another constructor.
-func (m *MemoryStore) wiringError() error { return m.err }
-
-// inProcess implements localStore: a MemoryStore cannot fail.
-func (*MemoryStore) inProcess() {}
-
-// takeInto is Take for a request already checked, with its Result built
-// in *r.
-func (m *MemoryStore) takeInto(r *Result, key string, cost int64, plans []Plan) {
+	key, cost, plans := o.key, o.cost(), o.plans
 	if windowIn(plans) {
-		m.takeWindows(r, key, cost, plans)
-		return
+		m.takeWindows(&r, key, cost, plans)
+		m.dateHold(o)
+		return r, nil
 	}
-	// A chain of buckets alone skips the windows' bookkeeping (callgrind,
-	// BenchmarkLimiterAllow/memory/one-key: see README). A fixed array
-	// keeps up to four plans off the heap.
+	// A chain of buckets alone skips the windows' bookkeeping. A fixed
+	// array keeps up to four plans off the heap.
 	var buf [4]TokenBucket
 	buckets := buf[:0]
 	s, e, now := m.lock(key)
@@ -177,7 +162,24 @@ func (m *MemoryStore) takeInto(r *Result, key string, cost int64, plans []Plan) 
 	}
 	s.mu.Unlock()
 	r.describe(&outcome{plans: plans, buckets: buckets, now: now, cost: cost, allowed: allowed, wd: wd})
+	m.dateHold(o)
+	return r, nil
 }
+
+// dateHold dates the expiry of o's hold, if o holds.
+func (m *MemoryStore) dateHold(o op) {
+	if o.mode == modeHold {
+		o.hold.granted(m, m.now()+o.hold.ttl.Microseconds())
+	}
+}
+
+func (m *MemoryStore) self() Store { return m }
+
+// wiringError implements wiredStore: an option of another constructor.
+func (m *MemoryStore) wiringError() error { return m.err }
+
+// inProcess implements localStore: a MemoryStore cannot fail.
+func (*MemoryStore) inProcess() {}
 
 // lock locks the shard of key and returns it, the key's entry (nil if
 // none) and the time. The clock is read before the lock, which it would

@@ -1,6 +1,7 @@
 package tollgate
 
-// takeWindows is takeInto for a chain with window plans.
+// takeWindows is decide for a chain with window plans: cost is the op's
+// (see op.cost), and the Result is built in *r.
 func (m *MemoryStore) takeWindows(r *Result, key string, cost int64, plans []Plan) {
 	// Fixed arrays keep a decision on up to four chained plans off the heap.
 	var bbuf [4]TokenBucket

@@ -1631,7 +1631,11 @@ func runVariants(t *testing.T, seed uint64) {
 					}
 				}
 			}
-			ms.takeInto(&m, "k", cost, plans)
+			o := op{key: "k", n: cost, plans: plans}
+			if cost <= 0 { // a read: for 1 token (0), or for -cost
+				o.n, o.mode = max(-cost, 1), modeRead
+			}
+			m, _ = ms.decide(ctx, o)
 			r, err := rs.take(ctx, "k", cost, plans)
 			require.NoError(t, err)
 			require.Equal(t, m, r, "op %d: take %d on %v", i, cost, plans)
