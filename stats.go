@@ -247,10 +247,9 @@ func newCounters() counters {
 
 // stripe picks a stripe from the address of r. A Result is built on the
 // deciding goroutine's stack, so goroutines, and with them the cores,
-// mostly count on different cache lines. A random number per decision did
-// the same at five times the instructions (BenchmarkLimiterAllow/memory),
-// and one set of counters made two cores deciding on Redis a quarter
-// slower (BenchmarkLimiterAllow/redis/client-only).
+// mostly count on different cache lines. A random number per decision
+// spreads them as well but costs more than the whole count, and one set
+// of counters for all cores slows cores that decide at once.
 func stripe(r *Result) int {
 	return int(uint64(uintptr(unsafe.Pointer(r))) * 0x9E3779B97F4A7C15 >> (64 - stripeBits))
 }
