@@ -12,7 +12,7 @@ import (
 
 // Batching limits: a batch holds at most maxBatch decisions, and at most
 // maxInFlight script calls of one store are under way at once, so that
-// Redis runs one batch while the next is on its way (ADR 26).
+// Redis runs one batch while the next is on its way.
 const (
 	maxBatch    = 32
 	maxInFlight = 2

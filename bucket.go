@@ -37,7 +37,7 @@ func fullBucket(p Plan, now int64) TokenBucket {
 // Stamp are added, up to p.Capacity. A now before Stamp refills nothing and
 // leaves Stamp where it is, so a clock that steps back cannot mint tokens;
 // but a Stamp more than a full refill (Capacity / Rate) ahead of now is
-// brought back to a full refill ahead, tokens kept (ADR 29): a garbage
+// brought back to a full refill ahead, tokens kept: a garbage
 // stamp blocks a key for at most one full refill, and a debt that another
 // plan of the name, with a longer refill, ran up reads as the most debt
 // this plan allows, never as a full bucket. A decision that asks for

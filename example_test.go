@@ -177,3 +177,21 @@ func ExampleWithShadow() {
 	// true true
 	// would have denied: 1
 }
+
+func ExampleStats_Plan() {
+	lim, err := tollgate.New(tollgate.NewMemoryStore(), []tollgate.Plan{
+		{Name: "api", Capacity: 2, Rate: 1},
+	})
+	if err != nil {
+		panic(err)
+	}
+	for i := 0; i < 3; i++ {
+		if _, err := lim.Allow(context.Background(), "user-42"); err != nil {
+			panic(err)
+		}
+	}
+	api, _ := lim.Stats().Plan("api")
+	fmt.Println(api.AllowedTotal(), api.DeniedTotal(), api.DeniedBy(tollgate.SourceStore))
+	// Output:
+	// 2 1 1
+}

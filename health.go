@@ -11,7 +11,7 @@ import (
 // health holds the circuit breakers that keep a failing store from being
 // asked: one for the store, or, for a RedisStore on a Redis Cluster, one
 // per master, so that a dead master sends its own keys to the failure
-// policy and no other master's (issue 14; chaos note 1 in README).
+// policy and no other master's.
 // It is safe for concurrent use.
 type health struct {
 	settings breaker.Settings

@@ -15,8 +15,8 @@ const (
 	maxLeaseTTL     = time.Minute
 )
 
-// leases are a Limiter's leases of plans with Plan.Lease, on a RedisStore
-// (ADR 27). A lease is a reservation of Plan.Lease tokens of one key,
+// leases are a Limiter's leases of plans with Plan.Lease, on a
+// RedisStore. A lease is a reservation of Plan.Lease tokens of one key,
 // taken in Redis like any decision, whose tokens the Limiter then hands
 // out one decision at a time without asking Redis; when it runs out, or
 // its TTL passes, the next decision settles it with the tokens handed

@@ -1,29 +1,38 @@
-// Package tollgate is a distributed token-bucket rate limiter for Go services
-// that run as many instances. Every instance shares one bucket per key and
-// plan, kept in Redis and updated by one atomic Lua script per decision, with
-// Redis TIME as the only clock. A local MemoryStore serves single instances
-// and decides for a while when Redis is down.
+// Package tollgate is a distributed rate limiter for Go services: token
+// buckets and sliding windows shared through Redis by every instance of a
+// service. Each decision is one atomic Lua script call, with Redis TIME as
+// the only clock, so instances agree exactly. A MemoryStore serves a
+// single instance, and decides for a while when Redis is down.
 //
-// A Limiter holds named plans (a capacity and a refill rate). One call may
-// chain several plans, for example a burst limit and a daily quota, and then
+// A Limiter holds named plans: a token bucket (a capacity and a refill
+// rate) or a sliding window (a capacity per window). One call may chain
+// several plans, for example a burst limit and a daily quota, and then
 // consumes from all of them or from none:
 //
 //	lim, err := tollgate.New(tollgate.NewRedisStore(client), []tollgate.Plan{
-//		{Name: "gold", Capacity: 20, Rate: 10},
-//		{Name: "daily", Capacity: 10_000, Rate: tollgate.Per(10_000, 24*time.Hour)},
-//	})
-//	res, err := lim.Allow(ctx, apiKey, "gold", "daily")
-//	if err == nil && !res.Allowed {
-//		// deny; retry after res.RetryAfter
+//		{Name: "burst", Capacity: 20, Rate: 10},
+//		{Name: "daily", Capacity: 10_000, Window: 24 * time.Hour},
+//	}, tollgate.WithFailurePolicy(breaker.FailClosed))
+//	if err != nil {
+//		return err
+//	}
+//	res, err := lim.Allow(ctx, apiKey, "burst", "daily")
+//	if err != nil {
+//		return err // bad input, or the store unavailable under FailClosed
+//	}
+//	if !res.Allowed {
+//		// deny; the client may retry after res.RetryAfter
 //	}
 //
 // A cost known only afterwards, such as an LLM answer's tokens, is
 // reserved at its most with Reserve and settled with Reservation.Settle,
 // which refunds the unused rest or charges the excess as debt.
 //
-// Being limited is a Result, not an error. Errors mean bad input or, under
-// FailClosed, an unavailable store. The net/http middleware is in package
-// httplimit; Limiter.Stats feeds the metrics adapters.
+// Being limited is a Result, not an error. Errors mean bad input or,
+// under breaker.FailClosed, an unavailable store; the default policy,
+// breaker.Fallback, decides on the fallback store meanwhile. The net/http
+// middleware is in package httplimit, the gRPC interceptors in module
+// grpclimit; Limiter.Stats feeds the metrics adapters.
 package tollgate
 
 import (

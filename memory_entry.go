@@ -170,8 +170,8 @@ func (s *memShard) entry(key string, n, perCap int, now int64) *memEntry {
 // evict drops a key to make room, and returns its entry, or nil if the
 // shard is empty: the first full key of a sample of evictSample, which
 // gives nothing back, or else the one that would get back the fewest
-// tokens, per µs it has been away, if it returned after as long again
-// (ADR 15). Requires s.mu.
+// tokens, per µs it has been away, if it returned after as long again.
+// Requires s.mu.
 func (s *memShard) evict(now int64) *memEntry {
 	examined := 0
 	var victim string

@@ -16,8 +16,8 @@ const defaultMaxKeys = 100_000
 //
 // A key stays resident, full or not, until the store needs room for
 // another, whose entry then reuses the dropped one's: a key that refills
-// between visits, like most users under their limit, costs no allocation
-// (ADR 25). The store never holds more than WithMaxKeys keys (bounded per
+// between visits, like most users under their limit, costs no
+// allocation. The store never holds more than WithMaxKeys keys (bounded per
 // shard, of at least 64 keys each), so a flood of distinct keys cannot
 // exhaust memory. When a shard is at its bound it drops a full key of a
 // sample of 16, which reads the same as a missing one, or, if none is
@@ -130,8 +130,9 @@ func (m *MemoryStore) decide(_ context.Context, o op) (r Result, _ error) {
 		m.dateHold(o)
 		return r, nil
 	}
-	// A chain of buckets alone skips the windows' bookkeeping. A fixed
-	// array keeps up to four plans off the heap.
+	// A chain of buckets alone skips the windows' bookkeeping, which it
+	// would otherwise pay for nothing. A fixed array keeps up to four plans
+	// off the heap.
 	var buf [4]TokenBucket
 	buckets := buf[:0]
 	s, e, now := m.lock(key)

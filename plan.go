@@ -33,7 +33,7 @@ const (
 // most Capacity in any span of Window, whatever its start: it counts in
 // Slots sub-windows and counts the oldest one in full until it lies wholly
 // outside the window, so it never admits early, and may refuse for up to
-// Window/Slots longer than an exact log would (ADR 16).
+// Window/Slots longer than an exact log would.
 type Plan struct {
 	// Name identifies the plan in calls and in Redis keys: 1 to 64 bytes
 	// of [A-Za-z0-9_.-].
@@ -58,8 +58,8 @@ type Plan struct {
 	// to whole µs, which adds at most Slots µs; memory per key grows with
 	// Slots (README). It must be 0 for a token bucket.
 	Slots int
-	// Suppress, when not 0, puts a window plan in suppressed mode (seed
-	// 003): Capacity becomes a soft limit, and Capacity × Suppress,
+	// Suppress, when not 0, puts a window plan in suppressed mode:
+	// Capacity becomes a soft limit, and Capacity × Suppress,
 	// rounded down, a hard one. Below the soft limit a request is
 	// admitted; past the hard limit it is refused; in between it is
 	// admitted with probability Capacity ÷ the load offered in the window,
@@ -73,13 +73,14 @@ type Plan struct {
 	// request it lacks the tokens for leaves its bucket as enforcement
 	// would, so that its bucket always holds what the enforced plan would
 	// hold; it is reported as PlanResult.WouldDeny, Result.ShadowDenied
-	// and PlanStats.ShadowDenied. A shadowed plan may be at most 52nd in
-	// a chain. The default, false, enforces the plan.
+	// and PlanStats.ShadowDenied. Only the first 52 plans of a chain may
+	// be shadowed; a shadowed plan further along is ErrInvalidPlan. The
+	// default, false, enforces the plan.
 	Shadow bool
 	// Version, when not 0, fences a change of this token bucket plan:
 	// the first decision by a plan of a higher version than the bucket's
 	// applies Inherit to its tokens, once, and stores the version with
-	// the bucket (ADR 22), so that instances of old and new versions
+	// the bucket, so that instances of old and new versions
 	// running side by side never apply it twice. The default, 0, stores
 	// nothing more and keeps the tokens, clamped. It must be 0 for a
 	// window plan.
@@ -90,7 +91,7 @@ type Plan struct {
 	Inherit Inheritance
 	// Lease, when not 0, lets a Limiter on a RedisStore lease up to this
 	// many tokens of a key at once and spend them locally, for a
-	// decision that names this plan alone (ADR 27): one script call per
+	// decision that names this plan alone: one script call per
 	// lease instead of one per decision. The unused rest goes back when
 	// the lease ends (WithLeaseTTL) and at Limiter.Close; other
 	// instances meanwhile see up to Lease tokens per instance as taken.

@@ -11,7 +11,7 @@ import (
 
 // keySchema is the version of the layout of keys and values that Key's
 // keys hold, written into every key so that instances of another layout,
-// such as the hash buckets before ADR 28, never read or replace each
+// such as the hash buckets of schema 1, never read or replace each
 // other's data.
 const keySchema = "2"
 
@@ -19,7 +19,7 @@ const keySchema = "2"
 //
 //	prefix:{key}:2:plan
 //
-// 2 is the schema of the keys and their values (ADR 28). The braces are a
+// 2 is the schema of the keys and their values. The braces are a
 // Redis Cluster hash tag, so every plan of a key lives in one hash slot
 // and a chained decision is one script call. A key is written
 // verbatim, so operators can find it with redis-cli, unless it contains '}'

@@ -359,7 +359,7 @@ func (l *Limiter) plansInForce(ctx context.Context, r *Reservation) (_ []Plan, s
 // token. Not the share a reservation of n was decided on, whose capacity
 // share lifts to n: a debt as long as that capacity allows would be more
 // than the next decision's share could read, which brings it back to one
-// refill of the share (ADR 29) and forgives the rest.
+// refill of the share and forgives the rest.
 func (l *Limiter) fallbackShare(plans []Plan) []Plan {
 	return shareOf(plans, l.fleetSize(), 1)
 }

@@ -19,6 +19,7 @@ import (
 // or collected. Counters only grow. No field ever holds a caller's key.
 type Stats struct {
 	// Plans holds the decisions of each plan, in the order given to New.
+	// Plan finds one by name.
 	Plans []PlanStats
 
 	// StoreCalls is the number of calls to the store that the breaker let
@@ -120,12 +121,55 @@ type PlanStats struct {
 	Plan string
 	// Allowed and Denied count decisions by Source: Allowed[SourceStore]
 	// is the number the store allowed. Exempt decisions (ErrExempt) are
-	// not counted.
+	// not counted. AllowedBy, DeniedBy and the totals read them without
+	// indexing.
 	Allowed, Denied [numSources]uint64
 	// ShadowDenied counts the decisions that this plan, shadowed, would
 	// have denied had it been enforced (Plan.Shadow, WithShadow), whichever
 	// plan bound them.
 	ShadowDenied uint64
+}
+
+// Plan returns the figures of the plan named name, and false if s has
+// none: no plan of that name is in the Limiter's table, and no AllowPlans
+// call has decided by one.
+func (s Stats) Plan(name string) (PlanStats, bool) {
+	for _, p := range s.Plans {
+		if p.Plan == name {
+			return p, true
+		}
+	}
+	return PlanStats{}, false
+}
+
+// AllowedBy returns the number of decisions that src allowed; 0 for
+// SourceExempt, which is not counted, or a Source out of range.
+func (p PlanStats) AllowedBy(src Source) uint64 { return sourceCount(&p.Allowed, src) }
+
+// DeniedBy returns the number of decisions that src denied; 0 for
+// SourceExempt, which is not counted, or a Source out of range.
+func (p PlanStats) DeniedBy(src Source) uint64 { return sourceCount(&p.Denied, src) }
+
+// AllowedTotal returns the number of decisions allowed, whatever decided.
+func (p PlanStats) AllowedTotal() uint64 { return sourceTotal(&p.Allowed) }
+
+// DeniedTotal returns the number of decisions denied, whatever decided.
+func (p PlanStats) DeniedTotal() uint64 { return sourceTotal(&p.Denied) }
+
+// sourceCount returns n[src], or 0 for a src out of n's range.
+func sourceCount(n *[numSources]uint64, src Source) uint64 {
+	if int(src) >= len(n) {
+		return 0
+	}
+	return n[src]
+}
+
+// sourceTotal returns the sum of n.
+func sourceTotal(n *[numSources]uint64) (total uint64) {
+	for _, c := range n {
+		total += c
+	}
+	return total
 }
 
 // stats sums the counters of the plan named name.
@@ -247,10 +291,9 @@ func newCounters() counters {
 
 // stripe picks a stripe from the address of r. A Result is built on the
 // deciding goroutine's stack, so goroutines, and with them the cores,
-// mostly count on different cache lines. A random number per decision did
-// the same at five times the instructions (BenchmarkLimiterAllow/memory),
-// and one set of counters made two cores deciding on Redis a quarter
-// slower (BenchmarkLimiterAllow/redis/client-only).
+// mostly count on different cache lines. A random number per decision
+// spreads them as well but costs more than the whole count, and one set
+// of counters for all cores slows cores that decide at once.
 func stripe(r *Result) int {
 	return int(uint64(uintptr(unsafe.Pointer(r))) * 0x9E3779B97F4A7C15 >> (64 - stripeBits))
 }

@@ -85,6 +85,46 @@ func TestStatsCountCacheHitsApart(t *testing.T) {
 	assert.Equal(t, uint64(2), st.StoreCalls)
 }
 
+// TestStatsPlanByNameAndTotals reads a plan's figures by name, by Source
+// and in total, for a plan of the table and one of AllowPlans.
+func TestStatsPlanByNameAndTotals(t *testing.T) {
+	ctx := context.Background()
+	l := newTestLimiter(t, newCountingStore())
+	_, err := l.AllowN(ctx, "k", 4, "gold")
+	require.NoError(t, err)
+	for i := 0; i < 3; i++ { // the store denies, then the cache twice
+		_, err = l.Allow(ctx, "k", "gold")
+		require.NoError(t, err)
+	}
+	_, err = l.AllowPlans(ctx, "k", 1, Plan{Name: "adhoc", Capacity: 1, Rate: 1})
+	require.NoError(t, err)
+	st := l.Stats()
+
+	gold, ok := st.Plan("gold")
+	require.True(t, ok)
+	assert.Equal(t, "gold", gold.Plan)
+	assert.Equal(t, uint64(1), gold.AllowedTotal())
+	assert.Equal(t, uint64(3), gold.DeniedTotal())
+	assert.Equal(t, uint64(1), gold.AllowedBy(SourceStore))
+	assert.Equal(t, uint64(1), gold.DeniedBy(SourceStore))
+	assert.Equal(t, uint64(2), gold.DeniedBy(SourceCache))
+	assert.Zero(t, gold.AllowedBy(SourceFallback))
+	assert.Zero(t, gold.AllowedBy(SourceExempt), "exempt decisions are not counted")
+	assert.Zero(t, gold.DeniedBy(Source(255)), "out of range, no panic")
+
+	adhoc, ok := st.Plan("adhoc")
+	require.True(t, ok, "AllowPlans's plans are found by name too")
+	assert.Equal(t, uint64(1), adhoc.AllowedTotal())
+	assert.Zero(t, adhoc.DeniedTotal())
+
+	daily, ok := st.Plan("daily")
+	require.True(t, ok, "a plan of the table that has not decided")
+	assert.Equal(t, PlanStats{Plan: "daily"}, daily)
+	_, ok = st.Plan("nope")
+	assert.False(t, ok)
+	assert.Zero(t, PlanStats{}.AllowedTotal())
+}
+
 func TestStatsErrorClasses(t *testing.T) {
 	for _, tc := range []struct {
 		err  error

@@ -6,7 +6,7 @@ import "math/rand/v2"
 // sub-windows, of width g = Plan.width() µs each. Sub-window i spans
 // [i·g, (i+1)·g). At time now, in sub-window b = now/g, the plan counts
 // sub-windows b−k to b: every request of the last Window, plus up to one
-// sub-window before it (ADR 16). A sub-window that straddles the window's
+// sub-window before it. A sub-window that straddles the window's
 // start counts in full, so no span of Window ever holds more than the
 // limit.
 //
@@ -165,7 +165,7 @@ func (w *window) add(p *Plan, now, admitted, offered int64) {
 // old, a window of another shape, still counts at now: a plan changed
 // its Window, Slots or Suppress. Its counts then leave later than they
 // would have, never sooner, so the change cannot admit more than either
-// shape allows (ADR 16). An old window without offered counts
+// shape allows. An old window without offered counts
 // (wasSuppressed false) lends its admitted counts as offered ones.
 // scripts/limit.lua carries the same way.
 func carry(old *window, wasSuppressed bool, p *Plan, now int64) *window {
@@ -182,7 +182,7 @@ func carry(old *window, wasSuppressed bool, p *Plan, now int64) *window {
 // now, what bucket b, kept for a plan of the name that was a token
 // bucket, has used of p: p's capacity less the whole tokens b holds as
 // stored, never below 0. The plan changed kind; what the bucket has left
-// is what the window has left, never more (ADR 31). Offered counts, if p
+// is what the window has left, never more. Offered counts, if p
 // is suppressed, start equal to the admitted ones. scripts/limit.lua
 // reads a bucket alike.
 func fromBucket(b TokenBucket, p *Plan, now int64) *window {
@@ -196,7 +196,7 @@ func fromBucket(b TokenBucket, p *Plan, now int64) *window {
 // of the name and of capacity c that was a sliding window, reads as at
 // now: holding what w has left, c less what it counts, at most p's
 // capacity, never below 0, stamped now. Such a bucket inherits no
-// version: the change of kind carries it over instead (ADR 31).
+// version: the change of kind carries it over instead.
 // scripts/bucket.lua reads a window alike.
 func fromWindow(w *window, c int64, p *Plan, now int64) TokenBucket {
 	admitted, _ := w.counts(now)
@@ -209,9 +209,8 @@ func fromWindow(w *window, c int64, p *Plan, now int64) TokenBucket {
 // and in between 1 − p, where p = S ÷ the offered load including this
 // request, tapered by (H − admitted − cost + 1) ÷ (H − S). The first
 // factor alone brings the admitted rate to S but lets the count wander
-// above it, since nothing pulls it back (TestSuppressionConverges: to
-// +6.5% at 4S); the taper pulls harder the further above S the count is
-// (ADR 16). For a plan that is not suppressed it is 0 up to Capacity and
+// above it, since nothing pulls it back; the taper pulls harder the
+// further above S the count is. For a plan that is not suppressed it is 0 up to Capacity and
 // 1 past it.
 func suppression(p *Plan, admitted, offered, cost int64) float64 {
 	switch {

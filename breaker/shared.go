@@ -19,7 +19,7 @@ import (
 )
 
 // maxKeys bounds the keys a Shared breaker remembers locally (open and
-// closed memos, fallback breakers, seed-form probes). Past it, it forgets
+// closed memos, fallback breakers, probes of the CircuitBreaker form). Past it, it forgets
 // them all and starts again: an open breaker then costs one round trip to
 // be remembered again.
 const maxKeys = 10_000
@@ -54,7 +54,7 @@ type Shared struct {
 	mu     sync.RWMutex
 	memos  map[string]*memo         // by key
 	local  map[string]*localCircuit // by key: the Fallback breakers
-	probes map[string][]Ticket      // by key: the seed form's probe tickets
+	probes map[string][]Ticket      // by key: the probe tickets of Allow
 	nlocal atomic.Int32             // len(local), read without the lock
 	outage atomic.Int64             // wall ns when Redis began failing; 0: not failing
 	stats  sharedCounters
@@ -118,7 +118,7 @@ func NewShared(c redis.Scripter, s SharedSettings, opts ...SharedOption) (*Share
 func (b *Shared) Settings() SharedSettings { return b.set }
 
 // Key returns the Redis key of key's breaker, prefix:{key}:cb, by the
-// scheme of tollgate.RedisStore.Key (ADR 3): the braces are a Cluster hash
+// scheme of tollgate.RedisStore.Key: the braces are a Cluster hash
 // tag, and a key holding '}' or starting with '=' is written as '=' and its
 // base64url encoding. It is for operators; the key may be personal data.
 func (b *Shared) Key(key string) string {
@@ -348,7 +348,7 @@ type callerError struct{ err error }
 func (e callerError) Error() string { return e.err.Error() }
 
 // deadlineSlack is how close to its deadline a caller may be for a Redis
-// call that timed out to count as cut short by the caller (ADR 14).
+// call that timed out to count as cut short by the caller.
 const deadlineSlack = time.Millisecond
 
 // run runs the script for key with in, behind the store breaker, and

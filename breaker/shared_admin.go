@@ -8,10 +8,12 @@ import (
 	"time"
 )
 
-// This file holds seed 001's interface, the admin operations and the
-// stats of a Shared breaker.
+// This file holds the CircuitBreaker interface, the admin operations and
+// the stats of a Shared breaker.
 
-// CircuitBreaker is seed 001's interface, which *Shared implements.
+// CircuitBreaker is a breaker asked with Allow and told each call's outcome
+// with RecordSuccess or RecordFailure, without tickets. *Shared implements
+// it; its Acquire and Ticket.Done are the form that fences.
 type CircuitBreaker interface {
 	Allow(ctx context.Context, key string) (bool, error)
 	RecordSuccess(ctx context.Context, key string) error
@@ -21,7 +23,7 @@ type CircuitBreaker interface {
 
 var _ CircuitBreaker = (*Shared)(nil)
 
-// Allow is seed 001's form of Acquire: it reports whether a call may go
+// Allow is the CircuitBreaker form of Acquire: it reports whether a call may go
 // through, and false with a nil error when the breaker refuses it. Report
 // the call with RecordSuccess or RecordFailure.
 //
@@ -62,7 +64,7 @@ func (b *Shared) RecordFailure(ctx context.Context, key string) error {
 	return b.record(ctx, key, Failure)
 }
 
-// record reports a seed-form outcome: with a probe lease this instance
+// record reports an outcome of the CircuitBreaker form: with a probe lease this instance
 // holds for key if it has one, else unfenced, counted only while the
 // breaker is closed.
 func (b *Shared) record(ctx context.Context, key string, o Outcome) error {

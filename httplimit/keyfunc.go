@@ -68,7 +68,7 @@ var errNoPrincipal = fmt.Errorf("%w: no principal in context", ErrNoKey)
 // finds in the request's context, where the authentication middleware
 // that runs before this one put it: "principal:" and the principal's ID.
 // No principal, or an empty ID, is ErrNoKey. It panics if principal is
-// nil, when called rather than on the first request (ADR 6).
+// nil, when called rather than on the first request.
 func ByPrincipal(principal func(ctx context.Context) (id string, ok bool)) KeyFunc {
 	if principal == nil {
 		panic("httplimit: ByPrincipal: nil principal func")
@@ -98,8 +98,8 @@ func ByPrincipal(principal func(ctx context.Context) (id string, ok bool)) KeyFu
 // The route comes first and an escaped path holds no '|', so a client
 // cannot make its key collide with another route's.
 //
-// It panics if key is nil, when called rather than on the first request
-// (ADR 6).
+// It panics if key is nil, when called rather than on the first
+// request.
 func PerRoute(key KeyFunc) KeyFunc {
 	if key == nil {
 		panic("httplimit: PerRoute: nil KeyFunc")

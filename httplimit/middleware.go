@@ -41,7 +41,7 @@ import (
 // It panics if l or key is nil, if a plan is named twice, if an option is
 // invalid, or if l describes its plans, as *tollgate.Limiter does, and
 // one of the plans is not among them: these are wiring mistakes, caught
-// when the program starts (ADR 6). Serving never panics. The middleware is
+// when the program starts. Serving never panics. The middleware is
 // safe for concurrent use.
 func Middleware(l tollgate.RateLimiter, key KeyFunc, opts ...Option) func(http.Handler) http.Handler {
 	if l == nil || key == nil {

@@ -128,7 +128,7 @@ func printWindow(w io.Writer, h map[string]string, ttl time.Duration, nowMicro i
 	fmt.Fprintf(w, "  expires   %s\n", formatTTL(ttl))
 }
 
-// printBucket prints a bucket as the script writes it (ADR 28), and says
+// printBucket prints a bucket as the script writes it, and says
 // so when v is not one.
 func printBucket(w io.Writer, v string, ttl time.Duration, nowMicro int64) {
 	b, ok := bucketvalue.Decode(v)
@@ -148,7 +148,7 @@ func printBucket(w io.Writer, v string, ttl time.Duration, nowMicro int64) {
 		fmt.Fprintf(w, "  version   %d, written with a capacity of %d tokens\n", b.Version, b.Capacity)
 	}
 	fmt.Fprintf(w, "  expires   %s\n", formatTTL(ttl))
-	fmt.Fprintf(w, "  schema    a string of %d bytes (ADR 28)\n", len(v))
+	fmt.Fprintf(w, "  schema    2, a string of %d bytes\n", len(v))
 }
 
 // formatTime prints a time in µs since the epoch as UTC with microseconds.

@@ -139,7 +139,7 @@ func TestInspect(t *testing.T) {
   tokens    1.000000 (1000000 micro-tokens, as of the stamp)
   refilled  2026-11-22T10:00:00.123456Z (stamp 1795341600123456 µs), 250ms ago
   expires   in 1.502s (PTTL 1502 ms)
-  schema    a string of 10 bytes (ADR 28)
+  schema    2, a string of 10 bytes
 
 "tollgate:{alice}:2:daily"
   absent: reads as full
@@ -161,7 +161,7 @@ func TestInspect(t *testing.T) {
   refilled  2026-11-22T10:00:01.123456Z (stamp 1795341601123456 µs), 750ms ahead of Redis TIME: the bucket refills nothing until then
   version   3, written with a capacity of 4 tokens
   expires   never (PTTL -1)
-  schema    a string of 28 bytes (ADR 28)
+  schema    2, a string of 28 bytes
 `, stdout)
 	assert.Empty(t, stderr)
 	assert.Equal(t, before, mr.Dump(), "inspect writes nothing")

@@ -1,4 +1,4 @@
-// Command webhook is seed 001's webhook dispatcher: every destination has a
+// Command webhook is a webhook dispatcher: every destination has a
 // rate limit and a circuit breaker shared by all instances through Redis,
 // and deliveries are paced with Wait rather than dropped.
 //

@@ -1,6 +1,6 @@
 // Package bucketvalue reads and writes a token bucket as RedisStore keeps
-// it, a string of big-endian whole numbers (ADR 28; scripts/bucket.lua
-// writes it): the stamp in µs in 7 bytes, then the micro-tokens in as few
+// it, a string of big-endian whole numbers (scripts/bucket.lua writes
+// it): the stamp in µs in 7 bytes, then the micro-tokens in as few
 // bytes as hold them (1 to 7); or, once a plan with a version wrote it,
 // 28 bytes: stamp, micro-tokens, plan version and capacity in tokens, 7
 // bytes each. The scripts are its only writers in production; the CLI
