@@ -16,10 +16,12 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strings"
 	"testing"
 	"time"
+	"unicode"
 
 	"github.com/alicebob/miniredis/v2"
 	"github.com/stretchr/testify/assert"
@@ -348,4 +350,65 @@ func listeningOn(t *testing.T, log io.Reader) string {
 			require.FailNow(t, "the program did not say where it listens within a minute", "%s", strings.Join(seen, "\n"))
 		}
 	}
+}
+
+// TestDocsLinksResolve checks that every relative link of the Markdown
+// pages names a file that exists and, with a #fragment, a heading of it:
+// moving a section must not leave a link behind.
+func TestDocsLinksResolve(t *testing.T) {
+	pages := docPages(t)
+	adrs, err := filepath.Glob("docs/adr/*.md")
+	require.NoError(t, err)
+	link := regexp.MustCompile(`\]\(([^)\s]+)\)`)
+	for _, page := range append(pages, adrs...) {
+		data, err := os.ReadFile(page)
+		require.NoError(t, err)
+		for _, m := range link.FindAllStringSubmatch(string(data), -1) {
+			target := m[1]
+			if strings.Contains(target, "://") || strings.HasPrefix(target, "mailto:") {
+				continue
+			}
+			path, anchor, _ := strings.Cut(target, "#")
+			file := page
+			if path != "" {
+				file = filepath.Join(filepath.Dir(page), path)
+			}
+			if _, err := os.Stat(file); err != nil {
+				t.Errorf("%s: link %s: no file %s", page, target, file)
+				continue
+			}
+			if anchor != "" && !slices.Contains(headingAnchors(t, file), anchor) {
+				t.Errorf("%s: link %s: no heading #%s in %s", page, target, anchor, file)
+			}
+		}
+	}
+}
+
+// headingAnchors returns the anchors GitHub makes of a page's headings:
+// lower case, spaces as hyphens, other punctuation dropped.
+func headingAnchors(t *testing.T, page string) []string {
+	t.Helper()
+	data, err := os.ReadFile(page)
+	require.NoError(t, err)
+	var anchors []string
+	fenced := false
+	for _, line := range strings.Split(string(data), "\n") {
+		if strings.HasPrefix(strings.TrimSpace(line), "```") {
+			fenced = !fenced
+		}
+		heading := strings.TrimLeft(line, "#")
+		if fenced || heading == line || !strings.HasPrefix(heading, " ") {
+			continue
+		}
+		anchors = append(anchors, strings.Map(func(r rune) rune {
+			switch {
+			case r == ' ':
+				return '-'
+			case r == '-' || r == '_' || unicode.IsLetter(r) || unicode.IsDigit(r):
+				return unicode.ToLower(r)
+			}
+			return -1
+		}, strings.TrimSpace(heading)))
+	}
+	return anchors
 }
