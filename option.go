@@ -212,7 +212,7 @@ func WithPlanResolver(r func(ctx context.Context, key string, p Plan) (Plan, err
 // The fleet is the instances with the same Redis and key prefix. The
 // bound assumes the load balancer spreads each key's requests evenly;
 // an instance that gets more than its share is denied sooner, one that
-// gets less admits less (README, "Operating it"). Until the first
+// gets less admits less (docs/outages.md). Until the first
 // heartbeat succeeds, and without WithFleet, an instance counts itself
 // alone and its fallback enforces the whole plan. The interval is 5s
 // when 0, and at least 10ms; it is an ErrInvalidOption on any store but

@@ -56,7 +56,7 @@ type Plan struct {
 	// 64; 0 means 20. A request may be refused for up to one sub-window
 	// longer than the window: Window/Slots (5% by default), rounded up
 	// to whole µs, which adds at most Slots µs; memory per key grows with
-	// Slots (README). It must be 0 for a token bucket.
+	// Slots (docs/plans.md). It must be 0 for a token bucket.
 	Slots int
 	// Suppress, when not 0, puts a window plan in suppressed mode:
 	// Capacity becomes a soft limit, and Capacity × Suppress,

@@ -136,7 +136,7 @@ func leaseIn(plans []Plan) bool {
 // clamped to it at its next decision, and a changed Rate applies from the
 // next decision on. While instances with the old plans and the new run
 // side by side, a key's admissions stay within max(old, new) Capacity +
-// max(old, new) Rate × elapsed time (README, "Operating it"). It forgets
+// max(old, new) Rate × elapsed time (docs/tiers.md). It forgets
 // every remembered denial: under the new plans, or back under the old
 // after a round trip, a bucket may hold tokens that a denial remembered
 // under the old plans says it lacks. Stats keeps counting each name, also

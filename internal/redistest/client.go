@@ -11,10 +11,10 @@ import (
 )
 
 // This file holds what tests of a Redis they did not start need too: a
-// client set up as README advises, Redis's clock, and key prefixes that keep
+// client set up as docs/redis.md advises, Redis's clock, and key prefixes that keep
 // tests apart on a shared server.
 
-// FailFast returns the go-redis options README recommends for a client of
+// FailFast returns the go-redis options docs/redis.md recommends for a client of
 // addr: a dead Redis costs a decision at most about 100 ms, and the
 // limiter's breaker does the rest. Cluster and failover options copy its
 // timeouts.

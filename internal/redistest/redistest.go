@@ -5,7 +5,7 @@
 // kernel if the test binary dies first (Pdeathsig).
 //
 // It also holds what every test of a real Redis needs, whoever started the
-// server: README's client settings (FailFast), Redis's clock (Time) and key
+// server: the client settings docs/redis.md recommends (FailFast), Redis's clock (Time) and key
 // prefixes that keep tests apart on a shared server (KeyPrefix).
 //
 // Methods that can fail report through the testing.TB given to the function
