@@ -79,14 +79,20 @@ func (s *RedisStore) hold(ctx context.Context, key string, cost int64, plans []P
 		return Result{}, s.err
 	}
 	h.id = strconv.FormatUint(rand.Uint64(), 36)
-	c := newScriptCall()
-	c.Keys = s.appendKeys(c.keys[:0], key, plans, "~"+h.id)
-	c.Args = append(s.appendArgs(c.args[:0], cost, plans), h.ttl.Milliseconds())
-	r, err := s.run(ctx, c, cost, plans)
+	r, err := s.holdAs(ctx, key, cost, plans, h)
 	if err == nil {
 		h.granted(s, 0)
 	}
 	return r, err
+}
+
+// holdAs runs the script for the hold h, named h.id, of cost tokens of key
+// on plans.
+func (s *RedisStore) holdAs(ctx context.Context, key string, cost int64, plans []Plan, h *hold) (Result, error) {
+	c := newScriptCall()
+	c.Keys = s.appendKeys(c.keys[:0], key, plans, "~"+h.id)
+	c.Args = append(s.appendArgs(c.args[:0], cost, plans), h.ttl.Milliseconds())
+	return s.run(ctx, c, cost, plans)
 }
 
 // keys returns the Redis keys of plans for key, and then of extra, which
