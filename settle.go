@@ -73,15 +73,20 @@ func (m *MemoryStore) settle(_ context.Context, o settleOp) (Settlement, settleS
 }
 
 // hold is take for Reserve: the script also sets the hold, named by a new
-// random id, in the key's hash slot, if it takes the tokens.
+// random id, in the key's hash slot, if it takes the tokens. A call that
+// fails but may have run in Redis all the same, or may yet, is given back
+// by that id (giveBackLater).
 func (s *RedisStore) hold(ctx context.Context, key string, cost int64, plans []Plan, h *hold) (Result, error) {
 	if s.err != nil {
 		return Result{}, s.err
 	}
 	h.id = strconv.FormatUint(rand.Uint64(), 36)
 	r, err := s.holdAs(ctx, key, cost, plans, h)
-	if err == nil {
+	switch {
+	case err == nil:
 		h.granted(s, 0)
+	case mayHaveRun(err):
+		s.giveBackLater(ctx, settleOp{key: key, plans: plans, hold: h, n: cost})
 	}
 	return r, err
 }
