@@ -97,8 +97,9 @@ type Settlement struct {
 //
 // Errors are AllowN's. A caller whose context ends while the store takes
 // the hold gets its context's error, and the hold, if granted, is given
-// back. A hold that is never settled costs nothing beyond the tokens
-// taken, which refill as usual.
+// back; so is a hold whose reply Redis sent too late, or not at all, once
+// Redis runs it. A hold that is never settled costs nothing beyond the
+// tokens taken, which refill as usual.
 func (l *Limiter) Reserve(ctx context.Context, key string, n int64, plans ...string) (*Reservation, error) {
 	if !l.holds {
 		return nil, errUnsupported(modeHold)

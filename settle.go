@@ -73,20 +73,31 @@ func (m *MemoryStore) settle(_ context.Context, o settleOp) (Settlement, settleS
 }
 
 // hold is take for Reserve: the script also sets the hold, named by a new
-// random id, in the key's hash slot, if it takes the tokens.
+// random id, in the key's hash slot, if it takes the tokens. A call that
+// fails but may have run in Redis all the same, or may yet, is given back
+// by that id (giveBackLater).
 func (s *RedisStore) hold(ctx context.Context, key string, cost int64, plans []Plan, h *hold) (Result, error) {
 	if s.err != nil {
 		return Result{}, s.err
 	}
 	h.id = strconv.FormatUint(rand.Uint64(), 36)
+	r, err := s.holdAs(ctx, key, cost, plans, h)
+	switch {
+	case err == nil:
+		h.granted(s, 0)
+	case mayHaveRun(err):
+		s.giveBackLater(ctx, settleOp{key: key, plans: plans, hold: h, n: cost})
+	}
+	return r, err
+}
+
+// holdAs runs the script for the hold h, named h.id, of cost tokens of key
+// on plans.
+func (s *RedisStore) holdAs(ctx context.Context, key string, cost int64, plans []Plan, h *hold) (Result, error) {
 	c := newScriptCall()
 	c.Keys = s.appendKeys(c.keys[:0], key, plans, "~"+h.id)
 	c.Args = append(s.appendArgs(c.args[:0], cost, plans), h.ttl.Milliseconds())
-	r, err := s.run(ctx, c, cost, plans)
-	if err == nil {
-		h.granted(s, 0)
-	}
-	return r, err
+	return s.run(ctx, c, cost, plans)
 }
 
 // keys returns the Redis keys of plans for key, and then of extra, which

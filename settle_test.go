@@ -160,3 +160,78 @@ func TestUnchargedAgreesNearTheLargestCapacity(t *testing.T) {
 	})
 	assert.Equal(t, got["memory"].Uncharged, got["redis"].Uncharged, "Go and Lua agree")
 }
+
+// TestHoldWhoseKeyExistsTakesNothing: a hold's script call that finds its
+// hold's key takes nothing. Its own hold (a client's retry of the call
+// that ran) is allowed again, a tombstone (the hold settled or given back
+// before the call arrived) or data not ours is denied; so a hold given
+// back by its id after a lost reply comes back once, however late its
+// call arrives.
+func TestHoldWhoseKeyExistsTakesNothing(t *testing.T) {
+	ctx := context.Background()
+	rs, mr, _ := newMiniredisStore(t)
+	plans := []Plan{{Name: "p", Capacity: 100, Rate: 1}}
+	left := func() int64 {
+		r, err := rs.take(ctx, "k", 0, plans)
+		require.NoError(t, err)
+		return r.Remaining
+	}
+	h := hold{ttl: time.Minute, id: "a"}
+	r, err := rs.holdAs(ctx, "k", 20, plans, &h)
+	require.NoError(t, err)
+	assert.True(t, r.Allowed)
+	r, err = rs.holdAs(ctx, "k", 20, plans, &h)
+	require.NoError(t, err)
+	assert.True(t, r.Allowed, "the hold's own call, run again: allowed")
+	assert.Equal(t, int64(80), left(), "taken once")
+
+	_, err = rs.take(ctx, "k", 30, plans)
+	require.NoError(t, err)
+	back := settleOp{key: "k", plans: plans, hold: &h, n: 20}
+	st, status, err := rs.settle(ctx, back)
+	require.NoError(t, err)
+	assert.Equal(t, holdLive, status)
+	assert.Equal(t, int64(20), st.Refunded)
+	_, status, err = rs.settle(ctx, back)
+	require.NoError(t, err)
+	assert.Equal(t, holdSettled, status, "given back twice: once")
+	r, err = rs.holdAs(ctx, "k", 20, plans, &h)
+	require.NoError(t, err)
+	assert.False(t, r.Allowed, "the call, arriving after its give-back")
+	assert.Equal(t, int64(70), left(), "100 - 30: the hold's 20 back once")
+
+	require.NoError(t, mr.Set(rs.Key("k", "~b"), "20"+"0"))
+	mr.HSet(rs.Key("k", "~c"), "f", "v")
+	for _, id := range []string{"b", "c"} {
+		r, err = rs.holdAs(ctx, "k", 20, plans, &hold{ttl: time.Minute, id: id})
+		require.NoError(t, err)
+		assert.False(t, r.Allowed, "hold %s: data not ours", id)
+	}
+	assert.Equal(t, int64(70), left())
+}
+
+// TestSettleOfAMissingHoldLeavesATombstone: a hold given back before its
+// script call arrives (the call's reply was lost, and Redis runs it later)
+// refunds nothing and leaves a tombstone for the hold's TTL, on which the
+// call then takes nothing.
+func TestSettleOfAMissingHoldLeavesATombstone(t *testing.T) {
+	ctx := context.Background()
+	rs, mr, _ := newMiniredisStore(t)
+	plans := []Plan{{Name: "p", Capacity: 100, Rate: 1}}
+	h := hold{ttl: time.Minute, id: "d"}
+	st, status, err := rs.settle(ctx, settleOp{key: "k", plans: plans, hold: &h, n: 20})
+	require.NoError(t, err)
+	assert.Equal(t, holdGone, status)
+	assert.Zero(t, st.Refunded)
+	tomb, err := mr.Get(rs.Key("k", "~d"))
+	require.NoError(t, err)
+	assert.Equal(t, "s", tomb)
+	assert.Equal(t, time.Minute, mr.TTL(rs.Key("k", "~d")))
+
+	r, err := rs.holdAs(ctx, "k", 20, plans, &h)
+	require.NoError(t, err)
+	assert.False(t, r.Allowed, "the hold's call, arriving after its give-back")
+	r, err = rs.take(ctx, "k", 30, plans)
+	require.NoError(t, err)
+	assert.Equal(t, int64(70), r.Remaining, "the hold took nothing")
+}

@@ -27,6 +27,12 @@
 -- KEYS[#KEYS]    the hold, set to the cost taken if allowed (see
 --                settle.lua)
 -- ARGV[#ARGV]    the hold's time to live in ms
+-- A hold whose key exists already takes nothing and writes nothing: it
+-- is decided as a read. If the key holds the cost (this hold's own call,
+-- run already, as a client's retry runs it again) it is allowed; if
+-- anything else (the tombstone of a hold settled or given back before
+-- its call ran, or data not ours), denied. So a hold's call that arrives
+-- late, after its caller gave it back, cannot take its tokens again.
 -- and for any other chain:
 -- ARGV[2]        a random whole number in [0, 2^53), drawn by the caller
 --                for suppressed plans (Lua's math.random is reseeded on
@@ -86,6 +92,16 @@ local need = cost * 1000000
 -- hold has 3 arguments, which is 4 #KEYS - 1 too.
 local held = #ARGV == 2 * #KEYS or #KEYS > 1 and #ARGV == 4 * #KEYS - 1
 local plans = held and #KEYS - 1 or #KEYS
+-- A hold whose key exists (see above): nil if it does not, else whether
+-- it holds this call's cost.
+local again
+if held then
+  local h = redis.pcall('GET', KEYS[#KEYS])
+  if h ~= false then
+    again = h == ARGV[1]
+    cost, need = 0, 0
+  end
+end
 local wide = #ARGV ~= 1 + 2 * plans + (held and 1 or 0) -- the layout with windows
 local u = wide and tonumber(ARGV[2]) or 0
 local reply = {1, now} -- bucket plans: the state as read, until allowed
@@ -318,5 +334,6 @@ if held and allowed and need > 0 then
   -- read as a hold.
   redis.call('SET', KEYS[#KEYS], ARGV[1], 'PX', ARGV[#ARGV])
 end
+if again ~= nil then out[1] = again and 1 or 0 end
 out[1] = out[1] + 2 * wd
 return out

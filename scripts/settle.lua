@@ -6,7 +6,9 @@
 -- it) refunds nothing and charges only actual - n; so does a hold that
 -- holds anything else, which is never trusted. Every settlement leaves a
 -- tombstone, so that a second one, such as a retry after a lost reply,
--- changes nothing.
+-- changes nothing; a hold that was not there gets one too, so that the
+-- hold's own call, if it reaches Redis later (its reply was lost, and the
+-- caller gave it back by its id with actual 0), takes nothing (limit.lua).
 --
 -- KEYS[i]          the bucket of plan i, for i < #KEYS; every key shares
 --                  one hash slot
