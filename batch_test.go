@@ -32,14 +32,23 @@ type batchReq struct {
 // returns their answers.
 func gather(t *testing.T, s *RedisStore, ctxs []context.Context, reqs []batchReq) (flush func() ([]Result, []error)) {
 	t.Helper()
+	return batchOf(t, s, len(reqs), func(i int) (Result, error) {
+		return s.Take(ctxs[i], reqs[i].key, reqs[i].cost, reqs[i].plans)
+	})
+}
+
+// batchOf is gather for n decisions of any caller of s, such as a
+// Limiter on it: decide(i) makes decision i.
+func batchOf(t *testing.T, s *RedisStore, n int, decide func(i int) (Result, error)) (flush func() ([]Result, []error)) {
+	t.Helper()
 	b := s.batch
 	b.mu.Lock()
 	b.inFlight = maxInFlight
 	b.mu.Unlock()
-	results, errs := make([]Result, len(reqs)), make([]error, len(reqs))
+	results, errs := make([]Result, n), make([]error, n)
 	var wg sync.WaitGroup
-	for i, r := range reqs {
-		wg.Go(func() { results[i], errs[i] = s.Take(ctxs[i], r.key, r.cost, r.plans) })
+	for i := range n {
+		wg.Go(func() { results[i], errs[i] = decide(i) })
 		for waiting := false; !waiting; {
 			b.mu.Lock()
 			waiting = len(b.pending) == i+1
@@ -406,4 +415,101 @@ func TestBatchBringsBackAFarStampAsACallOfItsOwn(t *testing.T) {
 	r, err := plain.Take(context.Background(), "a", 0, []Plan{gold})
 	require.NoError(t, err)
 	assert.Equal(t, 2*time.Second+250*time.Millisecond, r.RetryAfter, "brought back to a full refill (2 s) ahead, 0.5 token left, 0.25 s from a token")
+}
+
+// TestBatchCarriesShadowsAndVersions sends shadowed and versioned plans,
+// alone and in a chain, in one batch, and the same requests one call each:
+// a shadowed plan's would-be denials, and a version's inheritance, applied
+// once, come back from the batch's packed reply as from calls of their
+// own, and the stored state is the same.
+func TestBatchCarriesShadowsAndVersions(t *testing.T) {
+	mr := miniredis.RunT(t)
+	mr.SetTime(time.UnixMicro(t0))
+	c := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	batched := NewRedisStore(c, WithKeyPrefix("batched"), WithBatching())
+	plain := NewRedisStore(c, WithKeyPrefix("plain"))
+	old := Plan{Name: "v", Capacity: 4, Rate: 0.001}
+	next := Plan{Name: "v", Capacity: 8, Rate: 0.001, Version: 2, Inherit: InheritReset}
+	window := Plan{Name: "minute", Capacity: 1, Window: time.Minute, Shadow: true}
+	reqs := []batchReq{
+		{"s", 3, []Plan{shadowed(gold)}},
+		{"s", 3, []Plan{shadowed(gold)}}, // would deny: 1 left
+		{"v", 4, []Plan{old}},
+		{"v", 1, []Plan{next}}, // version 2 resets the bucket to 8, once
+		{"v", 1, []Plan{old}},  // clamps 7 to 4
+		{"v", 1, []Plan{next}}, // no second reset
+		{"c", 1, []Plan{gold, window}},
+		{"c", 1, []Plan{gold, window}}, // the shadowed window would deny; gold admits
+	}
+	got := batchAgainstCalls(t, batched, plain, reqs)
+	assert.True(t, got[1].Allowed)
+	assert.True(t, got[1].ShadowDenied)
+	assert.Equal(t, int64(7), got[3].Remaining, "reset to 8 by version 2")
+	assert.Equal(t, int64(2), got[5].Remaining, "the version was kept: no second reset")
+	assert.True(t, got[7].Allowed)
+	assert.Equal(t, []bool{false, true}, []bool{got[7].PlanResults()[0].WouldDeny, got[7].PlanResults()[1].WouldDeny})
+	for _, r := range reqs {
+		for _, p := range r.plans {
+			assert.Equal(t, storedAt(t, c, plain.Key(r.key, p.Name)), storedAt(t, c, batched.Key(r.key, p.Name)), "%s %s", r.key, p.Name)
+		}
+	}
+	assert.Equal(t, int64(1), batched.batch.many.Loads(), "the eight went in one script call")
+}
+
+// TestBatchedDenialIsRemembered: a denial decided in a batch is the
+// store's answer like any other. The Limiter remembers it, counted from
+// when the request was sent, before it waited in the batcher, and answers
+// the same request without Redis until then.
+func TestBatchedDenialIsRemembered(t *testing.T) {
+	ctx := context.Background()
+	mr := miniredis.RunT(t)
+	mr.SetTime(time.UnixMicro(t0))
+	c := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	t.Cleanup(func() { _ = c.Close() })
+	var calls scriptCounter
+	c.AddHook(&calls)
+	s := NewRedisStore(c, WithBatching())
+	l, err := New(s, []Plan{{Name: "slow", Capacity: 4, Rate: Per(4, time.Hour)}}, WithLogger(nil))
+	require.NoError(t, err)
+	time.Sleep(time.Millisecond) // off the instant of New: see testDenialCacheSparesTheStore
+	got, errs := batchOf(t, s, 2, func(i int) (Result, error) { return l.AllowN(ctx, "k", []int64{4, 1}[i]) })()
+	require.NoError(t, errs[0])
+	require.NoError(t, errs[1])
+	require.True(t, got[0].Allowed)
+	require.False(t, got[1].Allowed, "denied in the same batch")
+	require.Equal(t, int64(1), s.batch.many.Loads(), "the two went in one script call")
+	sent := calls.alone.Load()
+	for range 3 {
+		r, err := l.Allow(ctx, "k")
+		require.NoError(t, err)
+		assert.False(t, r.Allowed)
+		assert.Equal(t, SourceCache, r.Source)
+		assert.Greater(t, r.RetryAfter, 14*time.Minute, "15 minutes for a token, less the time since it was sent")
+	}
+	assert.Equal(t, sent, calls.alone.Load(), "no request reached Redis")
+}
+
+// TestBatchOutageFallsBackPerRequest fails a batch of a Limiter's
+// decisions: each request is judged on its own, and the fallback decides
+// each on this instance's share of its plan (WithFleet, 4 instances).
+func TestBatchOutageFallsBackPerRequest(t *testing.T) {
+	ctx := context.Background()
+	mr := miniredis.RunT(t)
+	c := redis.NewClient(&redis.Options{Addr: mr.Addr(), MaxRetries: -1})
+	t.Cleanup(func() { _ = c.Close() })
+	s := NewRedisStore(c, WithBatching())
+	l, err := New(s, []Plan{{Name: "p", Capacity: 100, Rate: 0.001}}, WithLogger(nil), WithFleet(time.Hour), WithDenialCache(0))
+	require.NoError(t, err)
+	l.fleet.close() // the test sets the fleet's size
+	l.fleet.size.Store(4)
+	flush := batchOf(t, s, 3, func(i int) (Result, error) { return l.AllowN(ctx, "k"+strconv.Itoa(i), 10) })
+	mr.SetError("LOADING Redis is loading the dataset in memory")
+	got, errs := flush()
+	for i := range got {
+		require.NoError(t, errs[i], "request %d", i)
+		assert.Equal(t, SourceFallback, got[i].Source, "request %d", i)
+		assert.Equal(t, int64(25), got[i].Limit, "request %d: the share of 4", i)
+		assert.Equal(t, int64(15), got[i].Remaining, "request %d", i)
+	}
+	assert.Equal(t, uint64(3), l.Stats().StoreErrors["LOADING"], "one failure per request of the batch")
 }

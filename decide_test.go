@@ -763,3 +763,71 @@ func TestDenialCacheKeepsDenialsOfOtherPlanNames(t *testing.T) {
 	}
 	assert.Equal(t, int64(4), s.calls.Load(), "two takes and one denial per plan")
 }
+
+// TestDenialCacheAndWindows: a window's denial writes nothing, so its
+// RetryAfter is exact and the Limiter remembers it as it remembers a
+// bucket's; a suppressed window writes on every request, so none of its
+// requests is answered from the cache.
+func TestDenialCacheAndWindows(t *testing.T) {
+	ctx := context.Background()
+	rs, _, _ := newMiniredisStore(t)
+	var calls scriptCounter
+	rs.client.AddHook(&calls)
+	win := Plan{Name: "w", Capacity: 2, Window: time.Minute}
+	sup := Plan{Name: "s", Capacity: 2, Window: time.Minute, Suppress: 2}
+	l, err := New(rs, []Plan{win, sup}, WithLogger(nil))
+	require.NoError(t, err)
+	time.Sleep(time.Millisecond) // off the instant of New: see testDenialCacheSparesTheStore
+	// The first call loads the script (NOSCRIPT, then EVAL): count after it.
+	_, err = l.Peek(ctx, "other", "w")
+	require.NoError(t, err)
+	sent := calls.alone.Load()
+	for i := range 6 {
+		r, err := l.Allow(ctx, "k", "w")
+		require.NoError(t, err)
+		assert.Equal(t, i < 2, r.Allowed, "request %d", i)
+		if i == 2 {
+			assert.Equal(t, SourceStore, r.Source, "the window's denial")
+			assert.Greater(t, r.RetryAfter, 55*time.Second, "until the sub-window of the two leaves")
+		}
+	}
+	assert.Equal(t, sent+3, calls.alone.Load(), "two admissions and one denial reach Redis; the rest are remembered")
+	for i := range 10 {
+		r, err := l.Allow(ctx, "k", "s")
+		require.NoError(t, err)
+		assert.Equal(t, SourceStore, r.Source, "suppressed request %d", i)
+	}
+	assert.Equal(t, sent+13, calls.alone.Load(), "every request of a suppressed window reaches Redis")
+}
+
+// TestFallbackDenialsAreNotRemembered: the cache remembers only the
+// store's denials. One the fallback gave, from a bucket of its own, says
+// nothing of Redis's: the next request asks Redis again, and once Redis
+// answers it admits what its bucket holds.
+func TestFallbackDenialsAreNotRemembered(t *testing.T) {
+	ctx := context.Background()
+	mr := miniredis.RunT(t)
+	c := redis.NewClient(&redis.Options{Addr: mr.Addr(), MaxRetries: -1})
+	t.Cleanup(func() { _ = c.Close() })
+	var calls scriptCounter
+	c.AddHook(&calls)
+	l, err := New(NewRedisStore(c), []Plan{{Name: "slow", Capacity: 2, Rate: Per(2, time.Hour)}}, WithLogger(nil),
+		WithBreaker(breaker.Settings{Failures: 1000})) // every call goes to Redis
+	require.NoError(t, err)
+	time.Sleep(time.Millisecond) // off the instant of New: see testDenialCacheSparesTheStore
+	mr.SetError("LOADING Redis is loading the dataset in memory")
+	for i := range 5 {
+		r, err := l.Allow(ctx, "k")
+		require.NoError(t, err)
+		assert.Equal(t, SourceFallback, r.Source, "request %d", i)
+		assert.Equal(t, i < 2, r.Allowed, "request %d: the fallback's own bucket of 2", i)
+	}
+	assert.Equal(t, int64(5), calls.alone.Load(), "every request asked Redis first")
+	mr.SetError("")
+	for i := range 2 {
+		r, err := l.Allow(ctx, "k")
+		require.NoError(t, err)
+		assert.Equal(t, SourceStore, r.Source, "request %d", i)
+		assert.True(t, r.Allowed, "request %d: Redis's bucket is full", i)
+	}
+}

@@ -204,3 +204,71 @@ func TestPeekNOnTheFleetShareAgreesWithAllowN(t *testing.T) {
 	assert.True(t, peek.Allowed, "PeekN said to wait %v", peek.RetryAfter)
 	assert.Zero(t, peek.RetryAfter)
 }
+
+// During an outage the fallback decides the plans a decision would have
+// had in Redis, each at this instance's share (WithFleet, 4 instances):
+// a shadowed plan stays shadowed, never denies and reports its would-be
+// denials; a resolver's tier is the tier shared; a new Version applies
+// its inheritance once on the fallback's buckets, as in Redis.
+func TestFallbackSharesThePlansInForce(t *testing.T) {
+	ctx := context.Background()
+	plan := Plan{Name: "p", Capacity: 100, Rate: 0.001}
+	outage := func(t *testing.T, opts ...Option) *Limiter {
+		mr := miniredis.RunT(t)
+		l := newFleetLimiter(t, mr, []Plan{plan}, append([]Option{WithDenialCache(0)}, opts...)...)
+		l.fleet.size.Store(4)
+		mr.SetError("LOADING Redis is loading the dataset in memory")
+		return l
+	}
+	// admit asks n times for a token of key, and counts the tokens
+	// admitted and the would-be denials, each decided by the fallback
+	// with the Limit limit.
+	admit := func(t *testing.T, l *Limiter, key string, n int, limit int64) (admitted, wouldDeny int) {
+		t.Helper()
+		for range n {
+			r, err := l.Allow(ctx, key)
+			require.NoError(t, err)
+			require.Equal(t, SourceFallback, r.Source)
+			require.Equal(t, limit, r.Limit)
+			if r.Allowed {
+				admitted++
+			}
+			if r.ShadowDenied {
+				wouldDeny++
+			}
+		}
+		return admitted, wouldDeny
+	}
+	t.Run("shadow", func(t *testing.T) {
+		l := outage(t, WithShadow())
+		admitted, wouldDeny := admit(t, l, "k", 40, 25)
+		assert.Equal(t, 40, admitted, "a shadowed plan never denies")
+		assert.Equal(t, 15, wouldDeny, "past the share of 25")
+		assert.Equal(t, uint64(15), l.Stats().Plans[0].ShadowDenied)
+	})
+	t.Run("resolver", func(t *testing.T) {
+		gold := Plan{Name: "p", Capacity: 400, Rate: 0.001}
+		l := outage(t, WithPlanResolver(func(_ context.Context, key string, p Plan) (Plan, error) {
+			if key == "gold" {
+				return gold, nil
+			}
+			return p, nil
+		}))
+		admitted, _ := admit(t, l, "gold", 200, 100)
+		assert.Equal(t, 100, admitted, "the gold tier's share")
+		admitted, _ = admit(t, l, "free", 200, 25)
+		assert.Equal(t, 25, admitted, "the default plan's share")
+	})
+	t.Run("version", func(t *testing.T) {
+		next := plan
+		next.Version, next.Inherit = 2, InheritReset
+		l := outage(t)
+		total := 0
+		for i := range 10 {
+			require.NoError(t, l.SetPlans([]Plan{[]Plan{plan, next}[i%2]}))
+			admitted, _ := admit(t, l, "k", 30, 25)
+			total += admitted
+		}
+		assert.Equal(t, 50, total, "the share, and the share again once, when version 2 resets it")
+	})
+}

@@ -169,3 +169,32 @@ func countAdmitted(t *testing.T, l *Limiter, key string, n int) int64 {
 	}
 	return admitted
 }
+
+// TestNewVersionRetiresTheLease: a new Version of a leased plan is a plan
+// change like any other. The lease of version 1 is given back before
+// version 2, which resets the bucket, decides: after the reset the key
+// admits its capacity, not the old lease's rest on top of it.
+func TestNewVersionRetiresTheLease(t *testing.T) {
+	ctx := context.Background()
+	next := leasedPlan
+	next.Version, next.Inherit = 2, InheritReset
+	rs, _, _ := newMiniredisStore(t)
+	var upgraded atomic.Bool
+	tier := func(_ context.Context, _ string, p Plan) (Plan, error) {
+		if upgraded.Load() {
+			return next, nil
+		}
+		return p, nil
+	}
+	l, err := New(rs, []Plan{leasedPlan}, WithPlanResolver(tier), WithLogger(nil))
+	require.NoError(t, err)
+	r, err := l.Allow(ctx, "k")
+	require.NoError(t, err)
+	require.Equal(t, SourceStore, r.Source, "a lease of 10 taken")
+	upgraded.Store(true)
+	admitted := countAdmitted(t, l, "k", 200)
+	require.NoError(t, l.Close())
+	assert.LessOrEqual(t, admitted, next.Capacity, "the reset's capacity, once, and no lease of version 1")
+	assert.GreaterOrEqual(t, admitted, next.Capacity-next.Lease, "less at most a lease in flight")
+	assert.Equal(t, next.Capacity-admitted, remaining(t, rs, "k"))
+}

@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/alicebob/miniredis/v2"
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -244,6 +245,83 @@ func TestLeasesNeverOverAdmit(t *testing.T) {
 	assert.LessOrEqual(t, n, leasedPlan.Capacity)
 	assert.GreaterOrEqual(t, n, leasedPlan.Capacity-4*leasedPlan.Lease)
 	assert.Equal(t, leasedPlan.Capacity-n, remaining(t, rs, "k"), "every unused leased token came back")
+}
+
+// TestLeaseGiveBackForgetsRememberedDenials: a lease given back refunds
+// its rest to Redis, and the Limiter forgets the key's remembered
+// denials, as after any refund: a request the bucket now admits is not
+// denied from the cache.
+func TestLeaseGiveBackForgetsRememberedDenials(t *testing.T) {
+	ctx := context.Background()
+	rs, _, _ := newMiniredisStore(t)
+	plan := Plan{Name: "hot", Capacity: 10, Rate: Per(10, time.Hour), Lease: 8}
+	l, err := New(rs, []Plan{plan}, WithLogger(nil))
+	require.NoError(t, err)
+	time.Sleep(time.Millisecond) // off the instant of New: see testDenialCacheSparesTheStore
+	r, err := l.Allow(ctx, "k")
+	require.NoError(t, err)
+	require.Equal(t, SourceStore, r.Source, "a lease of 8 taken: 2 left in Redis, 7 in the lease")
+	for _, src := range []Source{SourceStore, SourceCache} {
+		r, err = l.AllowN(ctx, "k", 9) // above the lease: decided in Redis
+		require.NoError(t, err)
+		require.False(t, r.Allowed)
+		require.Equal(t, src, r.Source, "the denial is remembered")
+	}
+	require.NoError(t, l.Close()) // gives the lease's 7 back
+	r, err = l.AllowN(ctx, "k", 9)
+	require.NoError(t, err)
+	assert.True(t, r.Allowed, "9 in Redis; denied by %v", r.Source)
+	assert.Equal(t, SourceStore, r.Source)
+}
+
+// TestLeaseThroughAnOutage: a lease spends tokens taken in Redis without
+// asking Redis or its breaker, so one taken before Redis failed serves its
+// rest while the breaker is open. No lease is taken from the fallback:
+// one it grants is given back at once, and each request is decided by
+// the fallback, on this instance's share (WithFleet, 4 instances).
+func TestLeaseThroughAnOutage(t *testing.T) {
+	ctx := context.Background()
+	mr := miniredis.RunT(t)
+	c := redis.NewClient(&redis.Options{Addr: mr.Addr(), MaxRetries: -1})
+	t.Cleanup(func() { _ = c.Close() })
+	plan := Plan{Name: "hot", Capacity: 100, Rate: 0.001, Lease: 10}
+	l, err := New(NewRedisStore(c), []Plan{plan}, WithLogger(nil), WithFleet(time.Hour), WithLeaseTTL(time.Minute),
+		WithDenialCache(0), WithBreaker(breaker.Settings{Cooldown: time.Hour}))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = l.Close() })
+	l.fleet.close() // the test sets the fleet's size: a share of 25
+	l.fleet.size.Store(4)
+	r, err := l.Allow(ctx, "k")
+	require.NoError(t, err)
+	require.Equal(t, SourceStore, r.Source, "a lease of 10 taken")
+	mr.SetError("LOADING Redis is loading the dataset in memory")
+	for range 3 { // another key's decisions fail and trip the breaker
+		_, err := l.Allow(ctx, "other")
+		require.NoError(t, err)
+	}
+	require.Equal(t, breaker.Open, l.health.one.State())
+	for i := range 9 {
+		r, err := l.Allow(ctx, "k")
+		require.NoError(t, err)
+		require.True(t, r.Allowed)
+		assert.Equal(t, SourceLease, r.Source, "decision %d: the lease's rest", i)
+	}
+	admitted := 0
+	for i := range 100 {
+		if i == 1 { // the holds the fallback granted are given back
+			require.Eventually(t, func() bool {
+				st := l.Stats().Reservations
+				return st.Held == st.Settled
+			}, 10*time.Second, time.Millisecond)
+		}
+		r, err := l.Allow(ctx, "k")
+		require.NoError(t, err)
+		require.Equal(t, SourceFallback, r.Source, "decision %d", i)
+		if r.Allowed {
+			admitted++
+		}
+	}
+	assert.Equal(t, 25, admitted, "the share, one request at a time")
 }
 
 // leaseChildEnv carries a leaseJob to TestLeaseChildProcess.

@@ -187,3 +187,32 @@ func TestResetAppliesOnceThoughTheKeyExpires(t *testing.T) {
 		assert.LessOrEqual(t, float64(admitted), bound(elapsed), "%d admitted in %d µs", admitted, elapsed)
 	})
 }
+
+// TestResetForgetsTheVersion: Reset deletes a versioned bucket with its
+// version, in Redis and in the MemoryStore, so the key starts afresh: the
+// plan in force reads a full bucket and inherits nothing on top of it,
+// and writes its version anew.
+func TestResetForgetsTheVersion(t *testing.T) {
+	ctx := context.Background()
+	v1 := Plan{Name: "p", Capacity: 10, Rate: 0.001, Version: 1}
+	v2 := Plan{Name: "p", Capacity: 20, Rate: 0.001, Version: 2, Inherit: InheritAdditive}
+	eachStore(t, []Plan{v2}, func(t *testing.T, l clockedLimiter) {
+		_, err := l.AllowPlans(ctx, "k", 5, v1)
+		require.NoError(t, err)
+		r, err := l.AllowPlans(ctx, "k", 1, v2)
+		require.NoError(t, err)
+		require.Equal(t, int64(14), r.Remaining, "5 left, 10 gained, 1 taken")
+		require.NoError(t, l.Reset(ctx, "k"))
+		if l.rs != nil {
+			assert.False(t, l.mr.Exists(l.rs.Key("k", "p")), "the bucket and its version are gone")
+		} else {
+			assert.Zero(t, l.store.(*MemoryStore).Len(), "the bucket and its version are gone")
+		}
+		r, err = l.Allow(ctx, "k")
+		require.NoError(t, err)
+		assert.Equal(t, int64(19), r.Remaining, "a full bucket of 20, and nothing inherited")
+		r, err = l.AllowPlans(ctx, "k", 1, v1)
+		require.NoError(t, err)
+		assert.Equal(t, int64(9), r.Remaining, "clamped to 10, 1 taken: version 1, below the 2 written, inherits nothing")
+	}, WithDenialCache(0))
+}

@@ -504,6 +504,36 @@ type holdTotals struct {
 	Settled, Unsettled, Granted, Denied int64
 }
 
+// TestSettleHonoursAnOpenBreaker: a settlement is a store call behind the
+// breaker of its key, as a decision is. While the breaker is open it does
+// not reach Redis, healthy again or not: the failure policy settles it,
+// here the fallback, which drops the refund.
+func TestSettleHonoursAnOpenBreaker(t *testing.T) {
+	ctx := context.Background()
+	mr := miniredis.RunT(t)
+	c := redis.NewClient(&redis.Options{Addr: mr.Addr(), MaxRetries: -1})
+	t.Cleanup(func() { _ = c.Close() })
+	var calls scriptCounter
+	c.AddHook(&calls)
+	l, err := New(NewRedisStore(c), []Plan{llm}, WithLogger(nil), WithDenialCache(0),
+		WithBreaker(breaker.Settings{Failures: 1, Cooldown: time.Hour}))
+	require.NoError(t, err)
+	r, err := l.Reserve(ctx, "k", 600)
+	require.NoError(t, err)
+	require.Equal(t, SourceStore, r.Result().Source)
+	mr.SetError("LOADING Redis is loading the dataset in memory")
+	_, err = l.Allow(ctx, "other") // fails, and opens the breaker
+	require.NoError(t, err)
+	require.Equal(t, breaker.Open, l.health.one.State())
+	mr.SetError("")
+	sent := calls.alone.Load()
+	st, err := r.Settle(ctx, 100)
+	require.NoError(t, err)
+	assert.Equal(t, SourceFallback, st.Source)
+	assert.Zero(t, st.Refunded, "the refund is dropped")
+	assert.Equal(t, sent, calls.alone.Load(), "the settlement did not reach Redis")
+}
+
 // TestHoldChildProcess is not a test of its own: the parent test runs the
 // test binary again with this test selected and a job in its environment.
 // Its workers reserve 1 to 20 tokens, then settle with 0 to twice that, or

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -110,6 +111,51 @@ func TestSetPlansRoundTripForgetsRememberedDenials(t *testing.T) {
 				require.NoError(t, err)
 				assert.True(t, r.Allowed, "Peek said a token remains; denied with RetryAfter %v", r.RetryAfter)
 				assert.Equal(t, SourceStore, r.Source)
+			})
+		}
+	}
+}
+
+// A denial remembered under one plan never answers for the plan of its
+// name that a resolver gives next with a new Version or of another kind:
+// the cache names a plan by every parameter, version and kind included,
+// so the first request under the new plan asks the store, which answers
+// otherwise: a version that resets admits, a window that counts what the
+// bucket used denies for its window, not for the bucket's hour.
+func TestNewVersionOrKindForgetsRememberedDenials(t *testing.T) {
+	old := Plan{Name: "api", Capacity: 2, Rate: Per(1, time.Hour)}
+	for _, tc := range []struct {
+		name string
+		next Plan
+	}{
+		{"version", Plan{Name: "api", Capacity: 2, Rate: Per(1, time.Hour), Version: 2, Inherit: InheritReset}},
+		{"kind", Plan{Name: "api", Capacity: 2, Window: time.Minute}},
+	} {
+		for name, newStore := range clockedStores() {
+			t.Run(tc.name+"/"+name, func(t *testing.T) {
+				ctx := context.Background()
+				s, _ := newStore(t)
+				var changed atomic.Bool
+				l, err := New(s, []Plan{old}, WithLogger(nil), WithDenialCache(100),
+					WithPlanResolver(func(_ context.Context, _ string, p Plan) (Plan, error) {
+						if changed.Load() {
+							return tc.next, nil
+						}
+						return p, nil
+					}))
+				require.NoError(t, err)
+				drainAndRemember(t, l, "k")
+				changed.Store(true)
+				r, err := l.Allow(ctx, "k")
+				require.NoError(t, err)
+				assert.Equal(t, SourceStore, r.Source, "the new plan is asked of the store")
+				if !tc.next.isWindow() {
+					assert.True(t, r.Allowed, "version 2 reset the bucket")
+					return
+				}
+				assert.False(t, r.Allowed, "the window counts what the bucket used")
+				assert.LessOrEqual(t, r.RetryAfter, time.Minute+time.Minute/20,
+					"until the window's counts leave (its window and a sub-window at most), not the bucket's hour")
 			})
 		}
 	}

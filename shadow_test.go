@@ -69,6 +69,51 @@ func TestShadowBucketEqualsEnforcedTwin(t *testing.T) {
 	}
 }
 
+// TestShadowedVersionsMatchTheirTwins: a new version of a plan every 25
+// steps, inheriting by reset, addition or proportion in turn, and the
+// unversioned plan, take turns at random on a shadowed key and on its
+// enforced twin, on the script and on the MemoryStore. A shadowed version
+// inherits once, as its twin does, and keeps the version it wrote: it
+// would deny exactly where the twin denies, and its stored bucket,
+// version included, is the twin's.
+func TestShadowedVersionsMatchTheirTwins(t *testing.T) {
+	ctx := context.Background()
+	unversioned := Plan{Name: "v", Capacity: 4, Rate: 0.5}
+	inherits := []Inheritance{InheritReset, InheritAdditive, InheritProportional}
+	rs, _, setTime := newMiniredisStore(t)
+	now := t0
+	ms := newClockedMemoryStore(&now)
+	rng := rand.New(rand.NewPCG(3, 4))
+	denied := 0
+	for step := range 500 {
+		now += rng.Int64N(300_000) // µs
+		setTime(now)
+		v := uint32(1 + step/25)
+		p := Plan{Name: "v", Capacity: 4 + int64(v%3)*2, Rate: 0.5, Version: v, Inherit: inherits[v%3]}
+		if rng.IntN(3) == 0 {
+			p = unversioned
+		}
+		for _, s := range []Store{rs, ms} {
+			sh, err := s.Take(ctx, "shadow", 1, []Plan{shadowed(p)})
+			require.NoError(t, err)
+			en, err := s.Take(ctx, "twin", 1, []Plan{p})
+			require.NoError(t, err)
+			require.True(t, sh.Allowed, "step %d", step)
+			require.Equal(t, !en.Allowed, sh.ShadowDenied, "step %d: would deny exactly where the twin denies", step)
+			want := en.PlanResults()[0]
+			want.Shadow, want.WouldDeny = true, !en.Allowed
+			require.Equal(t, []PlanResult{want}, sh.PlanResults(), "step %d", step)
+			if s == Store(rs) && !en.Allowed {
+				denied++
+			}
+		}
+	}
+	assert.Greater(t, denied, 50, "the trace must push past the limit")
+	assert.Less(t, denied, 450, "and admit too")
+	assert.Equal(t, storedBucket(t, rs.client, rs.Key("twin", "v")), storedBucket(t, rs.client, rs.Key("shadow", "v")))
+	assert.Equal(t, int64(20), storedBucket(t, rs.client, rs.Key("shadow", "v")).Version)
+}
+
 // In a chain, shadowed plans never deny and never bind while a plan is
 // enforced; the enforced plans decide, and the shadowed plan's bucket is
 // drained only when the request is allowed and it fits.
