@@ -71,7 +71,7 @@ func onPath() bool {
 // when redis-server is not on PATH. Main counts the latter.
 func SkipIfUnavailable(t testing.TB) {
 	t.Helper()
-	skipIfShort(t)
+	SkipIfShort(t)
 	if !onPath() {
 		skippedNoServer.Add(1)
 		t.Skip("redistest: redis-server not found on PATH; install Redis (for example `apt-get install redis-server`) to run this test")
@@ -106,7 +106,7 @@ func MajorVersion(t testing.TB) int {
 // -short too.
 func Addr(t testing.TB) string {
 	t.Helper()
-	skipIfShort(t)
+	SkipIfShort(t)
 	if addr := os.Getenv(envAddr); addr != "" {
 		return addr
 	}

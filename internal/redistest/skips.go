@@ -22,9 +22,10 @@ var skippedNoServer atomic.Int64
 // shortReason is why a test that needs a real Redis skips under -short.
 const shortReason = "redistest: -short runs no real Redis; run go test without -short to include this test"
 
-// skipIfShort skips t under -short: real Redis servers, clusters and the
-// tests that time them are what make the suite slow.
-func skipIfShort(t testing.TB) {
+// SkipIfShort skips t under -short: real Redis servers, clusters and the
+// tests that time them are what make the suite slow. Tests that reach a
+// real Redis without this package's other functions call it first.
+func SkipIfShort(t testing.TB) {
 	t.Helper()
 	if testing.Short() {
 		t.Skip(shortReason)
