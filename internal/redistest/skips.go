@@ -96,18 +96,22 @@ func report(line string) {
 }
 
 // goCommandStdout opens the standard output of the go command that runs
-// this test binary, on Linux, when it is a terminal or a pipe: a regular
-// file is left alone, since a second writer would overwrite what
-// the go command writes at its own offset. It returns nil otherwise.
+// this test binary, on Linux, when it is a terminal, a pipe, or a file the
+// go command appends to (>>). A file written at the go command's own
+// offset (>) is left alone: the go command's next write would overwrite
+// the line. It returns nil otherwise.
 func goCommandStdout() io.WriteCloser {
-	ppid := strconv.Itoa(os.Getppid())
-	comm, err := os.ReadFile("/proc/" + ppid + "/comm")
+	proc := "/proc/" + strconv.Itoa(os.Getppid())
+	comm, err := os.ReadFile(proc + "/comm")
 	if err != nil || strings.TrimSpace(string(comm)) != "go" {
 		return nil
 	}
-	path := "/proc/" + ppid + "/fd/1"
+	path := proc + "/fd/1"
 	info, err := os.Stat(path)
-	if err != nil || info.Mode()&(fs.ModeCharDevice|fs.ModeNamedPipe) == 0 {
+	if err != nil {
+		return nil
+	}
+	if info.Mode()&(fs.ModeCharDevice|fs.ModeNamedPipe) == 0 && !(info.Mode().IsRegular() && appends(proc+"/fdinfo/1")) {
 		return nil
 	}
 	f, err := os.OpenFile(path, os.O_WRONLY|os.O_APPEND, 0)
@@ -115,4 +119,20 @@ func goCommandStdout() io.WriteCloser {
 		return nil
 	}
 	return f
+}
+
+// appends reports whether the open file that fdinfo (a /proc/PID/fdinfo/N
+// file) describes was opened with O_APPEND.
+func appends(fdinfo string) bool {
+	b, err := os.ReadFile(fdinfo)
+	if err != nil {
+		return false
+	}
+	for line := range strings.Lines(string(b)) {
+		if v, ok := strings.CutPrefix(line, "flags:"); ok {
+			flags, err := strconv.ParseUint(strings.TrimSpace(v), 8, 64)
+			return err == nil && flags&uint64(os.O_APPEND) != 0
+		}
+	}
+	return false
 }
