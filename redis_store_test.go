@@ -842,7 +842,11 @@ func TestExtremeRatesAgree(t *testing.T) {
 }
 
 func TestLuaAgreesWithGoRandom(t *testing.T) {
-	for seed := uint64(1); seed <= 4; seed++ {
+	seeds := uint64(4)
+	if testing.Short() {
+		seeds = 1
+	}
+	for seed := uint64(1); seed <= seeds; seed++ {
 		t.Run(fmt.Sprint("seed", seed), func(t *testing.T) {
 			runAgreement(t, randomSteps(rand.New(rand.NewPCG(seed, 42)), 300, 1, false, false))
 		})
@@ -855,7 +859,11 @@ func TestLuaAgreesWithGoRandom(t *testing.T) {
 // jumping forwards and back, must give identical answers and state from the
 // pure TokenBucket, the MemoryStore and the script on miniredis.
 func TestStoresAgreeOnRandomOperations(t *testing.T) {
-	for seed := uint64(1); seed <= 8; seed++ {
+	seeds := uint64(8)
+	if testing.Short() {
+		seeds = 2
+	}
+	for seed := uint64(1); seed <= seeds; seed++ {
 		t.Run(fmt.Sprint("seed", seed), func(t *testing.T) {
 			runAgreement(t, randomSteps(rand.New(rand.NewPCG(seed, 7)), 400, 4, true, true))
 		})
@@ -1563,7 +1571,11 @@ var farAhead atomic.Int64
 // full refill ahead are brought back and written back on denials. Both
 // must answer alike.
 func TestStoresAgreeOnPlanVariants(t *testing.T) {
-	for seed := uint64(1); seed <= 16; seed++ {
+	seeds := uint64(16)
+	if testing.Short() {
+		seeds = 4
+	}
+	for seed := uint64(1); seed <= seeds; seed++ {
 		t.Run(fmt.Sprint(seed), func(t *testing.T) { runVariants(t, seed) })
 	}
 	require.Positive(t, farAhead.Load(), "some decisions met a stamp too far ahead")

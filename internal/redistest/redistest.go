@@ -8,6 +8,11 @@
 // server: the client settings docs/redis.md recommends (FailFast), Redis's clock (Time) and key
 // prefixes that keep tests apart on a shared server (KeyPrefix).
 //
+// Tests that need a real Redis skip when redis-server is not on PATH, and
+// under -short, which keeps go test -short to MemoryStore and miniredis. A
+// package that uses this one runs its tests through Main, which then names
+// in one line how many skipped for want of redis-server.
+//
 // Methods that can fail report through the testing.TB given to the function
 // that created the value, so they must be called from that test's goroutine
 // (or from one of its cleanups).
@@ -50,17 +55,25 @@ const (
 	startAttempts = 3
 )
 
-// Available reports whether redis-server is on PATH.
+// Available reports whether tests may start redis-server: it is on PATH
+// and the tests do not run with -short, which leaves real Redis out.
 func Available() bool {
+	return !testing.Short() && onPath()
+}
+
+// onPath reports whether redis-server is on PATH.
+func onPath() bool {
 	_, err := exec.LookPath(serverBinary)
 	return err == nil
 }
 
-// SkipIfUnavailable calls t.Skip with a clear message when redis-server is not
-// on PATH.
+// SkipIfUnavailable calls t.Skip with a clear message under -short and
+// when redis-server is not on PATH. Main counts the latter.
 func SkipIfUnavailable(t testing.TB) {
 	t.Helper()
-	if !Available() {
+	SkipIfShort(t)
+	if !onPath() {
+		skippedNoServer.Add(1)
 		t.Skip("redistest: redis-server not found on PATH; install Redis (for example `apt-get install redis-server`) to run this test")
 	}
 }
@@ -89,9 +102,11 @@ func MajorVersion(t testing.TB) int {
 // Addr returns the address of a real Redis for tests that only need one plain
 // server: TOLLGATE_REDIS_ADDR if set (the caller must then use random key
 // prefixes; this package never flushes it), otherwise a fresh server started
-// with StartServer (stopped at test end), otherwise t.Skip.
+// with StartServer (stopped at test end), otherwise t.Skip. It skips under
+// -short too.
 func Addr(t testing.TB) string {
 	t.Helper()
+	SkipIfShort(t)
 	if addr := os.Getenv(envAddr); addr != "" {
 		return addr
 	}
