@@ -67,11 +67,11 @@ func (l *Limiter) decide(ctx context.Context, r *Result, q *request) error {
 	return nil
 }
 
-// named decides o on the plans named names, the table's first plan for
+// named decides q on the plans named names, the table's first plan for
 // none, into *r. names stay out of the request, whose content escapes to
 // the heap: a caller's variadic names then stay on its stack.
-func (l *Limiter) named(ctx context.Context, r *Result, o op, names []string) error {
-	q := request{op: o, table: l.table.Load()}
+func (l *Limiter) named(ctx context.Context, r *Result, q *request, names []string) error {
+	q.table = l.table.Load()
 	q.plans, q.entry = q.table.defaults.one, q.table.defaults
 	if len(names) > 0 {
 		var err error
@@ -79,7 +79,7 @@ func (l *Limiter) named(ctx context.Context, r *Result, o op, names []string) er
 			return err
 		}
 	}
-	return l.decide(ctx, r, &q)
+	return l.decide(ctx, r, q)
 }
 
 // plansFor has the resolver choose q's plans for q's key

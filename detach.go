@@ -47,7 +47,7 @@ func (l *Limiter) reserve(ctx context.Context, r *Reservation, plans []string) e
 	if !l.local {
 		return l.reserveDetached(ctx, r, plans)
 	}
-	if err := l.named(ctx, &r.result, r.op(), plans); err != nil {
+	if err := l.named(ctx, &r.result, r.request(), plans); err != nil {
 		return err
 	}
 	l.held(r)
@@ -67,7 +67,7 @@ func (l *Limiter) reserveDetached(ctx context.Context, r *Reservation, plans []s
 	rctx, cancel := detach(ctx, reserveTimeout)
 	go func() {
 		defer cancel()
-		derr := l.named(rctx, &r.result, r.op(), plans)
+		derr := l.named(rctx, &r.result, r.request(), plans)
 		if derr == nil {
 			l.held(r)
 		}

@@ -93,14 +93,14 @@ func newLeases(l *Limiter, ttl time.Duration) *leases {
 // Limiter is closed.
 func (ls *leases) serve(ctx context.Context, r *Result, q *request) (bool, error) {
 	if len(q.plans) != 1 || !leasable(&q.plans[0], q.n) && !ls.leased(q.plans[0].Name) {
-		return false, nil // checked before a leaseAsk escapes to the heap
+		return false, nil
 	}
-	a := &leaseAsk{key: q.key, cost: q.n, plans: q.plans, given: q.given}
-	return ls.decide(ctx, r, a)
+	return ls.decide(ctx, r, leaseAsk{key: q.key, cost: q.n, plans: q.plans, given: q.given})
 }
 
-// decide is serve for a, a decision on one plan.
-func (ls *leases) decide(ctx context.Context, r *Result, a *leaseAsk) (bool, error) {
+// decide is serve for a, a decision on one plan. a goes by value: a
+// decision the lease serves, the common case, allocates nothing.
+func (ls *leases) decide(ctx context.Context, r *Result, a leaseAsk) (bool, error) {
 	key, cost, plans := a.key, a.cost, a.plans
 	leasing := leasable(&plans[0], cost)
 	for {
@@ -109,7 +109,7 @@ func (ls *leases) decide(ctx context.Context, r *Result, a *leaseAsk) (bool, err
 			return false, nil
 		}
 		if leasing {
-			served, backingOff := ls.spend(e, r, a)
+			served, backingOff := ls.spend(e, r, &a)
 			if served || backingOff {
 				return served, nil
 			}

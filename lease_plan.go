@@ -7,7 +7,11 @@ import "context"
 // (SetPlans, a resolver's new tier, a new Version) is decided by the
 // store under the new plan. The caller holds e.mu.
 func (e *lease) fits(p *Plan) bool {
-	return e.r == nil || e.r.hold.plans[0] == *p
+	if e.r == nil {
+		return true
+	}
+	was := &e.r.hold.plans[0]
+	return was == p || *was == *p // the same table entry's plan, mostly
 }
 
 // holdsOther reports whether e holds a lease taken for a plan other than p.

@@ -27,7 +27,8 @@ func leasable(p *Plan, cost int64) bool {
 // caller whose ctx ends first gets its error at once, and the take,
 // finished without it, is kept as the key's lease or given back. The
 // caller holds e.renew, which passes to the goroutine.
-func (ls *leases) takeDetached(ctx context.Context, e *lease, r *Result, q *leaseAsk) (decided, again bool, err error) {
+func (ls *leases) takeDetached(ctx context.Context, e *lease, r *Result, a leaseAsk) (decided, again bool, err error) {
+	q := &a // the take's goroutine shares it: on the heap, once per lease taken
 	e.mu.Lock()
 	gone := e.gone // Close dropped it: no goroutine may start
 	e.mu.Unlock()

@@ -170,7 +170,8 @@ func (l *Limiter) Plan(name string) (Plan, bool) {
 
 // Allow is AllowN with cost 1.
 func (l *Limiter) Allow(ctx context.Context, key string, plans ...string) (r Result, err error) {
-	err = l.named(ctx, &r, op{key: key, n: 1}, plans)
+	q := request{op: op{key: key, n: 1}}
+	err = l.named(ctx, &r, &q, plans)
 	return r, err
 }
 
@@ -184,7 +185,8 @@ func (l *Limiter) Allow(ctx context.Context, key string, plans ...string) (r Res
 // ErrInvalidPlan from a plan resolver (WithPlanResolver), and, under
 // FailClosed only, ErrStoreUnavailable.
 func (l *Limiter) AllowN(ctx context.Context, key string, cost int64, plans ...string) (r Result, err error) {
-	err = l.named(ctx, &r, op{key: key, n: cost}, plans)
+	q := request{op: op{key: key, n: cost}}
+	err = l.named(ctx, &r, &q, plans)
 	return r, err
 }
 
@@ -207,7 +209,8 @@ func (l *Limiter) PeekN(ctx context.Context, key string, n int64, plans ...strin
 	if n > 1 && (!canRead(l.store) || l.fallback != nil && !canRead(l.fallback)) {
 		return Result{}, errUnsupported(modeRead)
 	}
-	err = l.named(ctx, &r, op{key: key, n: n, mode: modeRead}, plans)
+	q := request{op: op{key: key, n: n, mode: modeRead}}
+	err = l.named(ctx, &r, &q, plans)
 	return r, err
 }
 

@@ -127,7 +127,9 @@ func (m *MemoryStore) decide(_ context.Context, o op) (r Result, _ error) {
 	key, cost, plans := o.key, o.cost(), o.plans
 	if windowIn(plans) {
 		m.takeWindows(&r, key, cost, plans)
-		m.dateHold(o)
+		if o.mode == modeHold {
+			m.dateHold(o.hold)
+		}
 		return r, nil
 	}
 	// A chain of buckets alone skips the windows' bookkeeping, which it
@@ -163,15 +165,15 @@ func (m *MemoryStore) decide(_ context.Context, o op) (r Result, _ error) {
 	}
 	s.mu.Unlock()
 	r.describe(&outcome{plans: plans, buckets: buckets, now: now, cost: cost, allowed: allowed, wd: wd})
-	m.dateHold(o)
+	if o.mode == modeHold {
+		m.dateHold(o.hold)
+	}
 	return r, nil
 }
 
-// dateHold dates the expiry of o's hold, if o holds.
-func (m *MemoryStore) dateHold(o op) {
-	if o.mode == modeHold {
-		o.hold.granted(m, m.now()+o.hold.ttl.Microseconds())
-	}
+// dateHold dates the expiry of a hold it granted.
+func (m *MemoryStore) dateHold(h *hold) {
+	h.granted(m, m.now()+h.ttl.Microseconds())
 }
 
 func (m *MemoryStore) self() Store { return m }

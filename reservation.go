@@ -111,9 +111,9 @@ func (l *Limiter) Reserve(ctx context.Context, key string, n int64, plans ...str
 	return r, nil
 }
 
-// op is what the store is asked for r: to hold its tokens.
-func (r *Reservation) op() op {
-	return op{key: r.key, n: r.n, mode: modeHold, hold: &r.hold}
+// request is the decision r asks for: to hold its tokens.
+func (r *Reservation) request() *request {
+	return &request{op: op{key: r.key, n: r.n, mode: modeHold, hold: &r.hold}}
 }
 
 // newReservation returns a reservation of n tokens of key, for decide to
