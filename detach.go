@@ -33,12 +33,28 @@ func (h *handoff) abandon() bool {
 // detach returns a context with ctx's values but not its cancellation,
 // for a store call whose outcome must not be lost when its caller gives
 // up: it ends d from now, or at ctx's deadline if that is later.
+// The detached context keeps ctx, so that a failure of the call is judged
+// by its caller's context (callerOf): its own deadline ending is not the
+// caller's doing.
 func detach(ctx context.Context, d time.Duration) (context.Context, context.CancelFunc) {
 	end := time.Now().Add(d)
 	if dl, ok := ctx.Deadline(); ok && dl.After(end) {
 		end = dl
 	}
-	return context.WithDeadline(context.WithoutCancel(ctx), end)
+	dctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), end)
+	return context.WithValue(dctx, callerKey{}, ctx), cancel
+}
+
+// callerKey is the key under which a detached context keeps its caller's.
+type callerKey struct{}
+
+// callerOf returns the context of the caller a store call under ctx is
+// made for: the one a detached ctx keeps, or ctx itself.
+func callerOf(ctx context.Context) context.Context {
+	if c, ok := ctx.Value(callerKey{}).(context.Context); ok {
+		return c
+	}
+	return ctx
 }
 
 // reserve decides r, a reservation of the named plans, and counts it if

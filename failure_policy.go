@@ -140,6 +140,7 @@ func (l *Limiter) blame(ctx context.Context, err error, now int64) (callerErr er
 	}
 	var rerr *redisscript.Error
 	answered := errors.As(err, &rerr) || errors.Is(err, redisscript.ErrBadReply)
+	ctx = callerOf(ctx) // a detached call's own deadline is not its caller's doing
 	cerr := ctx.Err()
 	if cerr == nil && !answered {
 		if dl, ok := ctx.Deadline(); ok && time.Until(dl) <= deadlineSlack {

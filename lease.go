@@ -62,9 +62,10 @@ type lease struct {
 // half a TTL more), so that the tombstones of leases given back leave
 // Redis soon; a hold that expired first refunds nothing, which only
 // under-admits. given says that AllowPlans's caller gave the plans.
-func (ls *leases) reservation(key string, n int64, given bool) *Reservation {
-	rv := ls.l.newReservation(key, n)
-	rv.hold.ttl, rv.hold.lease, rv.hold.given = 4*ls.ttl, true, given
+func (ls *leases) reservation(a *leaseAsk, n int64) *Reservation {
+	rv := ls.l.newReservation(a.key, n)
+	rv.hold.ttl, rv.hold.lease, rv.hold.given = 4*ls.ttl, true, a.given
+	rv.as = a.as
 	return rv
 }
 
@@ -95,7 +96,11 @@ func (ls *leases) serve(ctx context.Context, r *Result, q *request) (bool, error
 	if len(q.plans) != 1 || !leasable(&q.plans[0], q.n) && !ls.leased(q.plans[0].Name) {
 		return false, nil
 	}
-	return ls.decide(ctx, r, leaseAsk{key: q.key, cost: q.n, plans: q.plans, given: q.given})
+	a := leaseAsk{key: q.key, cost: q.n, plans: q.plans, given: q.given}
+	if ls.l.resolver != nil {
+		a.as = resolverKey(ctx, q.key)
+	}
+	return ls.decide(ctx, r, a)
 }
 
 // decide is serve for a, a decision on one plan. a goes by value: a
@@ -194,7 +199,7 @@ func (ls *leases) fetch(e *lease, cur *Reservation, n int64, a leaseAsk) {
 	defer ls.done.Done()
 	ctx, cancel := context.WithTimeout(context.Background(), ls.ttl+time.Second)
 	defer cancel()
-	rv := ls.reservation(a.key, n, cur.hold.given)
+	rv := ls.reservation(&a, n)
 	err := ls.hold(ctx, rv, a.plans)
 	ok := err == nil && rv.result.Allowed && rv.result.Source == SourceStore
 	e.mu.Lock()
@@ -251,7 +256,7 @@ func (ls *leases) take(ctx context.Context, e *lease, r *Result, q *leaseAsk, w 
 		return false, false, nil
 	}
 	size := q.plans[0].Lease
-	rv := ls.reservation(q.key, size, q.given)
+	rv := ls.reservation(q, size)
 	if err := ls.hold(ctx, rv, q.plans); err != nil {
 		return true, false, err
 	}

@@ -13,6 +13,7 @@ type leaseAsk struct {
 	cost  int64
 	plans []Plan
 	given bool
+	as    string // the key a plan resolver was given (ResolveAs), for the lease's settlement
 }
 
 // leasable reports whether a decision of cost on plan p takes a lease:

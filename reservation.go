@@ -26,6 +26,7 @@ type Reservation struct {
 	n      int64
 	result Result
 	hold   hold
+	as     string // the key a plan resolver was given for it (ResolveAs); "" for key
 
 	mu      sync.Mutex
 	settled bool
@@ -105,6 +106,9 @@ func (l *Limiter) Reserve(ctx context.Context, key string, n int64, plans ...str
 		return nil, errUnsupported(modeHold)
 	}
 	r := l.newReservation(key, n)
+	if l.resolver != nil {
+		r.as = resolverKey(ctx, key) // settled later, maybe on a context without it
+	}
 	if err := l.reserve(ctx, r, plans); err != nil {
 		return nil, err
 	}
@@ -317,6 +321,9 @@ func (l *Limiter) plansInForce(ctx context.Context, r *Reservation) (_ []Plan, s
 	was, skip := r.hold.plans, r.hold.skip
 	if r.hold.given {
 		return was, skip
+	}
+	if r.as != "" && r.as != r.key {
+		ctx = ResolveAs(ctx, r.key, r.as) // the resolver sees the key it saw at Reserve
 	}
 	t := l.table.Load()
 	var now []Plan // a copy, once a plan differs
