@@ -33,9 +33,9 @@ func (h *handoff) abandon() bool {
 // detach returns a context with ctx's values but not its cancellation,
 // for a store call whose outcome must not be lost when its caller gives
 // up: it ends d from now, or at ctx's deadline if that is later.
-// The detached context keeps ctx, so that a failure of the call is judged
-// by its caller's context (callerOf): its own deadline ending is not the
-// caller's doing.
+// The detached context keeps ctx, so that a failure of the call while its
+// caller still waits is judged by the caller's context (callerOf): the
+// detached context's own bound ending is then not the caller's doing.
 func detach(ctx context.Context, d time.Duration) (context.Context, context.CancelFunc) {
 	end := time.Now().Add(d)
 	if dl, ok := ctx.Deadline(); ok && dl.After(end) {

@@ -140,7 +140,9 @@ func (l *Limiter) blame(ctx context.Context, err error, now int64) (callerErr er
 	}
 	var rerr *redisscript.Error
 	answered := errors.As(err, &rerr) || errors.Is(err, redisscript.ErrBadReply)
-	ctx = callerOf(ctx) // a detached call's own deadline is not its caller's doing
+	if c := callerOf(ctx); c.Err() == nil {
+		ctx = c // a detached call's own bound ending is not its waiting caller's doing
+	}
 	cerr := ctx.Err()
 	if cerr == nil && !answered {
 		if dl, ok := ctx.Deadline(); ok && time.Until(dl) <= deadlineSlack {
