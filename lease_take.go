@@ -31,7 +31,13 @@ func leasable(p *Plan, cost int64) bool {
 func (ls *leases) takeDetached(ctx context.Context, e *lease, r *Result, a leaseAsk) (decided, again bool, err error) {
 	q := &a // the take's goroutine shares it: on the heap, once per lease taken
 	e.mu.Lock()
-	gone := e.gone // Close dropped it: no goroutine may start
+	gone := e.gone // Close or Reset dropped it: no goroutine may start
+	if !gone {
+		// Counted while e, not gone, is in the map: Close's sweep then
+		// waits for e.renew, which the goroutine holds, before it waits
+		// for ls.done, so the count never starts from zero under a Wait.
+		ls.done.Add(1)
+	}
 	e.mu.Unlock()
 	if gone {
 		<-e.renew
@@ -44,7 +50,6 @@ func (ls *leases) takeDetached(ctx context.Context, e *lease, r *Result, a lease
 		err            error
 	}
 	tctx, cancel := detach(ctx, ls.ttl+time.Second)
-	ls.done.Add(1)
 	go func() {
 		defer ls.done.Done()
 		defer cancel()
