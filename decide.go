@@ -40,16 +40,16 @@ func (l *Limiter) decide(ctx context.Context, r *Result, q *request) error {
 		}
 	}
 	cache := l.cacheable(q)
+	var asked int64 // on the Limiter's clock, read once: a store of this process is not timed
+	if cache || !l.local {
+		asked = l.now()
+	}
 	if l.denials != nil {
 		q.pk = planKey(q)
-		if l.cached(r, q, cache) {
+		if l.cached(r, q, cache, asked) {
 			l.record(ctx, r, q)
 			return nil
 		}
-	}
-	var asked int64 // on the Limiter's clock: a store of this process is not timed
-	if cache || !l.local {
-		asked = l.now()
 	}
 	var err error
 	if l.local { // a store of this process cannot fail: no breaker, no policy
@@ -170,12 +170,11 @@ func planKey(q *request) string {
 // false: a read, or a suppressed plan) is not looked up: the cache only
 // forgets the key's denials under other parameters of its plans, which
 // the store's answer supersedes.
-func (l *Limiter) cached(r *Result, q *request, may bool) bool {
+func (l *Limiter) cached(r *Result, q *request, may bool, now int64) bool {
 	if !may {
 		l.denials.Supersede(q.key, q.pk)
 		return false
 	}
-	now := l.now()
 	at, until, ok := l.denials.Get(q.key, q.pk, q.n, now, r)
 	if !ok {
 		return false
