@@ -2,6 +2,7 @@ package tollgate
 
 import (
 	"context"
+	"runtime"
 	"sync"
 	"time"
 
@@ -10,35 +11,46 @@ import (
 	"github.com/tollgate-go/tollgate/internal/redisscript"
 )
 
-// Batching limits: a batch holds at most maxBatch decisions, and at most
-// maxInFlight script calls of one store are under way at once, so that
-// Redis runs one batch while the next is on its way.
-const (
-	maxBatch    = 32
-	maxInFlight = 2
-)
+// maxBatch is the most decisions one script call decides.
+const maxBatch = 32
 
-// batchCalls has s decide concurrent requests in batches (WithBatching),
-// unless its client spreads keys over slots that one script call cannot
-// span: a ClusterClient or Ring.
+// batchCalls has s decide concurrent requests in batches, unless its
+// client spreads keys over slots that one script call cannot span: a
+// ClusterClient or Ring.
 func (s *RedisStore) batchCalls() {
 	switch s.client.(type) {
 	case *redis.ClusterClient, *redis.Ring:
 		return
 	}
-	s.batch = &batcher{client: s.client, one: s.script, many: redisscript.NewBatch(luaBucket, luaLimit)}
+	s.batch = &batcher{client: s.client, one: s.script, many: redisscript.NewBatch(luaBucket, luaLimit),
+		slots: callSlots(s.client)}
 }
 
-// batcher gathers the decisions of one RedisStore into batches. It is safe
-// for concurrent use.
+// callSlots returns how many script calls a batcher on client keeps under
+// way at once: the client's pool size, so that a decision waits for a
+// batch only when a call of its own would wait for a connection.
+func callSlots(client redis.UniversalClient) int {
+	if c, ok := client.(interface{ Options() *redis.Options }); ok && c.Options().PoolSize > 0 {
+		return c.Options().PoolSize
+	}
+	return 10 * runtime.GOMAXPROCS(0) // go-redis's default pool size
+}
+
+// batcher gathers the decisions of one RedisStore into batches. A decision
+// that finds a call slot free is sent at once, alone; one that finds every
+// slot taken waits, and the caller whose call ends next passes its slot to
+// the first waiting decision, whose caller sends every decision then
+// waiting, up to maxBatch, in one call. No goroutine is started: the
+// waiting callers send the batches. It is safe for concurrent use.
 type batcher struct {
 	client redis.Scripter
 	one    *redisscript.Script // for a decision sent alone
 	many   *redisscript.Batch
+	slots  int // script calls under way at once, at most
 
 	mu       sync.Mutex
 	pending  []*scriptCall // waiting for a call slot, oldest first
-	inFlight int           // script calls under way, at most maxInFlight
+	inFlight int           // script calls under way; slots while any wait
 }
 
 // eval runs the limit script for the decision c and returns its reply:
@@ -53,12 +65,12 @@ func (s *RedisStore) eval(ctx context.Context, c *scriptCall) (any, error) {
 	return s.batch.do(ctx, c)
 }
 
-// do decides one request: at once on the caller's goroutine if a call slot
-// is free and nobody waits, or else in the next batch. It recycles c
-// unless c is left to a sender after its caller gave up.
+// do decides one request: at once if a call slot is free, or else in a
+// batch. It recycles c unless c is left to a sender after its caller gave
+// up.
 func (b *batcher) do(ctx context.Context, c *scriptCall) (any, error) {
 	b.mu.Lock()
-	if b.inFlight < maxInFlight && len(b.pending) == 0 {
+	if b.inFlight < b.slots { // then nobody waits
 		b.inFlight++
 		b.mu.Unlock()
 		reply, err := b.one.Run(ctx, b.client, c.Keys, c.Args...)
@@ -66,69 +78,85 @@ func (b *batcher) do(ctx context.Context, c *scriptCall) (any, error) {
 		b.release()
 		return reply, err
 	}
-	c.ctx = ctx
+	c.ctx, c.lead = ctx, false
 	b.pending = append(b.pending, c)
-	if b.inFlight < maxInFlight {
-		b.inFlight++
-		go b.flush()
-	}
 	b.mu.Unlock()
 	select {
 	case <-c.done:
+		if c.lead {
+			b.lead(c)
+		}
 		reply, err := c.Reply, c.Err
 		c.recycle()
 		return reply, err
 	case <-ctx.Done():
-		// Still waiting, it is withdrawn; already sent, its answer is
-		// dropped, and c with it, since a sender may still write to it.
-		b.mu.Lock()
-		for i, p := range b.pending {
-			if p == c {
-				b.pending = append(b.pending[:i], b.pending[i+1:]...)
-				break
-			}
-		}
-		b.mu.Unlock()
+		b.withdraw(c)
 		return nil, ctx.Err()
 	}
 }
 
-// release ends a script call: its slot passes to a sender of the waiting
-// decisions if there are any.
+// release ends a script call: its slot passes to the first waiting
+// decision, if any, whose caller sends the next batch.
 func (b *batcher) release() {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if len(b.pending) > 0 {
-		go b.flush()
+	b.passSlot()
+}
+
+// passSlot is release with b.mu held.
+func (b *batcher) passSlot() {
+	if len(b.pending) == 0 {
+		b.inFlight--
 		return
 	}
-	b.inFlight--
+	next := b.pending[0]
+	b.pending[0] = nil
+	b.pending = b.pending[1:]
+	next.lead = true
+	next.done <- struct{}{}
 }
 
-// flush sends the waiting decisions, a batch at a time, until none wait,
-// and then gives up its call slot.
-func (b *batcher) flush() {
-	for {
-		b.mu.Lock()
-		n := min(len(b.pending), maxBatch)
-		if n == 0 {
-			b.inFlight--
-			b.mu.Unlock()
+// lead sends the batch of c, which was given a call slot: c and the
+// decisions waiting behind it, up to maxBatch, and then passes the slot
+// on.
+func (b *batcher) lead(c *scriptCall) {
+	b.mu.Lock()
+	n := min(len(b.pending), maxBatch-1)
+	batch := make([]*scriptCall, 1, n+1)
+	batch[0] = c
+	batch = append(batch, b.pending[:n]...)
+	rest := copy(b.pending, b.pending[n:])
+	clear(b.pending[rest:])
+	b.pending = b.pending[:rest]
+	b.mu.Unlock()
+	b.send(batch)
+	b.release()
+}
+
+// withdraw takes c, whose caller gave up, out of the batcher: still
+// waiting, it is withdrawn, and recycled; given a slot, it passes the
+// slot on; already sent, its answer is dropped, and c with it, since a
+// sender may still write to it.
+func (b *batcher) withdraw(c *scriptCall) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for i, p := range b.pending {
+		if p == c {
+			b.pending = append(b.pending[:i], b.pending[i+1:]...)
+			c.recycle()
 			return
 		}
-		batch := make([]*scriptCall, n)
-		copy(batch, b.pending)
-		rest := copy(b.pending, b.pending[n:])
-		clear(b.pending[rest:])
-		b.pending = b.pending[:rest]
-		b.mu.Unlock()
-		b.send(batch)
+	}
+	if c.lead {
+		<-c.done // sent by passSlot, under b.mu
+		b.passSlot()
+		c.recycle()
 	}
 }
 
-// send decides a batch in one script call and hands each caller its
-// answer. Callers whose context has ended are left out: a decision takes
-// nothing for them.
+// send decides a batch in one script call and hands each caller but the
+// first, which sends it, its answer. Callers whose context has ended are
+// left out: a decision takes nothing for them.
 func (b *batcher) send(batch []*scriptCall) {
 	live := make([]*redisscript.Call, 0, len(batch))
 	var latest time.Time
@@ -158,7 +186,7 @@ func (b *batcher) send(batch []*scriptCall) {
 	default:
 		b.many.Run(ctx, b.client, live)
 	}
-	for _, c := range batch {
+	for _, c := range batch[1:] {
 		c.done <- struct{}{}
 	}
 }

@@ -43,7 +43,7 @@ func batchOf(t *testing.T, s *RedisStore, n int, decide func(i int) (Result, err
 	t.Helper()
 	b := s.batch
 	b.mu.Lock()
-	b.inFlight = maxInFlight
+	b.inFlight = b.slots
 	b.mu.Unlock()
 	results, errs := make([]Result, n), make([]error, n)
 	var wg sync.WaitGroup
@@ -57,13 +57,10 @@ func batchOf(t *testing.T, s *RedisStore, n int, decide func(i int) (Result, err
 		}
 	}
 	return func() ([]Result, []error) {
-		b.mu.Lock()
-		b.inFlight-- // the slot flush gives up at the end; the other stays held
-		b.mu.Unlock()
-		b.flush()
+		b.release() // the first waiting caller sends them all
 		wg.Wait()
 		b.mu.Lock()
-		b.inFlight--
+		b.inFlight -= b.slots - 1
 		b.mu.Unlock()
 		return results, errs
 	}
@@ -100,7 +97,7 @@ func TestBatchDecidesAsCallsOfTheirOwn(t *testing.T) {
 	mr := miniredis.RunT(t)
 	mr.SetTime(time.UnixMicro(t0))
 	c := redis.NewClient(&redis.Options{Addr: mr.Addr()})
-	batched := NewRedisStore(c, WithKeyPrefix("batched"), WithBatching())
+	batched := NewRedisStore(c, WithKeyPrefix("batched"))
 	plain := NewRedisStore(c, WithKeyPrefix("plain"))
 	window := Plan{Name: "minute", Capacity: 3, Window: time.Minute}
 	reqs := []batchReq{
@@ -129,7 +126,7 @@ func TestBatchDecidesAsCallsOfTheirOwn(t *testing.T) {
 // is sent at once with the plain script, and the batcher is idle after.
 func TestBatchLoneCallerSendsAlone(t *testing.T) {
 	mr := miniredis.RunT(t)
-	s := NewRedisStore(redis.NewClient(&redis.Options{Addr: mr.Addr()}), WithBatching())
+	s := NewRedisStore(redis.NewClient(&redis.Options{Addr: mr.Addr()}))
 	for i := 0; i < 3; i++ {
 		r, err := s.Take(context.Background(), "k", 1, []Plan{gold})
 		require.NoError(t, err)
@@ -146,7 +143,7 @@ func TestBatchLoneCallerSendsAlone(t *testing.T) {
 // batch, takes nothing, and the other two are decided.
 func TestBatchCancelledCallerFailsNoOther(t *testing.T) {
 	mr := miniredis.RunT(t)
-	s := NewRedisStore(redis.NewClient(&redis.Options{Addr: mr.Addr()}), WithBatching())
+	s := NewRedisStore(redis.NewClient(&redis.Options{Addr: mr.Addr()}))
 	ctxs := background(3)
 	var cancel context.CancelFunc
 	ctxs[1], cancel = context.WithCancel(context.Background())
@@ -175,7 +172,7 @@ func TestBatchCancelledCallerFailsNoOther(t *testing.T) {
 // its context's error; the others are decided.
 func TestBatchLeavesOutEndedContexts(t *testing.T) {
 	mr := miniredis.RunT(t)
-	s := NewRedisStore(redis.NewClient(&redis.Options{Addr: mr.Addr()}), WithBatching())
+	s := NewRedisStore(redis.NewClient(&redis.Options{Addr: mr.Addr()}))
 	ended, cancel := context.WithCancel(context.Background())
 	cancel()
 	calls := []*scriptCall{
@@ -193,7 +190,7 @@ func TestBatchLeavesOutEndedContexts(t *testing.T) {
 // caller gets the error, reduced to its class.
 func TestBatchOutageReachesEachCaller(t *testing.T) {
 	mr := miniredis.RunT(t)
-	s := NewRedisStore(redis.NewClient(&redis.Options{Addr: mr.Addr(), MaxRetries: -1}), WithBatching())
+	s := NewRedisStore(redis.NewClient(&redis.Options{Addr: mr.Addr(), MaxRetries: -1}))
 	reqs := []batchReq{{"secret-a", 1, []Plan{gold}}, {"secret-b", 1, []Plan{gold}}}
 	flush := gather(t, s, background(2), reqs)
 	mr.SetError("LOADING Redis is loading the dataset in memory; key 'secret-a'")
@@ -206,16 +203,17 @@ func TestBatchOutageReachesEachCaller(t *testing.T) {
 	}
 }
 
-func TestWithBatchingOnClusterSendsEachDecision(t *testing.T) {
+func TestBatchingOnClusterSendsEachDecision(t *testing.T) {
 	cluster := redis.NewClusterClient(&redis.ClusterOptions{Addrs: []string{"127.0.0.1:1"}})
 	t.Cleanup(func() { _ = cluster.Close() })
 	ring := redis.NewRing(&redis.RingOptions{Addrs: map[string]string{"a": "127.0.0.1:1"}})
 	t.Cleanup(func() { _ = ring.Close() })
-	assert.Nil(t, NewRedisStore(cluster, WithBatching()).batch)
-	assert.Nil(t, NewRedisStore(ring, WithBatching()).batch)
+	assert.Nil(t, NewRedisStore(cluster).batch)
+	assert.Nil(t, NewRedisStore(ring).batch)
 	plain := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
 	t.Cleanup(func() { _ = plain.Close() })
-	assert.NotNil(t, NewRedisStore(plain, WithBatching()).batch)
+	assert.NotNil(t, NewRedisStore(plain).batch)
+	assert.Nil(t, NewRedisStore(plain, WithoutBatching()).batch)
 }
 
 // evalCalls returns the EVALSHA and EVAL calls a Redis has answered.
@@ -250,7 +248,7 @@ func TestBatchingExactOnRealRedis(t *testing.T) {
 			plans := []Plan{{Name: "p", Capacity: 20, Rate: 400}}
 			var limiters []*Limiter
 			for i := 0; i < 4; i++ {
-				l, err := New(NewRedisStore(redistest.NewClient(t, &redis.Options{Addr: srv.Addr()}), WithKeyPrefix(prefix), WithBatching()),
+				l, err := New(NewRedisStore(redistest.NewClient(t, &redis.Options{Addr: srv.Addr()}), WithKeyPrefix(prefix)),
 					plans, WithFailurePolicy(breaker.FailClosed), WithLogger(nil), WithDenialCache(0))
 				require.NoError(t, err)
 				limiters = append(limiters, l)
@@ -297,7 +295,7 @@ func TestBatchingExactOnRealRedis(t *testing.T) {
 // Decisions sent alone each read TIME again: the next batch is later.
 func TestBatchDecidesAtOneRedisTimeOnRealRedis(t *testing.T) {
 	c := redistest.NewClient(t, &redis.Options{Addr: redistest.Addr(t)})
-	s := NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix()), WithBatching())
+	s := NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix()))
 	plans := []Plan{{Name: "p", Capacity: 1 << 30, Rate: 1}}
 	stamps := func(first int) []int64 {
 		reqs := make([]batchReq, 16)
@@ -324,7 +322,7 @@ func TestBatchDecidesAtOneRedisTimeOnRealRedis(t *testing.T) {
 // under batched load: no decision fails, under FailClosed.
 func TestBatchingNoscriptStormOnRealRedis(t *testing.T) {
 	addr := redistest.Addr(t)
-	s := NewRedisStore(redistest.NewClient(t, &redis.Options{Addr: addr}), WithKeyPrefix(redistest.KeyPrefix()), WithBatching())
+	s := NewRedisStore(redistest.NewClient(t, &redis.Options{Addr: addr}), WithKeyPrefix(redistest.KeyPrefix()))
 	l, err := New(s, []Plan{{Name: "p", Capacity: 1 << 30, Rate: 1}}, WithFailurePolicy(breaker.FailClosed), WithLogger(nil))
 	require.NoError(t, err)
 	flusher := redistest.NewClient(t, &redis.Options{Addr: addr})
@@ -349,7 +347,7 @@ func BenchmarkRedisBatching(b *testing.B) {
 	for _, tc := range []struct {
 		name string
 		opts []Option
-	}{{"alone", nil}, {"batched", []Option{WithBatching()}}} {
+	}{{"alone", []Option{WithoutBatching()}}, {"batched", nil}} {
 		b.Run(tc.name, func(b *testing.B) {
 			c := redis.NewClient(&redis.Options{Addr: redistest.Addr(b), PoolSize: 128})
 			defer c.Close()
@@ -368,7 +366,7 @@ func BenchmarkRedisBatchingOneCaller(b *testing.B) {
 	for _, tc := range []struct {
 		name string
 		opts []Option
-	}{{"alone", nil}, {"batched", []Option{WithBatching()}}} {
+	}{{"alone", []Option{WithoutBatching()}}, {"batched", nil}} {
 		b.Run(tc.name, func(b *testing.B) {
 			c := redis.NewClient(&redis.Options{Addr: redistest.Addr(b)})
 			defer c.Close()
@@ -395,7 +393,7 @@ func TestBatchBringsBackAFarStampAsACallOfItsOwn(t *testing.T) {
 	mr := miniredis.RunT(t)
 	mr.SetTime(time.UnixMicro(t0))
 	c := redis.NewClient(&redis.Options{Addr: mr.Addr()})
-	batched := NewRedisStore(c, WithKeyPrefix("batched"), WithBatching())
+	batched := NewRedisStore(c, WithKeyPrefix("batched"))
 	plain := NewRedisStore(c, WithKeyPrefix("plain"))
 	far := TokenBucket{Tokens: 1_500_000, Stamp: t0 + time.Hour.Microseconds()}
 	for _, s := range []*RedisStore{batched, plain} {
@@ -426,7 +424,7 @@ func TestBatchCarriesShadowsAndVersions(t *testing.T) {
 	mr := miniredis.RunT(t)
 	mr.SetTime(time.UnixMicro(t0))
 	c := redis.NewClient(&redis.Options{Addr: mr.Addr()})
-	batched := NewRedisStore(c, WithKeyPrefix("batched"), WithBatching())
+	batched := NewRedisStore(c, WithKeyPrefix("batched"))
 	plain := NewRedisStore(c, WithKeyPrefix("plain"))
 	old := Plan{Name: "v", Capacity: 4, Rate: 0.001}
 	next := Plan{Name: "v", Capacity: 8, Rate: 0.001, Version: 2, Inherit: InheritReset}
@@ -468,7 +466,7 @@ func TestBatchedDenialIsRemembered(t *testing.T) {
 	t.Cleanup(func() { _ = c.Close() })
 	var calls scriptCounter
 	c.AddHook(&calls)
-	s := NewRedisStore(c, WithBatching())
+	s := NewRedisStore(c)
 	l, err := New(s, []Plan{{Name: "slow", Capacity: 4, Rate: Per(4, time.Hour)}}, WithLogger(nil))
 	require.NoError(t, err)
 	time.Sleep(time.Millisecond) // off the instant of New: see testDenialCacheSparesTheStore
@@ -497,7 +495,7 @@ func TestBatchOutageFallsBackPerRequest(t *testing.T) {
 	mr := miniredis.RunT(t)
 	c := redis.NewClient(&redis.Options{Addr: mr.Addr(), MaxRetries: -1})
 	t.Cleanup(func() { _ = c.Close() })
-	s := NewRedisStore(c, WithBatching())
+	s := NewRedisStore(c)
 	l, err := New(s, []Plan{{Name: "p", Capacity: 100, Rate: 0.001}}, WithLogger(nil), WithFleet(time.Hour), WithDenialCache(0))
 	require.NoError(t, err)
 	l.fleet.close() // the test sets the fleet's size

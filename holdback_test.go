@@ -41,10 +41,10 @@ func TestHoldTimedOutIsGivenBackOnRealRedis(t *testing.T) {
 		keys    int
 		opts    []Option
 	}{
-		{"lease", false, 1, nil},
-		{"lease/batched", false, 8, []Option{WithBatching()}},
-		{"reserve", true, 1, nil},
-		{"reserve/batched", true, 8, []Option{WithBatching()}},
+		{"lease", false, 1, []Option{WithoutBatching()}},
+		{"lease/batched", false, 8, nil},
+		{"reserve", true, 1, []Option{WithoutBatching()}},
+		{"reserve/batched", true, 8, nil},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			opts := append([]Option{WithKeyPrefix(redistest.KeyPrefix())}, tc.opts...)

@@ -76,8 +76,8 @@ func TestLeaseTakeOutlivesItsCaller(t *testing.T) {
 		keys int
 		opts []Option
 	}{
-		{"alone", 1, nil},
-		{"batched", 8, []Option{WithBatching()}},
+		{"alone", 1, []Option{WithoutBatching()}},
+		{"batched", 8, nil},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			rs, hook := newStalledStore(t, tc.opts...)
@@ -121,8 +121,8 @@ func TestReserveOutlivesItsCaller(t *testing.T) {
 		name string
 		opts []Option
 	}{
-		{"alone", nil},
-		{"batched", []Option{WithBatching()}},
+		{"alone", []Option{WithoutBatching()}},
+		{"batched", nil},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			rs, hook := newStalledStore(t, tc.opts...)

@@ -62,7 +62,7 @@ type config struct {
 	fleet      *time.Duration // the heartbeat's interval; nil: no fleet
 
 	keyPrefix string // NewRedisStore's
-	batching  bool   // NewRedisStore's
+	unbatched bool   // NewRedisStore's
 	maxKeys   int    // NewMemoryStore's
 }
 
@@ -222,20 +222,20 @@ func WithFleet(interval time.Duration) Option {
 	return Option{name: "WithFleet", taker: takerNew, apply: func(c *config) { c.fleet = &interval }}
 }
 
-// WithBatching makes a RedisStore on a standalone Redis or Sentinel
-// decide concurrent requests together: while 2 script calls are under
-// way, further decisions wait, and the next call decides up to 32 of them,
+// WithoutBatching makes a RedisStore send every decision in a script
+// call of its own. By default, on a standalone Redis or Sentinel, a
+// decision that finds a call slot free (fewer calls under way than the
+// client's pool size) is sent at once, alone; decisions that arrive while
+// every slot is taken wait, and the next call decides up to 32 of them,
 // each independently, all or nothing, as a call of its own would, all at
-// one read of Redis TIME, when the batch began. A decision that finds a
-// call slot free is sent at once, on its own. Each caller's context bounds
-// its own wait; a batch is bounded by the latest deadline among its
+// one read of Redis TIME, when the batch began. Each caller's context
+// bounds its own wait; a batch is bounded by the latest deadline among its
 // callers, so that one caller's cancellation or deadline fails no other
-// decision. On a ClusterClient or Ring it does nothing: the keys of
-// different callers lie in different slots, which one script call cannot
-// span. It is an option of NewRedisStore. The default is off: one script
-// call per decision.
-func WithBatching() Option {
-	return Option{name: "WithBatching", taker: takerRedisStore, apply: func(c *config) { c.batching = true }}
+// decision. A ClusterClient or Ring never batches: the keys of different
+// callers lie in different slots, which one script call cannot span. It
+// is an option of NewRedisStore.
+func WithoutBatching() Option {
+	return Option{name: "WithoutBatching", taker: takerRedisStore, apply: func(c *config) { c.unbatched = true }}
 }
 
 // WithKeyPrefix sets the first part of every Redis key; instances share

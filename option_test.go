@@ -22,7 +22,7 @@ func TestOptionOfAnotherConstructorIsAWiringMistake(t *testing.T) {
 		opts  []Option
 		want  string
 	}{
-		{"a store's option to New", func() Store { return NewMemoryStore() }, []Option{WithBatching()}, "WithBatching is an option of NewRedisStore, not of New"},
+		{"a store's option to New", func() Store { return NewMemoryStore() }, []Option{WithoutBatching()}, "WithoutBatching is an option of NewRedisStore, not of New"},
 		{"New's option to NewRedisStore", func() Store { return NewRedisStore(c, WithShadow()) }, nil, "WithShadow is an option of New, not of NewRedisStore"},
 		{"NewRedisStore's option to NewMemoryStore", func() Store { return NewMemoryStore(WithKeyPrefix("p")) }, nil, "WithKeyPrefix is an option of NewRedisStore, not of NewMemoryStore"},
 		{"the zero Option", func() Store { return NewMemoryStore() }, []Option{{}}, "the zero Option"},

@@ -42,7 +42,7 @@ type RedisStore struct {
 	settleScript *redisscript.Script
 	random       func() uint64 // draws for suppressed plans; tests replace it
 	planArgs     planArgCache  // each plan's ARGV numbers, boxed
-	batch        *batcher      // nil unless WithBatching (batch.go)
+	batch        *batcher      // nil WithoutBatching, or on a Cluster or Ring (batch.go)
 }
 
 // NewRedisStore returns a RedisStore that uses client. A nil client (also
@@ -55,9 +55,6 @@ func NewRedisStore(client redis.UniversalClient, opts ...Option) *RedisStore {
 	err := applyOptions(&c, takerRedisStore, opts)
 	s := &RedisStore{client: client, prefix: c.keyPrefix, script: redisscript.New(limitScript),
 		settleScript: redisscript.New(settleScript), random: random53}
-	if c.batching {
-		s.batchCalls()
-	}
 	switch {
 	case err != nil:
 		s.err = err
@@ -65,6 +62,8 @@ func NewRedisStore(client redis.UniversalClient, opts ...Option) *RedisStore {
 		s.err = fmt.Errorf("%w: nil Redis client", ErrInvalidOption)
 	case strings.ContainsAny(s.prefix, "{}"):
 		s.err = fmt.Errorf("%w: key prefix contains a brace", ErrInvalidOption)
+	case !c.unbatched:
+		s.batchCalls()
 	}
 	return s
 }
@@ -142,7 +141,8 @@ const pooledPlans = 4
 type scriptCall struct {
 	redisscript.Call
 	ctx  context.Context // with batching, the waiting caller's
-	done chan struct{}   // with batching, receives once Reply or Err is set
+	done chan struct{}   // with batching, receives once Reply or Err is set, or lead
+	lead bool            // with batching, given a call slot to send a batch
 
 	keys [pooledPlans + 1]string    // + 1 for a hold's key
 	args [2 + 4*pooledPlans + 1]any // the wide layout, + 1 for a hold's TTL
@@ -161,7 +161,7 @@ func newScriptCall() *scriptCall { return scriptCalls.Get().(*scriptCall) }
 func (c *scriptCall) recycle() {
 	clear(c.keys[:]) // keep no caller's key or reply alive in the pool
 	clear(c.args[:])
-	c.Call, c.ctx = redisscript.Call{}, nil
+	c.Call, c.ctx, c.lead = redisscript.Call{}, nil, false
 	scriptCalls.Put(c)
 }
 

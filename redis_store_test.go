@@ -330,7 +330,7 @@ func TestRedisStoreAutoPipelines(t *testing.T) {
 	c.AddHook(&h)
 	ap, err := c.AutoPipeline()
 	require.NoError(t, err)
-	s := NewRedisStore(ap)
+	s := NewRedisStore(ap, WithoutBatching()) // each decision its own command
 	var wg sync.WaitGroup
 	for g := range 32 {
 		wg.Go(func() {

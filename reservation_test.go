@@ -359,12 +359,12 @@ func TestConcurrentReservationsOfTheMaximum(t *testing.T) {
 	t.Run("redis", func(t *testing.T) {
 		redistest.SkipIfUnavailable(t)
 		c := redistest.NewClient(t, &redis.Options{Addr: redistest.Addr(t)})
-		check(t, NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix())))
+		check(t, NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix()), WithoutBatching()))
 	})
 	t.Run("redis-batched", func(t *testing.T) { // holds ride in batches too
 		redistest.SkipIfUnavailable(t)
 		c := redistest.NewClient(t, &redis.Options{Addr: redistest.Addr(t)})
-		check(t, NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix()), WithBatching()))
+		check(t, NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix())))
 	})
 }
 

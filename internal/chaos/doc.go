@@ -11,7 +11,7 @@
 //
 //	go test -tags chaos -run Chaos -count=1 -v ./internal/chaos                         # short: CI
 //	TOLLGATE_CHAOS_FULL=1 go test -tags chaos -run Chaos -count=1 -v -timeout 30m ./internal/chaos
-//	TOLLGATE_CHAOS_BATCHING=1 go test -tags chaos -run Chaos -count=1 -v ./internal/chaos   # every RedisStore WithBatching
+//	TOLLGATE_CHAOS_UNBATCHED=1 go test -tags chaos -run Chaos -count=1 -v ./internal/chaos   # every RedisStore WithoutBatching
 //	TOLLGATE_CHAOS_LEASE=1 go test -tags chaos -run ChaosProcesses -count=1 -v ./internal/chaos   # the processes' plan leased
 //
 // Every scenario logs one line "CHAOS scenario=… admitted=… bound=… …" with

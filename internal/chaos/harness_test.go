@@ -26,9 +26,9 @@ import (
 // chaosFull selects the long version of every scenario.
 var chaosFull = os.Getenv("TOLLGATE_CHAOS_FULL") == "1"
 
-// chaosBatching gives every RedisStore of the suite WithBatching, child
-// processes included (they inherit the environment).
-var chaosBatching = os.Getenv("TOLLGATE_CHAOS_BATCHING") == "1"
+// chaosUnbatched gives every RedisStore of the suite WithoutBatching,
+// child processes included (they inherit the environment).
+var chaosUnbatched = os.Getenv("TOLLGATE_CHAOS_UNBATCHED") == "1"
 
 // chaosLease gives the plan of TestChaosProcesses's children a lease
 // (Plan.Lease, ADR 27) under TOLLGATE_CHAOS_LEASE=1. Only that scenario
@@ -37,10 +37,10 @@ var chaosBatching = os.Getenv("TOLLGATE_CHAOS_BATCHING") == "1"
 var chaosLease = os.Getenv("TOLLGATE_CHAOS_LEASE") == "1"
 
 // storeOptions returns the options of every RedisStore of the suite: the
-// key prefix, and WithBatching under TOLLGATE_CHAOS_BATCHING=1.
+// key prefix, and WithoutBatching under TOLLGATE_CHAOS_UNBATCHED=1.
 func storeOptions(prefix string) []tollgate.Option {
-	if chaosBatching {
-		return []tollgate.Option{tollgate.WithKeyPrefix(prefix), tollgate.WithBatching()}
+	if chaosUnbatched {
+		return []tollgate.Option{tollgate.WithKeyPrefix(prefix), tollgate.WithoutBatching()}
 	}
 	return []tollgate.Option{tollgate.WithKeyPrefix(prefix)}
 }

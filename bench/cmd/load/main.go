@@ -75,33 +75,25 @@ var contenders = []contender{
 		c := redis.NewClient(opt)
 		return tollgateDecider(c, prefix), func() { _ = c.Close() }
 	}},
+	{"tollgate-unbatched", func(opt *redis.Options, prefix string) (decider, func()) {
+		c := redis.NewClient(opt)
+		return tollgateDecider(c, prefix, tollgate.WithoutBatching()), func() { _ = c.Close() }
+	}},
 	{"tollgate-autopipeline", func(opt *redis.Options, prefix string) (decider, func()) {
 		c := redis.NewClient(opt)
 		ap, err := c.AutoPipeline()
 		if err != nil {
 			log.Fatal(err)
 		}
-		return tollgateDecider(ap, prefix), func() { _ = c.Close() }
+		return tollgateDecider(ap, prefix, tollgate.WithoutBatching()), func() { _ = c.Close() }
 	}},
 	{"tollgate-fullduplex", func(opt *redis.Options, prefix string) (decider, func()) {
 		c := redis.NewClient(opt)
-		ap, err := c.AutoPipelineWithOptions(&redis.AutoPipelineOptions{FullDuplex: true})
-		if err != nil {
-			log.Fatal(err)
-		}
-		return tollgateDecider(ap, prefix), func() { _ = c.Close() }
+		return tollgateDecider(fullDuplex(c), prefix), func() { _ = c.Close() }
 	}},
-	{"tollgate-batched", func(opt *redis.Options, prefix string) (decider, func()) {
+	{"tollgate-unbatched-fd", func(opt *redis.Options, prefix string) (decider, func()) {
 		c := redis.NewClient(opt)
-		return tollgateDecider(c, prefix, tollgate.WithBatching()), func() { _ = c.Close() }
-	}},
-	{"tollgate-batched-fd", func(opt *redis.Options, prefix string) (decider, func()) {
-		c := redis.NewClient(opt)
-		ap, err := c.AutoPipelineWithOptions(&redis.AutoPipelineOptions{FullDuplex: true})
-		if err != nil {
-			log.Fatal(err)
-		}
-		return tollgateDecider(ap, prefix, tollgate.WithBatching()), func() { _ = c.Close() }
+		return tollgateDecider(fullDuplex(c), prefix, tollgate.WithoutBatching()), func() { _ = c.Close() }
 	}},
 	{"redis_rate", func(opt *redis.Options, prefix string) (decider, func()) {
 		c := redis.NewClient(opt)
@@ -109,11 +101,7 @@ var contenders = []contender{
 	}},
 	{"redis_rate-fullduplex", func(opt *redis.Options, prefix string) (decider, func()) {
 		c := redis.NewClient(opt)
-		ap, err := c.AutoPipelineWithOptions(&redis.AutoPipelineOptions{FullDuplex: true})
-		if err != nil {
-			log.Fatal(err)
-		}
-		return redisRateDecider(ap, prefix), func() { _ = c.Close() }
+		return redisRateDecider(fullDuplex(c), prefix), func() { _ = c.Close() }
 	}},
 	{"ulule", func(opt *redis.Options, prefix string) (decider, func()) {
 		c := redis.NewClient(opt)
@@ -127,6 +115,16 @@ var contenders = []contender{
 			return err
 		}, func() { _ = c.Close() }
 	}},
+}
+
+// fullDuplex returns go-redis's auto-pipeliner on c in full duplex: one
+// connection writes while another reads.
+func fullDuplex(c *redis.Client) redis.UniversalClient {
+	ap, err := c.AutoPipelineWithOptions(&redis.AutoPipelineOptions{FullDuplex: true})
+	if err != nil {
+		log.Fatal(err)
+	}
+	return ap
 }
 
 func tollgateDecider(c redis.UniversalClient, prefix string, opts ...tollgate.Option) decider {
@@ -161,6 +159,7 @@ func main() {
 	memKeys := flag.Int("memkeys", 100_000, "keys for the memory-per-bucket measure; 0 skips it")
 	instr := flag.Int("instr", 0, "decisions per contender for the redis-server instructions measure, which needs valgrind; 0 skips it")
 	rounds := flag.Int("rounds", 3, "rounds per concurrency; medians are reported")
+	pool := flag.Int("pool", 0, "every client's PoolSize; 0 is go-redis's default, 10 per GOMAXPROCS, as README's client has")
 	baseName := flag.String("base", "redis_rate", "the contender each round's ratio is to")
 	flag.Parse()
 
@@ -168,7 +167,7 @@ func main() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	opt.PoolSize = 128
+	opt.PoolSize = *pool
 	keys := make([]string, *nkeys)
 	for i := range keys {
 		keys[i] = "user-" + strconv.Itoa(i)
