@@ -11,8 +11,13 @@ import (
 	"github.com/tollgate-go/tollgate/internal/redisscript"
 )
 
-// maxBatch is the most decisions one script call decides.
-const maxBatch = 32
+// maxBatch is the most decisions one script call decides, and minSlots
+// the fewest script calls a batcher lets be under way at once: one that
+// Redis runs while the next one travels.
+const (
+	maxBatch = 32
+	minSlots = 2
+)
 
 // batchCalls has s decide concurrent requests in batches, unless its
 // client spreads keys over slots that one script call cannot span: a
@@ -22,26 +27,36 @@ func (s *RedisStore) batchCalls() {
 	case *redis.ClusterClient, *redis.Ring:
 		return
 	}
+	slots := callSlots(s.client)
 	s.batch = &batcher{client: s.client, one: s.script, many: redisscript.NewBatch(luaBucket, luaLimit),
-		slots: callSlots(s.client)}
+		slots: slots, limit: slots}
 }
 
-// callSlots returns how many script calls a batcher on client keeps under
-// way at once: the client's pool size, so that a decision waits for a
-// batch only when a call of its own would wait for a connection.
+// callSlots returns how many script calls a batcher on client may keep
+// under way at once: the client's pool size, so that a decision never
+// waits for a batch where a call of its own would have found a free
+// connection at once, at least minSlots.
 func callSlots(client redis.UniversalClient) int {
 	if c, ok := client.(interface{ Options() *redis.Options }); ok && c.Options().PoolSize > 0 {
-		return c.Options().PoolSize
+		return max(c.Options().PoolSize, minSlots)
 	}
 	return 10 * runtime.GOMAXPROCS(0) // go-redis's default pool size
 }
 
 // batcher gathers the decisions of one RedisStore into batches. A decision
-// that finds a call slot free is sent at once, alone; one that finds every
-// slot taken waits, and the caller whose call ends next passes its slot to
-// the first waiting decision, whose caller sends every decision then
-// waiting, up to maxBatch, in one call. No goroutine is started: the
-// waiting callers send the batches. It is safe for concurrent use.
+// that finds fewer than limit calls under way, and none waiting, is sent
+// at once, alone; one that finds the limit reached waits, and the caller
+// whose call ends next passes its slot to the first waiting decision,
+// whose caller sends every decision then waiting, up to maxBatch, in one
+// call. No goroutine is started: the waiting callers send the batches.
+//
+// The limit follows the load: a call that ends while decisions wait
+// lowers it by one, towards minSlots, and gives its slot up rather than
+// pass it on while more calls than the limit are under way, so that
+// under a load Redis cannot keep up with the waiting decisions ride in
+// few, large batches; a call that ends while none wait raises it by one,
+// up to slots, so that under a light load every decision goes alone. It
+// is safe for concurrent use.
 type batcher struct {
 	client redis.Scripter
 	one    *redisscript.Script // for a decision sent alone
@@ -50,7 +65,8 @@ type batcher struct {
 
 	mu       sync.Mutex
 	pending  []*scriptCall // waiting for a call slot, oldest first
-	inFlight int           // script calls under way; slots while any wait
+	inFlight int           // script calls under way; at least 1 while any wait
+	limit    int           // calls a decision may find under way and go alone, minSlots to slots
 }
 
 // eval runs the limit script for the decision c and returns its reply:
@@ -70,7 +86,7 @@ func (s *RedisStore) eval(ctx context.Context, c *scriptCall) (any, error) {
 // up.
 func (b *batcher) do(ctx context.Context, c *scriptCall) (any, error) {
 	b.mu.Lock()
-	if b.inFlight < b.slots { // then nobody waits
+	if b.inFlight < b.limit && len(b.pending) == 0 {
 		b.inFlight++
 		b.mu.Unlock()
 		reply, err := b.one.Run(ctx, b.client, c.Keys, c.Args...)
@@ -106,6 +122,12 @@ func (b *batcher) release() {
 // passSlot is release with b.mu held.
 func (b *batcher) passSlot() {
 	if len(b.pending) == 0 {
+		b.limit = min(b.limit+1, b.slots)
+		b.inFlight--
+		return
+	}
+	b.limit = max(b.limit-1, minSlots)
+	if b.inFlight > b.limit { // the waiting decisions ride the calls under way
 		b.inFlight--
 		return
 	}

@@ -43,7 +43,7 @@ func batchOf(t *testing.T, s *RedisStore, n int, decide func(i int) (Result, err
 	t.Helper()
 	b := s.batch
 	b.mu.Lock()
-	b.inFlight = b.slots
+	b.inFlight = b.limit // every slot taken: the decisions wait
 	b.mu.Unlock()
 	results, errs := make([]Result, n), make([]error, n)
 	var wg sync.WaitGroup
@@ -57,11 +57,11 @@ func batchOf(t *testing.T, s *RedisStore, n int, decide func(i int) (Result, err
 		}
 	}
 	return func() ([]Result, []error) {
+		b.mu.Lock()
+		b.inFlight = 1 // one call under way, which ends now
+		b.mu.Unlock()
 		b.release() // the first waiting caller sends them all
 		wg.Wait()
-		b.mu.Lock()
-		b.inFlight -= b.slots - 1
-		b.mu.Unlock()
 		return results, errs
 	}
 }
@@ -136,6 +136,81 @@ func TestBatchLoneCallerSendsAlone(t *testing.T) {
 	assert.Zero(t, s.batch.many.Loads(), "no batch was sent")
 	assert.Zero(t, s.batch.inFlight)
 	assert.Empty(t, s.batch.pending)
+}
+
+// TestBatchLightLoadGoesAlone runs 8 callers on a client with a pool of
+// 20 connections: none ever waits for a call slot, so every decision is a
+// script call of its own, as without batching.
+func TestBatchLightLoadGoesAlone(t *testing.T) {
+	mr := miniredis.RunT(t)
+	c := redis.NewClient(&redis.Options{Addr: mr.Addr(), PoolSize: 20})
+	t.Cleanup(func() { _ = c.Close() })
+	require.NoError(t, c.ScriptLoad(context.Background(), limitScript).Err()) // no NOSCRIPT, and no EVAL
+	var h scriptCounter
+	c.AddHook(&h)
+	s := NewRedisStore(c)
+	var wg sync.WaitGroup
+	for g := range 8 {
+		wg.Go(func() {
+			for i := range 50 {
+				_, err := s.Take(context.Background(), "k"+strconv.Itoa(g*50+i), 1, []Plan{gold})
+				assert.NoError(t, err)
+			}
+		})
+	}
+	wg.Wait()
+	assert.Equal(t, int64(400), h.alone.Load(), "one script call per decision")
+}
+
+// TestBatchHeavyLoadRidesInBatches runs 64 callers on a client with a pool
+// of 20 connections, on miniredis, which runs a script call far slower
+// than its callers ask: decisions wait, and ride in batches of several.
+func TestBatchHeavyLoadRidesInBatches(t *testing.T) {
+	mr := miniredis.RunT(t)
+	c := redis.NewClient(&redis.Options{Addr: mr.Addr(), PoolSize: 20})
+	t.Cleanup(func() { _ = c.Close() })
+	var h scriptCounter
+	c.AddHook(&h)
+	s := NewRedisStore(c)
+	var wg sync.WaitGroup
+	for g := range 64 {
+		wg.Go(func() {
+			for i := range 20 {
+				_, err := s.Take(context.Background(), "k"+strconv.Itoa(g*20+i), 1, []Plan{gold})
+				assert.NoError(t, err)
+			}
+		})
+	}
+	wg.Wait()
+	t.Logf("1280 decisions in %d script calls", h.alone.Load())
+	assert.Less(t, h.alone.Load(), int64(1280/4), "decisions ride in batches of 4 or more on average")
+}
+
+// TestBatchLimitFollowsTheLoad steps the batcher's call slots by hand:
+// calls that end while a decision waits lower the limit, one each, and
+// give their slots up until no more calls than the limit are under way;
+// at minSlots, the slot passes to the waiting decision. Calls that end
+// while none wait raise the limit again.
+func TestBatchLimitFollowsTheLoad(t *testing.T) {
+	b := &batcher{slots: 20, limit: 20, inFlight: 20}
+	w := &scriptCall{done: make(chan struct{}, 1)}
+	b.pending = []*scriptCall{w}
+	for want := 19; want >= minSlots; want-- {
+		b.release()
+		assert.Equal(t, want, b.limit)
+		assert.Equal(t, want, b.inFlight, "the slot is given up")
+		require.Len(t, b.pending, 1)
+	}
+	b.release()
+	assert.Equal(t, minSlots, b.limit)
+	assert.Equal(t, minSlots, b.inFlight, "the slot passes on")
+	assert.Empty(t, b.pending)
+	assert.True(t, w.lead)
+	assert.Len(t, w.done, 1, "the waiting caller is woken to send")
+	b.release()
+	b.release()
+	assert.Equal(t, minSlots+2, b.limit)
+	assert.Zero(t, b.inFlight)
 }
 
 // TestBatchCancelledCallerFailsNoOther cancels one of three waiting
@@ -248,7 +323,8 @@ func TestBatchingExactOnRealRedis(t *testing.T) {
 			plans := []Plan{{Name: "p", Capacity: 20, Rate: 400}}
 			var limiters []*Limiter
 			for i := 0; i < 4; i++ {
-				l, err := New(NewRedisStore(redistest.NewClient(t, &redis.Options{Addr: srv.Addr()}), WithKeyPrefix(prefix)),
+				// 16 callers on 4 connections: most decisions wait, and ride in batches.
+				l, err := New(NewRedisStore(redistest.NewClient(t, &redis.Options{Addr: srv.Addr(), PoolSize: 4}), WithKeyPrefix(prefix)),
 					plans, WithFailurePolicy(breaker.FailClosed), WithLogger(nil), WithDenialCache(0))
 				require.NoError(t, err)
 				limiters = append(limiters, l)
@@ -322,7 +398,8 @@ func TestBatchDecidesAtOneRedisTimeOnRealRedis(t *testing.T) {
 // under batched load: no decision fails, under FailClosed.
 func TestBatchingNoscriptStormOnRealRedis(t *testing.T) {
 	addr := redistest.Addr(t)
-	s := NewRedisStore(redistest.NewClient(t, &redis.Options{Addr: addr}), WithKeyPrefix(redistest.KeyPrefix()))
+	// 16 callers on 4 connections: most decisions ride in batches.
+	s := NewRedisStore(redistest.NewClient(t, &redis.Options{Addr: addr, PoolSize: 4}), WithKeyPrefix(redistest.KeyPrefix()))
 	l, err := New(s, []Plan{{Name: "p", Capacity: 1 << 30, Rate: 1}}, WithFailurePolicy(breaker.FailClosed), WithLogger(nil))
 	require.NoError(t, err)
 	flusher := redistest.NewClient(t, &redis.Options{Addr: addr})
