@@ -19,6 +19,13 @@
 // in callgrind (valgrind must be on PATH), which timing noise cannot move:
 //
 //	go run ./cmd/load -callers '' -memkeys 0 -instr 20000 -only tollgate,tollgate-batched,redis_rate
+//
+// The memory measure gives every contender the prefix "m:" in front of
+// 16-byte keys; -memdefaults writes each library's own default key scheme
+// instead, and -memkeylen picks other key lengths, since Redis allocates
+// a key in size classes 16 bytes apart:
+//
+//	go run ./cmd/load -callers '' -memdefaults -memkeylen 10,16,26,32
 package main
 
 import (
@@ -157,6 +164,8 @@ func main() {
 	nkeys := flag.Int("keys", 10_000, "distinct keys")
 	only := flag.String("only", "", "comma-separated contenders to run (default all)")
 	memKeys := flag.Int("memkeys", 100_000, "keys for the memory-per-bucket measure; 0 skips it")
+	memKeyLens := flag.String("memkeylen", "16", "comma-separated lengths in bytes of the memory measure's keys")
+	memDefaults := flag.Bool("memdefaults", false, "the memory measure writes each contender's default key scheme, not the prefix m:")
 	instr := flag.Int("instr", 0, "decisions per contender for the redis-server instructions measure, which needs valgrind; 0 skips it")
 	rounds := flag.Int("rounds", 3, "rounds per concurrency; medians are reported")
 	pool := flag.Int("pool", 0, "every client's PoolSize; 0 is go-redis's default, 10 per GOMAXPROCS, as README's client has")
@@ -181,14 +190,7 @@ func main() {
 			active = append(active, c)
 		}
 	}
-	for _, n := range strings.Split(*callersFlag, ",") {
-		if n == "" {
-			continue // -callers '': the measures alone
-		}
-		callers, err := strconv.Atoi(n)
-		if err != nil {
-			log.Fatal(err)
-		}
+	for _, callers := range intList(*callersFlag) { // -callers '': the measures alone
 		results := make([][]result, len(active)) // by contender, then round
 		for round := range *rounds {
 			for k := range active {
@@ -227,7 +229,7 @@ func main() {
 		}
 	}
 	if *memKeys > 0 {
-		memory(*memKeys)
+		memory(*memKeys, intList(*memKeyLens), *memDefaults)
 	}
 	if *instr > 0 {
 		instructions(active, keys, *instr)
@@ -314,62 +316,87 @@ func run(decide decider, keys []string, callers int, d time.Duration) result {
 }
 
 // memory measures the growth of Redis used_memory per bucket, over n
-// distinct 16-byte keys, each decided twice a little apart so that the
-// stored state holds a fractional refill. The plan (a burst of 100, one
-// token per 1000 s) keeps every bucket alive through the measure. Each
-// contender gets a fresh redis-server of its own, so that no other data
-// and no earlier resize of Redis's tables skews the growth.
-func memory(n int) {
+// distinct keys of each length in keyLens (bytes of the caller's key),
+// each decided twice a little apart so that the stored state holds a
+// fractional refill. The plan (a burst of 100, one token per 1000 s) keeps
+// every bucket alive through the measure. Each contender gets a fresh
+// redis-server of its own, so that no other data and no earlier resize of
+// Redis's tables skews the growth. With defaults, each contender writes
+// its own default key scheme (tollgate's prefix "tollgate", redis_rate's
+// "rate:", ulule's "limiter"); otherwise each is given the prefix "m:".
+func memory(n int, keyLens []int, defaults bool) {
 	ctx := context.Background()
-	fmt.Printf("\n%-22s %s\n", "contender", "bytes of used_memory per bucket (16-byte keys)")
-	for _, ct := range []struct {
-		name  string
-		setup func(c *redis.Client, prefix string) decider
-	}{
-		{"tollgate", func(c *redis.Client, prefix string) decider {
-			l, err := tollgate.New(tollgate.NewRedisStore(c, tollgate.WithKeyPrefix(prefix)),
-				[]tollgate.Plan{{Name: "p", Capacity: 100, Rate: 0.001}})
-			if err != nil {
-				log.Fatal(err)
-			}
-			return func(ctx context.Context, key string) error { _, err := l.Allow(ctx, key); return err }
-		}},
-		{"redis_rate", func(c *redis.Client, prefix string) decider {
-			l := redis_rate.NewLimiter(c)
-			lim := redis_rate.Limit{Rate: 1, Burst: 100, Period: 1000 * time.Second}
-			return func(ctx context.Context, key string) error { _, err := l.Allow(ctx, prefix+key, lim); return err }
-		}},
-		{"ulule", func(c *redis.Client, prefix string) decider {
-			store, err := ululeredis.NewStoreWithOptions(c, ulule.StoreOptions{Prefix: prefix})
-			if err != nil {
-				log.Fatal(err)
-			}
-			l := ulule.New(store, ulule.Rate{Period: 1000 * time.Second, Limit: 100})
-			return func(ctx context.Context, key string) error { _, err := l.Get(ctx, key); return err }
-		}},
-	} {
-		c, _, stop := freshRedis()
-		prefix := "m:"
-		decide := ct.setup(c, prefix)
-		before := usedMemory(ctx, c)
-		for pass := 0; pass < 2; pass++ {
-			var wg sync.WaitGroup
-			var seq atomic.Int64
-			for g := 0; g < 32; g++ {
-				wg.Go(func() {
-					for i := seq.Add(1) - 1; i < int64(n); i = seq.Add(1) - 1 {
-						if err := decide(ctx, fmt.Sprintf("user-%011d", i)); err != nil { // 16 bytes
-							log.Fatal(err)
-						}
-					}
-				})
-			}
-			wg.Wait()
-		}
-		after := usedMemory(ctx, c)
-		fmt.Printf("%-22s %.1f\n", ct.name, float64(after-before)/float64(n))
-		stop()
+	prefix := "m:"
+	if defaults {
+		prefix = ""
 	}
+	fmt.Printf("\n%-22s %7s %s\n", "contender", "key len", "bytes of used_memory per bucket (prefix "+strconv.Quote(prefix)+")")
+	for _, keyLen := range keyLens {
+		for _, ct := range []struct {
+			name  string
+			setup func(c *redis.Client, prefix string) decider
+		}{
+			{"tollgate", func(c *redis.Client, prefix string) decider {
+				var opts []tollgate.Option
+				if prefix != "" {
+					opts = append(opts, tollgate.WithKeyPrefix(prefix))
+				}
+				l, err := tollgate.New(tollgate.NewRedisStore(c, opts...),
+					[]tollgate.Plan{{Name: "p", Capacity: 100, Rate: 0.001}})
+				if err != nil {
+					log.Fatal(err)
+				}
+				return func(ctx context.Context, key string) error { _, err := l.Allow(ctx, key); return err }
+			}},
+			{"redis_rate", func(c *redis.Client, prefix string) decider {
+				l := redis_rate.NewLimiter(c)
+				lim := redis_rate.Limit{Rate: 1, Burst: 100, Period: 1000 * time.Second}
+				return func(ctx context.Context, key string) error { _, err := l.Allow(ctx, prefix+key, lim); return err }
+			}},
+			{"ulule", func(c *redis.Client, prefix string) decider {
+				if prefix == "" {
+					prefix = ulule.DefaultPrefix
+				}
+				store, err := ululeredis.NewStoreWithOptions(c, ulule.StoreOptions{Prefix: prefix})
+				if err != nil {
+					log.Fatal(err)
+				}
+				l := ulule.New(store, ulule.Rate{Period: 1000 * time.Second, Limit: 100})
+				return func(ctx context.Context, key string) error { _, err := l.Get(ctx, key); return err }
+			}},
+		} {
+			fmt.Printf("%-22s %7d %.1f\n", ct.name, keyLen, memoryPerBucket(ctx, n, keyLen, func(c *redis.Client) decider { return ct.setup(c, prefix) }))
+		}
+	}
+}
+
+// memoryPerBucket returns the growth of used_memory per bucket on a fresh
+// redis-server when the decider setup makes decides twice on each of n
+// keys of keyLen bytes ("user-" and a zero-padded number).
+func memoryPerBucket(ctx context.Context, n, keyLen int, setup func(*redis.Client) decider) float64 {
+	width := keyLen - len("user-")
+	if len(strconv.Itoa(n-1)) > width {
+		log.Fatalf("%d keys do not fit in %d bytes", n, keyLen)
+	}
+	c, _, stop := freshRedis()
+	defer stop()
+	decide := setup(c)
+	before := usedMemory(ctx, c)
+	for pass := 0; pass < 2; pass++ {
+		var wg sync.WaitGroup
+		var seq atomic.Int64
+		for g := 0; g < 32; g++ {
+			wg.Go(func() {
+				for i := seq.Add(1) - 1; i < int64(n); i = seq.Add(1) - 1 {
+					if err := decide(ctx, fmt.Sprintf("user-%0*d", width, i)); err != nil {
+						log.Fatal(err)
+					}
+				}
+			})
+		}
+		wg.Wait()
+	}
+	return float64(usedMemory(ctx, c)-before) / float64(n)
 }
 
 // freshRedis starts an empty redis-server on a free loopback port, run by
@@ -486,6 +513,22 @@ func usedMemory(ctx context.Context, c *redis.Client) int64 {
 	}
 	log.Fatal("no used_memory in INFO")
 	return 0
+}
+
+// intList parses comma-separated whole numbers; empty fields are skipped.
+func intList(s string) []int {
+	var out []int
+	for _, f := range strings.Split(s, ",") {
+		if f == "" {
+			continue
+		}
+		n, err := strconv.Atoi(f)
+		if err != nil {
+			log.Fatal(err)
+		}
+		out = append(out, n)
+	}
+	return out
 }
 
 func envOr(name, def string) string {
