@@ -27,10 +27,14 @@
 // Each round runs every contender once, in an order rotated each round.
 // The report gives per contender the median requests per second with
 // their range, the medians of each round's p50 and p99 latency, and the
-// median of each round's ratio to ulule with its range. A run in which a
-// request failed, a limiter met a store failure, or a limit that no run
-// reaches refused a request exits non-zero: its figures would not
-// measure the limiters' work.
+// median of each round's ratio to ulule with its range, and counts the
+// requests refused and failed and the store calls failed. A run exits
+// non-zero, its figures not measuring the limiters' work, if a contender
+// answered nothing, if a limit that no run reaches refused a request, or
+// if more than 1 in 1000 of a contender's requests failed or met a store
+// failure: a failure answered quickly, or a fallback decision made
+// without Redis, costs less than a decision. Fewer are timeouts of a busy
+// machine, and reported only.
 package main
 
 import (
@@ -73,6 +77,9 @@ const (
 	perSec = 1
 	// base is the contender each round's ratio is to.
 	base = "ulule"
+	// tolerated is the number of requests in which one may fail, or
+	// meet a store failure, before a run is rejected.
+	tolerated = 1000
 	// childEnv marks a contender's server process for a test binary,
 	// whose TestMain must hand it to main.
 	childEnv = "TOLLGATE_HTTPBENCH_CHILD"
@@ -81,11 +88,13 @@ const (
 // A contender is one way of limiting the benchmark's endpoint.
 type contender struct {
 	name string
-	// wrap returns next limited to limit requests per identity, on the
-	// Redis client c, and a function that returns the number of store
-	// calls that have failed so far.
-	wrap func(ctx context.Context, c *redis.Client, next http.Handler, limit int64) (http.Handler, func() uint64, error)
+	wrap wrapper
 }
+
+// A wrapper returns next limited to limit requests per identity, on the
+// Redis client c, and a function that returns the number of store calls
+// that have failed so far. ctx bounds its checks of Redis.
+type wrapper func(ctx context.Context, c *redis.Client, next http.Handler, limit int64) (http.Handler, func() uint64, error)
 
 // contenders are all there are, in their default order. A variant of
 // tollgate's store options takes one line: tollgateWith(options...).
@@ -203,7 +212,7 @@ func unlimited(_ context.Context, _ *redis.Client, next http.Handler, _ int64) (
 // given to NewRedisStore, its plan's capacity limit and its refill
 // perSec. ByIP trusts X-Forwarded-For from loopback, where the clients
 // connect from.
-func tollgateWith(opts ...tollgate.Option) func(context.Context, *redis.Client, http.Handler, int64) (http.Handler, func() uint64, error) {
+func tollgateWith(opts ...tollgate.Option) wrapper {
 	return func(ctx context.Context, c *redis.Client, next http.Handler, limit int64) (http.Handler, func() uint64, error) {
 		lim, err := tollgate.New(tollgate.NewRedisStore(c, opts...), []tollgate.Plan{
 			{Name: "per-ip", Capacity: limit, Rate: perSec},
@@ -534,9 +543,9 @@ func run(ctx context.Context, cfg config, w io.Writer) error {
 	return check(active, results, cfg.limit)
 }
 
-// check returns an error naming the first contender whose runs saw a
-// request fail, a store call fail, no request answered, or, under a limit
-// that no run reaches, a request refused.
+// check returns an error naming the first contender whose runs answered
+// no request, failed or met store failures in more than 1 in tolerated of
+// their requests, or, under a limit that no run reaches, refused a request.
 func check(active []contender, results [][]result, limit int64) error {
 	for i, c := range active {
 		t, storeFailures := total(results[i])
@@ -544,7 +553,9 @@ func check(active []contender, results [][]result, limit int64) error {
 		if limit < unreachable {
 			refused = 0
 		}
-		if t.failed > 0 || storeFailures > 0 || refused > 0 || t.ok == 0 {
+		requests := t.ok + t.limited + t.failed
+		failures := t.failed + int64(storeFailures)
+		if failures*tolerated > requests || refused > 0 || t.ok == 0 {
 			return fmt.Errorf("%s: %d requests answered 200, %d refused, %d failed, %d store calls failed: the figures would not measure its work",
 				c.name, t.ok, t.limited, t.failed, storeFailures)
 		}

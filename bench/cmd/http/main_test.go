@@ -82,9 +82,9 @@ func TestLimitersLimit(t *testing.T) {
 	}
 }
 
-// TestCheckRejectsABrokenRun checks that a run with a failed request or
-// store call, a refusal under a limit that no run reaches, or no answer
-// at all is an error, and a clean one is not.
+// TestCheckRejectsABrokenRun checks that a run with more than 1 in 1000
+// requests failed or meeting a store failure, a refusal under a limit that
+// no run reaches, or no answer at all is an error, and a clean one is not.
 func TestCheckRejectsABrokenRun(t *testing.T) {
 	active := []contender{{name: "x"}}
 	for _, tc := range []struct {
@@ -96,8 +96,11 @@ func TestCheckRejectsABrokenRun(t *testing.T) {
 		{"clean", result{tally: tally{ok: 10}}, unreachable, false},
 		{"refused under a reachable limit", result{tally: tally{ok: 10, limited: 5}}, 2, false},
 		{"refused under an unreachable limit", result{tally: tally{ok: 10, limited: 1}}, unreachable, true},
-		{"a failed request", result{tally: tally{ok: 10, failed: 1}}, unreachable, true},
-		{"a failed store call", result{tally: tally{ok: 10}, storeFailures: 1}, unreachable, true},
+		{"a failed request in 10", result{tally: tally{ok: 9, failed: 1}}, unreachable, true},
+		{"a failed store call in 10", result{tally: tally{ok: 10}, storeFailures: 1}, unreachable, true},
+		{"a failed request in 1000", result{tally: tally{ok: 999, failed: 1}}, unreachable, false},
+		{"a failed store call in 1000", result{tally: tally{ok: 1000}, storeFailures: 1}, unreachable, false},
+		{"a failure of each in 1000", result{tally: tally{ok: 999, failed: 1}, storeFailures: 1}, unreachable, true},
 		{"nothing admitted", result{tally: tally{limited: 10}}, 2, true},
 	} {
 		err := check(active, [][]result{{tc.r}}, tc.limit)
