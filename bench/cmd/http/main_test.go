@@ -70,13 +70,13 @@ func TestLimitersLimit(t *testing.T) {
 				}
 				return
 			}
-			// Keyed by one address for all, at most 2 (4 for ulule, whose
-			// run may span two windows) would be admitted; unkeyed or
-			// unlimited, thousands. Refill and a second window add at most
-			// one limit per identity.
-			if r.ok < keys*limit || r.ok > 2*keys*limit || r.limited == 0 {
+			// Keyed by one address for all, about 2 would be admitted;
+			// unkeyed or unlimited, thousands. The bound above leaves room
+			// for refill and for ulule's run to span several one-second
+			// windows on a stalled machine.
+			if r.ok < keys*limit || r.ok > 5*keys*limit || r.limited == 0 {
 				t.Errorf("%d admitted, %d refused; want %d to %d admitted and some refused",
-					r.ok, r.limited, keys*limit, 2*keys*limit)
+					r.ok, r.limited, keys*limit, 5*keys*limit)
 			}
 		})
 	}
