@@ -56,6 +56,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -248,20 +249,12 @@ func ululeLimited(ctx context.Context, c *redis.Client, next http.Handler, limit
 		return nil, nil, err
 	}
 	l := ulule.New(store, ulule.Rate{Period: time.Second, Limit: limit}, ulule.WithTrustForwardHeader(true))
-	var mu sync.Mutex
-	var failed uint64
+	var failed atomic.Uint64
 	onError := func(w http.ResponseWriter, r *http.Request, err error) {
-		mu.Lock()
-		failed++
-		mu.Unlock()
+		failed.Add(1)
 		http.Error(w, "rate limiter failed", http.StatusInternalServerError)
 	}
-	failures := func() uint64 {
-		mu.Lock()
-		defer mu.Unlock()
-		return failed
-	}
-	return stdlib.NewMiddleware(l, stdlib.WithErrorHandler(onError)).Handler(next), failures, nil
+	return stdlib.NewMiddleware(l, stdlib.WithErrorHandler(onError)).Handler(next), failed.Load, nil
 }
 
 // serve is a contender's server process: it serves cfg.serve on a free
