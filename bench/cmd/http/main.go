@@ -102,7 +102,7 @@ type wrapper func(ctx context.Context, c *redis.Client, next http.Handler, limit
 var contenders = []contender{
 	{"none", unlimited},
 	{"tollgate", tollgateWith()},
-	{"tollgate-batched", tollgateWith(tollgate.WithBatching())},
+	{"tollgate-unbatched", tollgateWith(tollgate.WithoutBatching())},
 	{"ulule", ululeLimited},
 }
 
