@@ -1,8 +1,9 @@
 // Command load is a closed-loop load generator: N callers each make one
 // decision at a time against one Redis, as fast as it answers, for a fixed
 // time. It reports decisions per second and latency percentiles for
-// tollgate (plain go-redis client, auto-pipelined, and auto-pipelined in
-// full duplex, the plain and the full-duplex one also WithBatching),
+// tollgate (its default, batched, and WithoutBatching, on the plain
+// go-redis client and on its auto-pipeliner in full duplex; and unbatched
+// on the default auto-pipeliner),
 // go-redis/redis_rate (plain and on the same full-duplex auto-pipeliner)
 // and ulule/limiter, side by side in one run, and Redis memory per bucket
 // (on fresh redis-server processes it starts). A PING loop shows the round
@@ -18,7 +19,7 @@
 // With -instr N, it also counts redis-server's instructions per decision
 // in callgrind (valgrind must be on PATH), which timing noise cannot move:
 //
-//	go run ./cmd/load -callers '' -memkeys 0 -instr 20000 -only tollgate,tollgate-batched,redis_rate
+//	go run ./cmd/load -callers '' -memkeys 0 -instr 20000 -only tollgate,tollgate-unbatched,redis_rate
 //
 // The memory measure gives every contender the prefix "m:" in front of
 // 16-byte keys; -memdefaults writes each library's own default key scheme
