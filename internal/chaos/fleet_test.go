@@ -38,7 +38,7 @@ func TestChaosFleetOutage(t *testing.T) {
 				if withFleet {
 					opts = append(opts, tollgate.WithFleet(50*time.Millisecond))
 				}
-				s := tollgate.NewRedisStore(redistest.NewClient(t, redistest.FailFast(srv.Addr())), tollgate.WithKeyPrefix(prefix))
+				s := tollgate.NewRedisStore(redistest.NewClient(t, pooled(redistest.FailFast(srv.Addr()))), tollgate.WithKeyPrefix(prefix))
 				l, err := tollgate.New(s, []tollgate.Plan{fleetPlan}, opts...)
 				require.NoError(t, err)
 				t.Cleanup(func() { assert.NoError(t, l.Close()) })

@@ -30,6 +30,17 @@ var chaosFull = os.Getenv("TOLLGATE_CHAOS_FULL") == "1"
 // child processes included (they inherit the environment).
 var chaosUnbatched = os.Getenv("TOLLGATE_CHAOS_UNBATCHED") == "1"
 
+// pooled gives a store's client, unless the run is unbatched, a pool of 2
+// connections, fewer than an instance's workers, so that decisions wait
+// and ride in batches, as they do once callers outnumber the pool; the
+// unbatched run keeps go-redis's default pool.
+func pooled(o *redis.Options) *redis.Options {
+	if !chaosUnbatched {
+		o.PoolSize = 2
+	}
+	return o
+}
+
 // chaosLease gives the plan of TestChaosProcesses's children a lease
 // (Plan.Lease, ADR 27) under TOLLGATE_CHAOS_LEASE=1. Only that scenario
 // takes it: the others' Limiters are not closed, and a lease's sweeper
@@ -145,8 +156,9 @@ func roundDuration(d time.Duration) time.Duration {
 // of any kind: its Cluster and Failover methods copy these fields into the
 // options of each. The addresses are left to the harness's Client methods.
 func failFast() *redis.UniversalOptions {
-	o := redistest.FailFast("")
+	o := pooled(redistest.FailFast(""))
 	return &redis.UniversalOptions{
+		PoolSize:              o.PoolSize,
 		DialTimeout:           o.DialTimeout,
 		ReadTimeout:           o.ReadTimeout,
 		WriteTimeout:          o.WriteTimeout,

@@ -115,7 +115,7 @@ func TestChaosGoroutineLeaks(t *testing.T) {
 
 	before := runtime.NumGoroutine()
 	clients := []redis.UniversalClient{
-		redis.NewClient(redistest.FailFast(srv.Addr())),
+		redis.NewClient(pooled(redistest.FailFast(srv.Addr()))),
 		redis.NewFailoverClient(&redis.FailoverOptions{MasterName: sen.MasterName(), SentinelAddrs: sen.SentinelAddrs()}),
 		redis.NewClusterClient(&redis.ClusterOptions{Addrs: cl.Addrs(), ClusterStateReloadInterval: 100 * time.Millisecond}),
 		redis.NewRing(&redis.RingOptions{Addrs: map[string]string{"a": srv.Addr()}}),

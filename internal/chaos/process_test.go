@@ -56,7 +56,7 @@ func TestChaosChildProcess(t *testing.T) {
 	}
 	var job childJob
 	require.NoError(t, json.Unmarshal([]byte(spec), &job))
-	c := redis.NewClient(&redis.Options{Addr: job.Addr})
+	c := redis.NewClient(pooled(&redis.Options{Addr: job.Addr}))
 	defer c.Close()
 	plan := chaosPlan
 	if chaosLease {

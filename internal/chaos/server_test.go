@@ -50,7 +50,7 @@ const recoveryBound = 3 * time.Second
 func TestChaosRedisRestart(t *testing.T) {
 	chaosPrologue(t, true)
 	srv := redistest.StartServer(t)
-	insts := newInstances(t, 2, func() redis.UniversalClient { return redistest.NewClient(t, redistest.FailFast(srv.Addr())) })
+	insts := newInstances(t, 2, func() redis.UniversalClient { return redistest.NewClient(t, pooled(redistest.FailFast(srv.Addr()))) })
 	keys := chaosKeys(8)
 	rounds, down := pick(1, 3), pick(700*time.Millisecond, 2*time.Second)
 
@@ -100,7 +100,7 @@ func TestChaosScriptFlushStorm(t *testing.T) {
 	srv := redistest.StartServer(t)
 	// go-redis's default timeouts: this scenario is about NOSCRIPT, and a
 	// 100 ms read timeout could fail a decision on a loaded machine.
-	insts := newInstances(t, 3, func() redis.UniversalClient { return redistest.NewClient(t, &redis.Options{Addr: srv.Addr()}) },
+	insts := newInstances(t, 3, func() redis.UniversalClient { return redistest.NewClient(t, pooled(&redis.Options{Addr: srv.Addr()})) },
 		tollgate.WithFailurePolicy(breaker.FailClosed))
 	admin := redistest.NewClient(t, &redis.Options{Addr: srv.Addr()})
 	keys := chaosKeys(8)
@@ -140,7 +140,7 @@ func TestChaosSlowRedis(t *testing.T) {
 				args = append(args, "--enable-debug-command", "yes")
 			}
 			srv := redistest.StartServer(t, args...)
-			insts := newInstances(t, 2, func() redis.UniversalClient { return redistest.NewClient(t, redistest.FailFast(srv.Addr())) })
+			insts := newInstances(t, 2, func() redis.UniversalClient { return redistest.NewClient(t, pooled(redistest.FailFast(srv.Addr()))) })
 			admin := redistest.NewClient(t, &redis.Options{Addr: srv.Addr(), ReadTimeout: time.Minute})
 			keys := chaosKeys(8)
 			rounds, pause := pick(1, 3), pick(1500*time.Millisecond, 5*time.Second)

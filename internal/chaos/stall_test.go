@@ -57,7 +57,7 @@ func TestChaosStalledChild(t *testing.T) {
 	}
 	var job stallJob
 	require.NoError(t, json.Unmarshal([]byte(spec), &job))
-	c := redistest.NewClient(t, redistest.FailFast(job.Addr))
+	c := redistest.NewClient(t, pooled(redistest.FailFast(job.Addr)))
 	lim, err := tollgate.New(tollgate.NewRedisStore(c, storeOptions(job.Prefix)...), []tollgate.Plan{stallPlan},
 		tollgate.WithLogger(nil))
 	require.NoError(t, err)
