@@ -46,6 +46,8 @@ type hold struct {
 	store   Store  // the store that granted it; nil when none did (FailOpen)
 	id      string // a RedisStore's name for it
 	expires int64  // a MemoryStore's: when it expires, µs on its clock
+
+	backs *giveBacks // the Limiter's, which a give-back of the hold joins
 }
 
 // accept takes the plans of the decision that a hold is for: token
@@ -123,7 +125,7 @@ func (r *Reservation) request() *request {
 // newReservation returns a reservation of n tokens of key, for decide to
 // fill in.
 func (l *Limiter) newReservation(key string, n int64) *Reservation {
-	return &Reservation{l: l, key: key, n: n, hold: hold{ttl: l.holdTTL}}
+	return &Reservation{l: l, key: key, n: n, hold: hold{ttl: l.holdTTL, backs: &l.backs}}
 }
 
 // held counts r, decided, if it was granted, and notes the plans it took
