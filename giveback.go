@@ -2,6 +2,7 @@ package tollgate
 
 import (
 	"context"
+	"errors"
 	"sync"
 	"time"
 )
@@ -71,13 +72,29 @@ func retryGiveBack(ctx context.Context, try func() error) {
 // giveBack settles r, a hold the Limiter took for itself (a lease, or a
 // Reserve whose caller left), with used tokens used, which gives the rest
 // back: on a goroutine that Close waits for, on a context of its own with
-// ctx's values, bounded by holdBackTimeout.
+// ctx's values, tried until the store that granted r settles it or
+// holdBackTimeout passes (retryGiveBack). No failure policy
+// answers one that refunds: a refund it dropped would leave the hold's
+// tokens taken in Redis while it may be healthy (a stall of this process,
+// a breaker tripped by one), and the hold's id makes a second try refund
+// nothing twice. One of all its tokens used refunds nothing, whoever
+// settles it.
 func (l *Limiter) giveBack(ctx context.Context, r *Reservation, used int64) {
 	l.backs.add()
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), holdBackTimeout)
 	go func() {
 		defer l.backs.done()
 		defer cancel()
-		_, _ = r.Settle(ctx, used)
+		retryGiveBack(ctx, func() error {
+			_, err := r.settle(ctx, used, used < r.n)
+			switch {
+			case errors.Is(err, ErrNotHeld): // settled by an earlier try, whose reply was lost
+				l.stats.reservations.settled.Add(1)
+				return nil
+			case errors.Is(err, ErrHoldExpired):
+				return nil
+			}
+			return err
+		})
 	}()
 }

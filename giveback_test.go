@@ -56,6 +56,47 @@ func withSettleHook(t *testing.T, rs *RedisStore) *settleHook {
 	return h
 }
 
+// TestGiveBackOutlastsAFailingStore: the first settlement of a lease's
+// rest fails, as a read that timed out (the store's failure) or one that
+// timed out far past the client's timeouts (this process's stall). The
+// give-back is not the failure policy's to answer, whichever it is: it
+// is tried again, and the rest comes back. Before, the Fallback policy
+// dropped the refund, FailOpen settled nothing, and FailClosed's error
+// was not retried: 80 of 100 left.
+func TestGiveBackOutlastsAFailingStore(t *testing.T) {
+	plan := leasedPlan
+	plan.Lease = 20
+	for _, policy := range []breaker.FailurePolicy{breaker.Fallback, breaker.FailOpen, breaker.FailClosed} {
+		for _, stall := range []bool{false, true} {
+			name := policy.String() + "/error"
+			if stall {
+				name = policy.String() + "/stall"
+			}
+			t.Run(name, func(t *testing.T) {
+				rs, _ := newStalledStore(t)
+				hook := withSettleHook(t, rs)
+				l, err := New(rs, []Plan{plan}, WithLogger(nil), WithDenialCache(0), WithFailurePolicy(policy))
+				require.NoError(t, err)
+				r, err := l.Allow(context.Background(), "k")
+				require.NoError(t, err)
+				require.Equal(t, SourceStore, r.Source, "a lease of 20 taken, 1 handed out")
+				if stall { // past the 200 ms that the client's timeouts allow a call
+					hook.delay = 250 * time.Millisecond
+				}
+				hook.fails.Store(1)
+				require.NoError(t, l.Close())
+				assert.Equal(t, int32(2), hook.calls.Load(), "tried, and tried again")
+				assert.Equal(t, plan.Capacity-1, remaining(t, rs, "k"), "the lease's rest came back")
+				if stall {
+					assert.Equal(t, uint64(1), l.Stats().StoreErrors["stalled"], "the stall rule judged it")
+				}
+				st := l.Stats().Reservations
+				assert.Equal(t, [2]uint64{1, 1}, [2]uint64{st.Held, st.Settled}, "held and settled")
+			})
+		}
+	}
+}
+
 // TestCloseWaitsForGiveBacks: Close returns once what the Limiter gives
 // back is back in Redis: the hold of a Reserve whose caller left while
 // Redis ran it, and the hold of a lease whose reply was lost, given back

@@ -281,8 +281,8 @@ func (ls *leases) take(ctx context.Context, e *lease, r *Result, q *leaseAsk, w 
 // giveBack settles a lease that handed out all but left of its tokens,
 // on a goroutine of its own, so that no request waits for it: the unused
 // rest goes back to Redis (Limiter.giveBack). A settlement that fails
-// leaves those tokens taken, which costs other instances no more than the
-// lease did; they refill as usual.
+// until the give-back gives up leaves those tokens taken, which costs
+// other instances no more than the lease did; they refill as usual.
 func (ls *leases) giveBack(r *Reservation, left int64) {
 	ls.l.giveBack(context.Background(), r, r.n-left)
 }
