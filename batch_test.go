@@ -66,6 +66,16 @@ func batchOf(t *testing.T, s *RedisStore, n int, decide func(i int) (Result, err
 	}
 }
 
+// fewSlots gives s, if it batches, minSlots call slots, so that a test's
+// few callers wait and ride in batches as many callers would on a pool
+// of connections; it returns s.
+func fewSlots(s *RedisStore) *RedisStore {
+	if s.batch != nil {
+		s.batch.slots, s.batch.limit = minSlots, minSlots
+	}
+	return s
+}
+
 func background(n int) []context.Context {
 	ctxs := make([]context.Context, n)
 	for i := range ctxs {

@@ -71,9 +71,10 @@ func (l *Limiter) reserve(ctx context.Context, r *Reservation, plans []string) e
 }
 
 // reserveDetached decides r, a reservation of the named plans on a store
-// that can fail, on a context of its own, on a goroutine: a caller whose
-// ctx ends first gets its error at once, and a hold granted without it is
-// given back, so that no hold whose reply was dropped keeps its tokens.
+// that can fail, on a context of its own, on a goroutine that Close waits
+// for: a caller whose ctx ends first gets its error at once, and a hold
+// granted without it is given back, so that no hold whose reply was
+// dropped keeps its tokens.
 func (l *Limiter) reserveDetached(ctx context.Context, r *Reservation, plans []string) error {
 	if err := ctx.Err(); err != nil {
 		return err
@@ -81,7 +82,9 @@ func (l *Limiter) reserveDetached(ctx context.Context, r *Reservation, plans []s
 	w := &handoff{done: make(chan struct{})}
 	var err error // the decision's, the caller's once w.done is closed
 	rctx, cancel := detach(ctx, reserveTimeout)
+	l.backs.add() // Close waits for a hold that may be given back
 	go func() {
+		defer l.backs.done()
 		defer cancel()
 		derr := l.named(rctx, &r.result, r.request(), plans)
 		if derr == nil {
@@ -93,7 +96,7 @@ func (l *Limiter) reserveDetached(ctx context.Context, r *Reservation, plans []s
 			return
 		}
 		if derr == nil && r.result.Allowed {
-			_, _ = r.Cancel(rctx)
+			l.giveBack(rctx, r, 0)
 		}
 	}()
 	select {

@@ -48,7 +48,7 @@ func silentServer(t *testing.T) string {
 // answer, as a plain decision does, not context.DeadlineExceeded.
 func TestDetachedBoundIsNotTheCallersDeadline(t *testing.T) {
 	if testing.Short() {
-		t.Skip("waits out go-redis's 3 s read timeouts: about 15 s")
+		t.Skip("waits out go-redis's 3 s read timeouts, and Close the give-backs' 5 s: about 20 s")
 	}
 	c := redis.NewClient(&redis.Options{Addr: silentServer(t), MaxRetries: -1}) // go-redis's 3 s read timeout
 	t.Cleanup(func() { _ = c.Close() })

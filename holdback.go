@@ -39,8 +39,9 @@ func mayHaveRun(err error) bool {
 
 // giveBackLater gives back the hold of o, whose script call failed but
 // may have run, by the hold's id: a settlement of none used, on a
-// goroutine, on a context of its own with ctx's values, tried until it
-// succeeds or holdBackTimeout passes, each try further apart. Whichever
+// goroutine that the hold's Limiter's Close waits for, on a context of its
+// own with ctx's values, tried until it succeeds or holdBackTimeout
+// passes, each try further apart (retryGiveBack). Whichever
 // of the hold's call and the give-back reaches Redis first, the tokens
 // come back once: a live hold is refunded (capped at a full bucket) and
 // leaves a tombstone, a hold not there yet leaves one too, and the hold's
@@ -52,21 +53,14 @@ func (s *RedisStore) giveBackLater(ctx context.Context, o settleOp) {
 	h := *o.hold // the caller's is the Reservation's, which it keeps
 	h.skip = shadowMask(o.plans)
 	o.hold, o.used = &h, 0
+	h.backs.add()
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), holdBackTimeout)
 	go func() {
 		defer cancel()
-		for pause := holdBackPause; ; pause = min(2*pause, time.Second) {
+		defer h.backs.done()
+		retryGiveBack(ctx, func() error {
 			_, _, err := s.settle(ctx, o)
-			if err == nil {
-				return
-			}
-			t := time.NewTimer(pause)
-			select {
-			case <-t.C:
-			case <-ctx.Done():
-				t.Stop()
-				return
-			}
-		}
+			return err
+		})
 	}()
 }

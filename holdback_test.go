@@ -48,7 +48,7 @@ func TestHoldTimedOutIsGivenBackOnRealRedis(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			opts := append([]Option{WithKeyPrefix(redistest.KeyPrefix())}, tc.opts...)
-			rs := NewRedisStore(redistest.NewClient(t, redistest.FailFast(srv.Addr())), opts...)
+			rs := fewSlots(NewRedisStore(redistest.NewClient(t, redistest.FailFast(srv.Addr())), opts...))
 			p := plan
 			if tc.reserve {
 				p.Lease = 0

@@ -280,17 +280,11 @@ func (ls *leases) take(ctx context.Context, e *lease, r *Result, q *leaseAsk, w 
 
 // giveBack settles a lease that handed out all but left of its tokens,
 // on a goroutine of its own, so that no request waits for it: the unused
-// rest goes back to Redis. A settlement that fails leaves those tokens
-// taken, which costs other instances no more than the lease did; they
-// refill as usual.
+// rest goes back to Redis (Limiter.giveBack). A settlement that fails
+// until the give-back gives up leaves those tokens taken, which costs
+// other instances no more than the lease did; they refill as usual.
 func (ls *leases) giveBack(r *Reservation, left int64) {
-	ls.done.Add(1)
-	go func() {
-		defer ls.done.Done()
-		ctx, cancel := context.WithTimeout(context.Background(), ls.ttl+time.Second)
-		defer cancel()
-		_, _ = r.Settle(ctx, r.n-left)
-	}()
+	ls.l.giveBack(context.Background(), r, r.n-left)
 }
 
 // sweeper gives back, every half TTL, the leases that ended with no
@@ -350,8 +344,9 @@ func (ls *leases) sweepOnce(now int64, closing bool) {
 }
 
 // close gives every lease back and stops the sweeper, then waits for the
-// settlements to finish. A decision that took its lease before close
-// gives it back here; one that comes after goes to Redis as usual.
+// takes under way to finish; Limiter.Close then waits for the give-backs.
+// A decision that took its lease before close gives it back here; one
+// that comes after goes to Redis as usual.
 func (ls *leases) close() {
 	ls.mu.Lock()
 	if ls.closed {

@@ -2,6 +2,7 @@ package tollgate
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
@@ -12,6 +13,8 @@ import (
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/tollgate-go/tollgate/breaker"
 )
 
 // stallHook holds back the reply of every script call while on, after
@@ -46,7 +49,8 @@ func (h *stallHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Pr
 }
 
 // newStalledStore returns a RedisStore on miniredis, whose clock stands
-// still, behind README's client settings and a stallHook of 150 ms.
+// still, behind README's client settings and a stallHook of 150 ms,
+// batching unless opts say otherwise, on few call slots.
 func newStalledStore(t *testing.T, opts ...Option) (*RedisStore, *stallHook) {
 	t.Helper()
 	mr := miniredis.RunT(t)
@@ -60,7 +64,7 @@ func newStalledStore(t *testing.T, opts ...Option) (*RedisStore, *stallHook) {
 	t.Cleanup(func() { _ = c.Close() })
 	hook := &stallHook{stall: 150 * time.Millisecond}
 	c.AddHook(hook)
-	return NewRedisStore(c, opts...), hook
+	return fewSlots(NewRedisStore(c, opts...)), hook
 }
 
 // TestLeaseTakeOutlivesItsCaller: callers with a 40 ms deadline ask for a
@@ -68,6 +72,14 @@ func newStalledStore(t *testing.T, opts ...Option) (*RedisStore, *stallHook) {
 // 20 is being taken. A lease taken for a caller who left is kept as the
 // key's lease or given back: after Close, every token not admitted is in
 // the bucket. Batched, 8 keys at once, so that most takes go in batches.
+//
+// Under FailClosed every admission is Redis's, so the bucket holds
+// exactly what was not admitted. Under Fallback a starved process (the
+// stall rule, or a breaker tripped by reads it was too slow to make)
+// admits from the fallback, which takes nothing from Redis, and sends a
+// key whose lease the fallback granted to Redis one request at a time,
+// where a take whose caller left keeps its token: there, only what Redis
+// admitted counts, and the bucket never holds more than it left.
 func TestLeaseTakeOutlivesItsCaller(t *testing.T) {
 	plan := leasedPlan
 	plan.Lease = 20
@@ -77,40 +89,64 @@ func TestLeaseTakeOutlivesItsCaller(t *testing.T) {
 		opts []Option
 	}{
 		{"alone", 1, []Option{WithoutBatching()}},
+		{"alone8", 8, []Option{WithoutBatching()}},
 		{"batched", 8, nil},
 	} {
-		t.Run(tc.name, func(t *testing.T) {
-			rs, hook := newStalledStore(t, tc.opts...)
-			l, err := New(rs, []Plan{plan}, WithLogger(nil), WithDenialCache(0))
-			require.NoError(t, err)
-			hook.on.Store(true)
-			admitted := make([]atomic.Int64, tc.keys)
-			for range 5 {
-				var wg sync.WaitGroup
+		for _, policy := range []breaker.FailurePolicy{breaker.FailClosed, breaker.Fallback} {
+			t.Run(tc.name+"/"+policy.String(), func(t *testing.T) {
+				rs, hook := newStalledStore(t, tc.opts...)
+				l, err := New(rs, []Plan{plan}, WithLogger(nil), WithDenialCache(0), WithFailurePolicy(policy))
+				require.NoError(t, err)
+				hook.on.Store(true)
+				admitted := askWhileStalled(t, l, tc.keys)
+				hook.on.Store(false)
+				require.NoError(t, l.Close())
 				for k := range tc.keys {
-					wg.Go(func() {
-						ctx, cancel := context.WithTimeout(context.Background(), 40*time.Millisecond)
-						defer cancel()
-						r, err := l.Allow(ctx, fmt.Sprint("k", k))
-						if err != nil {
-							assert.ErrorIs(t, err, context.DeadlineExceeded)
-							return
-						}
-						if r.Allowed {
-							admitted[k].Add(1)
-						}
-					})
+					left := remaining(t, rs, fmt.Sprint("k", k))
+					if policy == breaker.FailClosed {
+						assert.Equal(t, plan.Capacity-admitted[k], left, "key %d: %d admitted; the rest is due back", k, admitted[k])
+					} else {
+						assert.LessOrEqual(t, left, plan.Capacity-admitted[k], "key %d: %d admitted by Redis; nothing minted", k, admitted[k])
+					}
 				}
-				wg.Wait()
-			}
-			hook.on.Store(false)
-			require.NoError(t, l.Close())
-			for k := range tc.keys {
-				assert.Equal(t, plan.Capacity-admitted[k].Load(), remaining(t, rs, fmt.Sprint("k", k)),
-					"key %d: %d admitted; the rest is due back", k, admitted[k].Load())
-			}
-		})
+			})
+		}
 	}
+}
+
+// askWhileStalled has a caller with a 40 ms deadline ask l for a token of
+// each of keys keys at once, five times, and returns how many of each
+// key's were admitted with tokens of Redis: by the store or a lease. A
+// caller that is not admitted gets its deadline's error, or under
+// FailClosed ErrStoreUnavailable.
+func askWhileStalled(t *testing.T, l *Limiter, keys int) []int64 {
+	t.Helper()
+	admitted := make([]atomic.Int64, keys)
+	for range 5 {
+		var wg sync.WaitGroup
+		for k := range keys {
+			wg.Go(func() {
+				ctx, cancel := context.WithTimeout(context.Background(), 40*time.Millisecond)
+				defer cancel()
+				r, err := l.Allow(ctx, fmt.Sprint("k", k))
+				if err != nil {
+					if !errors.Is(err, ErrStoreUnavailable) {
+						assert.ErrorIs(t, err, context.DeadlineExceeded)
+					}
+					return
+				}
+				if r.Allowed && (r.Source == SourceStore || r.Source == SourceLease) {
+					admitted[k].Add(1)
+				}
+			})
+		}
+		wg.Wait()
+	}
+	n := make([]int64, keys)
+	for k := range n {
+		n[k] = admitted[k].Load()
+	}
+	return n
 }
 
 // TestReserveOutlivesItsCaller: a Reserve whose caller gives up while

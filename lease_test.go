@@ -27,15 +27,19 @@ import (
 var leasedPlan = Plan{Name: "hot", Capacity: 100, Rate: 1, Lease: 10}
 
 // remaining reads the bucket of key in rs with a Limiter that takes no
-// lease and remembers no denial.
+// lease and remembers no denial: in Redis, never on a fallback, again
+// until a read succeeds, as one may time out in a starved process.
 func remaining(t *testing.T, rs *RedisStore, key string) int64 {
 	t.Helper()
 	plain := leasedPlan
 	plain.Lease = 0
-	l, err := New(rs, []Plan{plain}, WithDenialCache(0), WithLogger(nil))
+	l, err := New(rs, []Plan{plain}, WithDenialCache(0), WithLogger(nil), WithFailurePolicy(breaker.FailClosed))
 	require.NoError(t, err)
-	r, err := l.Peek(context.Background(), key)
-	require.NoError(t, err)
+	var r Result
+	require.Eventually(t, func() bool {
+		r, err = l.Peek(context.Background(), key)
+		return err == nil
+	}, 10*time.Second, time.Millisecond, "a read of Redis")
 	return r.Remaining
 }
 

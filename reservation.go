@@ -46,6 +46,8 @@ type hold struct {
 	store   Store  // the store that granted it; nil when none did (FailOpen)
 	id      string // a RedisStore's name for it
 	expires int64  // a MemoryStore's: when it expires, µs on its clock
+
+	backs *giveBacks // the Limiter's, which a give-back of the hold joins
 }
 
 // accept takes the plans of the decision that a hold is for: token
@@ -123,7 +125,7 @@ func (r *Reservation) request() *request {
 // newReservation returns a reservation of n tokens of key, for decide to
 // fill in.
 func (l *Limiter) newReservation(key string, n int64) *Reservation {
-	return &Reservation{l: l, key: key, n: n, hold: hold{ttl: l.holdTTL}}
+	return &Reservation{l: l, key: key, n: n, hold: hold{ttl: l.holdTTL, backs: &l.backs}}
 }
 
 // held counts r, decided, if it was granted, and notes the plans it took
@@ -195,6 +197,12 @@ func (r *Reservation) Result() Result {
 // settled as it was reserved, and one whose name is a window now is left
 // alone.
 func (r *Reservation) Settle(ctx context.Context, actual int64) (Settlement, error) {
+	return r.settle(ctx, actual, false)
+}
+
+// settle is Settle, or a give-back (giveBack), which no failure policy
+// answers: it fails with ErrStoreUnavailable while the store fails.
+func (r *Reservation) settle(ctx context.Context, actual int64, giveBack bool) (Settlement, error) {
 	if !r.result.Allowed {
 		return Settlement{}, ErrNotHeld
 	}
@@ -209,7 +217,7 @@ func (r *Reservation) Settle(ctx context.Context, actual int64) (Settlement, err
 	if r.settled {
 		return Settlement{}, ErrNotHeld
 	}
-	st, err := r.l.settle(ctx, r, actual)
+	st, err := r.l.settle(ctx, r, actual, giveBack)
 	if err == nil || errors.Is(err, ErrHoldExpired) || errors.Is(err, ErrNotHeld) {
 		r.settled = true
 	}
@@ -232,8 +240,9 @@ const (
 )
 
 // settle settles r with actual tokens used, on the store that granted it,
-// behind the breaker and failure policy when that store can fail.
-func (l *Limiter) settle(ctx context.Context, r *Reservation, actual int64) (st Settlement, err error) {
+// behind the breaker and, unless it is a give-back, the failure policy
+// when that store can fail.
+func (l *Limiter) settle(ctx context.Context, r *Reservation, actual int64, giveBack bool) (st Settlement, err error) {
 	if r.hold.store == nil { // granted by FailOpen, or exempt (ErrExempt): nothing was held
 		return Settlement{Result: r.result}, nil
 	}
@@ -248,7 +257,7 @@ func (l *Limiter) settle(ctx context.Context, r *Reservation, actual int64) (st 
 		st, status, err = h.store.(settler).settle(ctx, o)
 		st.Source = r.result.Source
 	} else {
-		st, status, err = l.settleGuarded(ctx, o)
+		st, status, err = l.settleGuarded(ctx, o, giveBack)
 	}
 	if err != nil {
 		return Settlement{}, err
@@ -270,8 +279,9 @@ func (l *Limiter) settle(ctx context.Context, r *Reservation, actual int64) (st 
 
 // settleGuarded settles o on the store that granted its hold, one that
 // can fail, behind the breaker; while it fails, the failure policy
-// settles it.
-func (l *Limiter) settleGuarded(ctx context.Context, o settleOp) (st Settlement, status settleStatus, err error) {
+// settles it, unless it is a give-back (giveBack), which then fails as
+// under FailClosed.
+func (l *Limiter) settleGuarded(ctx context.Context, o settleOp, giveBack bool) (st Settlement, status settleStatus, err error) {
 	b := l.health.forKey(ctx, o.key, o.plans)
 	cause := errBreakerOpen
 	if ok, probe := b.Allow(); ok {
@@ -287,10 +297,12 @@ func (l *Limiter) settleGuarded(ctx context.Context, o settleOp) (st Settlement,
 		}
 		cause = storeErr
 	}
-	switch l.policy {
-	case breaker.FailOpen:
+	switch {
+	case giveBack:
+		return Settlement{}, 0, fmt.Errorf("%w: %w", ErrStoreUnavailable, cause)
+	case l.policy == breaker.FailOpen:
 		return Settlement{Result: failOpenResult(o.plans)}, holdLive, nil
-	case breaker.FailClosed:
+	case l.policy == breaker.FailClosed:
 		return Settlement{}, 0, fmt.Errorf("%w: %w", ErrStoreUnavailable, cause)
 	}
 	// The fallback store holds no hold of the store's: it charges the
