@@ -6,8 +6,6 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
-
-	"github.com/tollgate-go/tollgate/internal/redisscript"
 )
 
 // Batching limits: a batch holds at most maxBatch decisions, and at most
@@ -26,15 +24,14 @@ func (s *RedisStore) batchCalls() {
 	case *redis.ClusterClient, *redis.Ring:
 		return
 	}
-	s.batch = &batcher{client: s.client, one: s.script, many: redisscript.NewBatch(luaBucket, luaLimit)}
+	s.batch = &batcher{client: s.client, scripts: s.scripts}
 }
 
 // batcher gathers the decisions of one RedisStore into batches. It is safe
 // for concurrent use.
 type batcher struct {
-	client redis.Scripter
-	one    *redisscript.Script // for a decision sent alone
-	many   *redisscript.Batch
+	client  redis.UniversalClient
+	scripts *decisionScripts
 
 	mu       sync.Mutex
 	pending  []*scriptCall // waiting for a call slot, oldest first
@@ -46,7 +43,7 @@ type batcher struct {
 // can read it.
 func (s *RedisStore) eval(ctx context.Context, c *scriptCall) (any, error) {
 	if s.batch == nil {
-		reply, err := s.script.Run(ctx, s.client, c.Keys, c.Args...)
+		reply, err := s.scripts.runOne(ctx, s.client, c)
 		c.recycle()
 		return reply, err
 	}
@@ -61,7 +58,7 @@ func (b *batcher) do(ctx context.Context, c *scriptCall) (any, error) {
 	if b.inFlight < maxInFlight && len(b.pending) == 0 {
 		b.inFlight++
 		b.mu.Unlock()
-		reply, err := b.one.Run(ctx, b.client, c.Keys, c.Args...)
+		reply, err := b.scripts.runOne(ctx, b.client, c)
 		c.recycle()
 		b.release()
 		return reply, err
@@ -130,7 +127,7 @@ func (b *batcher) flush() {
 // answer. Callers whose context has ended are left out: a decision takes
 // nothing for them.
 func (b *batcher) send(batch []*scriptCall) {
-	live := make([]*redisscript.Call, 0, len(batch))
+	live := make([]*scriptCall, 0, len(batch))
 	var latest time.Time
 	bounded := true
 	for _, c := range batch {
@@ -138,7 +135,7 @@ func (b *batcher) send(batch []*scriptCall) {
 			c.Err = err
 			continue
 		}
-		live = append(live, &c.Call)
+		live = append(live, c)
 		dl, ok := c.ctx.Deadline()
 		bounded = bounded && ok
 		if dl.After(latest) {
@@ -151,22 +148,8 @@ func (b *batcher) send(batch []*scriptCall) {
 		ctx, cancel = context.WithDeadline(ctx, latest)
 		defer cancel()
 	}
-	switch len(live) {
-	case 0:
-	case 1:
-		live[0].Reply, live[0].Err = b.one.Run(ctx, b.client, live[0].Keys, live[0].Args...)
-	default:
-		b.many.Run(ctx, b.client, live)
-	}
+	b.scripts.runMany(ctx, b.client, live)
 	for _, c := range batch {
 		c.done <- struct{}{}
 	}
-}
-
-// loads returns how many times the batch script was sent after NOSCRIPT.
-func (b *batcher) loads() int64 {
-	if b == nil {
-		return 0
-	}
-	return b.many.Loads()
 }

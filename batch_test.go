@@ -122,7 +122,8 @@ func TestBatchDecidesAsCallsOfTheirOwn(t *testing.T) {
 			assert.Equal(t, storedAt(t, c, plain.Key(r.key, p.Name)), storedAt(t, c, batched.Key(r.key, p.Name)), "%s %s", r.key, p.Name)
 		}
 	}
-	assert.Equal(t, int64(1), batched.batch.many.Loads(), "the nine went in one script call")
+	assert.Equal(t, int64(1), batched.scripts.limitMany.Loads(), "the nine went in one script call")
+	assert.Zero(t, batched.scripts.takeMany.Loads(), "a batch of lean and other decisions runs the general script")
 }
 
 // TestBatchLoneCallerSendsAlone decides with an idle batcher: the decision
@@ -135,8 +136,8 @@ func TestBatchLoneCallerSendsAlone(t *testing.T) {
 		require.NoError(t, err)
 		assert.Equal(t, int64(3-i), r.Remaining)
 	}
-	assert.Equal(t, int64(1), s.script.Loads(), "the plain script, loaded once")
-	assert.Zero(t, s.batch.many.Loads(), "no batch was sent")
+	assert.Equal(t, int64(1), s.scripts.take.Loads(), "the lean decision alone, loaded once")
+	assert.Zero(t, s.scripts.takeMany.Loads(), "no batch was sent")
 	assert.Zero(t, s.batch.inFlight)
 	assert.Empty(t, s.batch.pending)
 }
@@ -320,8 +321,9 @@ func TestBatchDecidesAtOneRedisTimeOnRealRedis(t *testing.T) {
 	assert.Greater(t, second[0], first[0], "each batch reads TIME")
 }
 
-// TestBatchingNoscriptStormOnRealRedis flushes the script cache every 5 ms
-// under batched load: no decision fails, under FailClosed.
+// TestBatchingNoscriptStormOnRealRedis flushes the script cache and the
+// functions every 5 ms under batched load: no decision fails, under
+// FailClosed.
 func TestBatchingNoscriptStormOnRealRedis(t *testing.T) {
 	addr := redistest.Addr(t)
 	s := NewRedisStore(redistest.NewClient(t, &redis.Options{Addr: addr}), WithKeyPrefix(redistest.KeyPrefix()), WithBatching())
@@ -332,12 +334,13 @@ func TestBatchingNoscriptStormOnRealRedis(t *testing.T) {
 	stop := loadUntilStopped(16, func(g, i int) { ta.record(l.Allow(context.Background(), "k"+strconv.Itoa(i%64))) })
 	for end := time.Now().Add(time.Second); time.Now().Before(end); time.Sleep(5 * time.Millisecond) {
 		require.NoError(t, flusher.ScriptFlush(context.Background()).Err())
+		require.NoError(t, flusher.FunctionFlush(context.Background()).Err())
 	}
 	stop()
 	t.Logf("%d decisions, %d script loads", ta.allowed.Load(), s.ScriptLoads())
 	require.Zero(t, ta.errs.Load(), "first error: %v", ta.firstErr.Load())
 	assert.Zero(t, ta.fallback.Load())
-	assert.Positive(t, s.batch.many.Loads(), "batches met NOSCRIPT and healed it")
+	assert.Positive(t, s.scripts.takeMany.Loads(), "batches found their function missing and healed it")
 }
 
 // BenchmarkRedisBatching decides on 10,000 keys from 32 goroutines per
@@ -453,7 +456,7 @@ func TestBatchCarriesShadowsAndVersions(t *testing.T) {
 			assert.Equal(t, storedAt(t, c, plain.Key(r.key, p.Name)), storedAt(t, c, batched.Key(r.key, p.Name)), "%s %s", r.key, p.Name)
 		}
 	}
-	assert.Equal(t, int64(1), batched.batch.many.Loads(), "the eight went in one script call")
+	assert.Equal(t, int64(1), batched.scripts.limitMany.Loads(), "the eight went in one script call")
 }
 
 // TestBatchedDenialIsRemembered: a denial decided in a batch is the
@@ -477,7 +480,7 @@ func TestBatchedDenialIsRemembered(t *testing.T) {
 	require.NoError(t, errs[1])
 	require.True(t, got[0].Allowed)
 	require.False(t, got[1].Allowed, "denied in the same batch")
-	require.Equal(t, int64(1), s.batch.many.Loads(), "the two went in one script call")
+	require.Equal(t, int64(1), s.scripts.takeMany.Loads(), "the two went in one call")
 	sent := calls.alone.Load()
 	for range 3 {
 		r, err := l.Allow(ctx, "k")

@@ -37,8 +37,8 @@ const defaultKeyPrefix = "tollgate"
 type RedisStore struct {
 	client       redis.UniversalClient
 	prefix       string
-	err          error // a wiring mistake: New reports it, and so does every call
-	script       *redisscript.Script
+	err          error            // a wiring mistake: New reports it, and so does every call
+	scripts      *decisionScripts // what a decision runs (lean.go)
 	settleScript *redisscript.Script
 	random       func() uint64 // draws for suppressed plans; tests replace it
 	planArgs     planArgCache  // each plan's ARGV numbers, boxed
@@ -53,7 +53,7 @@ type RedisStore struct {
 func NewRedisStore(client redis.UniversalClient, opts ...Option) *RedisStore {
 	c := config{keyPrefix: defaultKeyPrefix}
 	err := applyOptions(&c, takerRedisStore, opts)
-	s := &RedisStore{client: client, prefix: c.keyPrefix, script: redisscript.New(limitScript),
+	s := &RedisStore{client: client, prefix: c.keyPrefix, scripts: newDecisionScripts(),
 		settleScript: redisscript.New(settleScript), random: random53}
 	if c.batching {
 		s.batchCalls()
@@ -70,9 +70,10 @@ func NewRedisStore(client redis.UniversalClient, opts ...Option) *RedisStore {
 }
 
 // ScriptLoads returns how many times the store has sent its scripts'
-// source after Redis answered NOSCRIPT.
+// source after Redis answered NOSCRIPT, or its library of functions after
+// Redis answered that it had none of them.
 func (s *RedisStore) ScriptLoads() int64 {
-	return s.script.Loads() + s.settleScript.Loads() + s.batch.loads()
+	return s.scripts.loads() + s.settleScript.Loads()
 }
 
 // Take implements Store.
@@ -104,6 +105,7 @@ func (s *RedisStore) take(ctx context.Context, key string, cost int64, plans []P
 	c := newScriptCall()
 	c.Keys = s.appendKeys(c.keys[:0], key, plans)
 	c.Args = s.appendArgs(c.args[:0], cost, plans)
+	c.lean = lean(plans)
 	return s.run(ctx, c, cost, plans)
 }
 
@@ -143,6 +145,7 @@ type scriptCall struct {
 	redisscript.Call
 	ctx  context.Context // with batching, the waiting caller's
 	done chan struct{}   // with batching, receives once Reply or Err is set
+	lean bool            // runs the lean decision (lean.go)
 
 	keys [pooledPlans + 1]string    // + 1 for a hold's key
 	args [2 + 4*pooledPlans + 1]any // the wide layout, + 1 for a hold's TTL
@@ -161,7 +164,7 @@ func newScriptCall() *scriptCall { return scriptCalls.Get().(*scriptCall) }
 func (c *scriptCall) recycle() {
 	clear(c.keys[:]) // keep no caller's key or reply alive in the pool
 	clear(c.args[:])
-	c.Call, c.ctx = redisscript.Call{}, nil
+	c.Call, c.ctx, c.lean = redisscript.Call{}, nil, false
 	scriptCalls.Put(c)
 }
 

@@ -285,14 +285,14 @@ func TestRedisStoreManyPlans(t *testing.T) {
 	assert.Equal(t, "p0", r.Plan)
 }
 
-// scriptCounter is a go-redis hook that counts the script commands sent
-// alone and sent in pipelines.
+// scriptCounter is a go-redis hook that counts the script and function
+// commands sent alone and sent in pipelines.
 type scriptCounter struct {
 	alone, piped atomic.Int64
 }
 
 func isScriptCmd(cmd redis.Cmder) bool {
-	return cmd.Name() == "evalsha" || cmd.Name() == "eval"
+	return cmd.Name() == "evalsha" || cmd.Name() == "eval" || cmd.Name() == "fcall"
 }
 
 func (h *scriptCounter) DialHook(next redis.DialHook) redis.DialHook { return next }
@@ -325,12 +325,17 @@ func TestRedisStoreAutoPipelines(t *testing.T) {
 	mr := miniredis.RunT(t)
 	c := redis.NewClient(&redis.Options{Addr: mr.Addr()})
 	t.Cleanup(func() { _ = c.Close() })
-	require.NoError(t, c.ScriptLoad(ctx, limitScript).Err()) // no NOSCRIPT, and no EVAL
 	var h scriptCounter
 	c.AddHook(&h)
 	ap, err := c.AutoPipeline()
 	require.NoError(t, err)
 	s := NewRedisStore(ap)
+	// Found to have no functions, and loaded: no FCALL, NOSCRIPT or EVAL
+	// from here.
+	_, err = s.Take(ctx, "warm", 1, []Plan{gold})
+	require.NoError(t, err)
+	h.alone.Store(0)
+	h.piped.Store(0)
 	var wg sync.WaitGroup
 	for g := range 32 {
 		wg.Go(func() {
@@ -1373,13 +1378,13 @@ func TestCallerDeadlinesOnRealRedisAreNotOutages(t *testing.T) {
 	assert.Zero(t, s.Plans[0].Allowed[SourceFallback]+s.Plans[0].Denied[SourceFallback])
 }
 
-// TestRedisErrorsNeverCarryKeys renames EVALSHA away, so that Redis answers
-// "unknown command 'evalsha', with args beginning with: ..." and quotes the
-// command's arguments, the caller's key among them. Neither the error a
-// caller gets nor any log line may hold the key.
+// TestRedisErrorsNeverCarryKeys renames EVALSHA and FCALL away, so that
+// Redis answers "unknown command 'evalsha', with args beginning with: ..."
+// and quotes the command's arguments, the caller's key among them. Neither
+// the error a caller gets nor any log line may hold the key.
 func TestRedisErrorsNeverCarryKeys(t *testing.T) {
 	redistest.SkipIfUnavailable(t)
-	srv := redistest.StartServer(t, "--rename-command", "EVALSHA", `""`)
+	srv := redistest.StartServer(t, "--rename-command", "EVALSHA", `""`, "--rename-command", "FCALL", "FCALL_OFF")
 	const key = "alice@example.com"
 	logs := &logCounter{minLevel: slog.LevelDebug}
 	l, err := New(NewRedisStore(redistest.NewClient(t, redistest.FailFast(srv.Addr()))), testPlans,
@@ -1408,7 +1413,7 @@ func TestRedisErrorsNeverCarryKeys(t *testing.T) {
 // (whose map keys a client then chooses, one new metric label each).
 func TestRedisErrorClassesNeverComeFromKeys(t *testing.T) {
 	redistest.SkipIfUnavailable(t)
-	srv := redistest.StartServer(t, "--rename-command", "EVALSHA", `""`)
+	srv := redistest.StartServer(t, "--rename-command", "EVALSHA", `""`, "--rename-command", "FCALL", "FCALL_OFF")
 	const key = "x: -ALICESMITH y"
 	logs := &logCounter{minLevel: slog.LevelDebug}
 	l, err := New(NewRedisStore(redistest.NewClient(t, redistest.FailFast(srv.Addr())), WithKeyPrefix(redistest.KeyPrefix())),

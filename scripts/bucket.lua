@@ -16,16 +16,22 @@
 local floor, tonumber = math.floor, tonumber
 local max53 = 9007199254740992
 
+-- readClock returns Redis TIME in µs, read at each call. TIME's fields
+-- are decimal strings that arithmetic converts once, where tonumber
+-- converts twice.
+local function readClock()
+  local time = redis.call('TIME')
+  return time[1] * 1000000 + time[2]
+end
+
 -- clock returns Redis TIME in µs, read once per script call: a batch
 -- (redisscript.Batch) runs this prelude once, so every decision in it is
--- made at the instant the batch began (ADR 26). TIME's fields are decimal
--- strings that arithmetic converts once, where tonumber converts twice.
+-- made at the instant the batch began (ADR 26). A library of Redis
+-- Functions runs this prelude once for all its calls, so its functions
+-- read readClock instead.
 local clock_us
 local function clock()
-  if not clock_us then
-    local time = redis.call('TIME')
-    clock_us = time[1] * 1000000 + time[2]
-  end
+  if not clock_us then clock_us = readClock() end
   return clock_us
 end
 
@@ -237,5 +243,8 @@ end
 local function writeBucket(key, t, ts, full, rate, now, pv, c)
   local us = (full - t) / rate + math.max(0, ts - now)
   if pv > 0 then us = us + floor(math.max(full, c * 1000000) / rate) end
-  redis.call('SET', key, encode(ts, t, pv, c), 'PX', whole(floor(us / 1000) + 2))
+  -- Its digits, formatted here: Redis 7.0 formats a Lua number with
+  -- printf's %.17g, at a larger cost, and 7.2.0 to 7.2.4 as '1e+8' (see
+  -- whole).
+  redis.call('SET', key, encode(ts, t, pv, c), 'PX', string.format('%d', floor(us / 1000) + 2))
 end
