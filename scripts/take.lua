@@ -54,6 +54,8 @@ local function takeOne(KEYS, ARGV)
   return {allowed, now, t, ts}
 end
 
+local replyFormat = intsFormat(4) -- packInts's, for takeOne's reply
+
 local function takeMany(KEYS, ARGV)
   local now = readClock()
   local out, groups, i = {}, ARGV[1] + 0, 0
@@ -65,7 +67,7 @@ local function takeMany(KEYS, ARGV)
       i = i + 1
       local ok, allowed, t, ts = pcall(take, KEYS[i], ARGV[costs + i], cap, rate, now)
       if ok then
-        out[i] = packInts(allowed, now, t, ts)
+        out[i] = packInts(replyFormat, allowed, now, t, ts)
       else
         out[i] = callError(allowed)
       end

@@ -19,31 +19,25 @@ type Batch struct {
 }
 
 // ReplyLua defines, in Lua, how a batch replies for each of its calls,
-// for a script or a library that comes after it: packInts(...) packs the
-// call's integers, each 0 to 2^56 - 1, in 7 big-endian bytes each
-// (packedInts reads them): Redis's struct library packs them in C, where
-// string.format was a twelfth of a batch's work in Redis; miniredis,
-// which has none, gets the same bytes from plain Lua. callError(err)
-// returns the reply of a call that failed with err, as pcall caught it:
-// an error of its class alone, the first capital word of the message as
-// Redis 7 words it, or the one after ': ' as earlier versions and
-// miniredis word it (Sanitize keeps only known classes).
-const ReplyLua = `local packInts
+// for a script or a library that comes after it. packInts(intsFormat(n),
+// x1, ..., xn) packs a call's n integers, each 0 to 2^56 - 1, in 7
+// big-endian bytes each (packedInts reads them): Redis's struct library
+// packs them in C, where string.format was a twelfth of a batch's work
+// in Redis, and is packInts itself, which spares a call of a function of
+// ours; miniredis, which has none, gets the same bytes from plain Lua.
+// callError(err) returns the reply of a call that failed with err, as
+// pcall caught it: an error of its class alone, the first capital word of
+// the message as Redis 7 words it, or the one after ': ' as earlier
+// versions and miniredis word it (Sanitize keeps only known classes).
+const ReplyLua = `local packInts, intsFormat
 local struct = rawget(_G, 'struct')
 if struct then
-  local spack, formats = struct.pack, {} -- formats by number of integers: '>I7I7...'
-  packInts = function(...)
-    local n = select('#', ...)
-    local f = formats[n]
-    if not f then
-      f = '>' .. string.rep('I7', n)
-      formats[n] = f
-    end
-    return spack(f, ...)
-  end
+  packInts = struct.pack
+  intsFormat = function(n) return '>' .. string.rep('I7', n) end
 else
   local char, floor = string.char, math.floor
-  packInts = function(...)
+  intsFormat = function(n) return n end
+  packInts = function(_, ...)
     local out = {...}
     for i = 1, #out do
       local x = out[i]
@@ -74,8 +68,16 @@ const batchFrame = `%s
 local function decide(KEYS, ARGV)
 %s
 end
+local formats = {} -- packInts's formats, by number of integers
 local function packed(ks, as)
-  return packInts(unpack(decide(ks, as)))
+  local reply = decide(ks, as)
+  local n = #reply
+  local f = formats[n]
+  if not f then
+    f = intsFormat(n)
+    formats[n] = f
+  end
+  return packInts(f, unpack(reply))
 end
 local n = tonumber(ARGV[1])
 local out, ks, as, ki, ai = {}, {}, {}, 0, 1 + 2 * n
