@@ -1050,10 +1050,12 @@ func loadUntilStopped(workers int, decide func(g, i int)) (stop func()) {
 	}
 }
 
-// TestNoscriptUnderLoad flushes the script cache over and over while many
-// goroutines decide, through a plain client and through go-redis's
-// auto-pipeliner, where NOSCRIPT arrives inside a pipeline. Under
-// FailClosed any store failure would surface as an error, so none may.
+// TestNoscriptUnderLoad flushes the script cache and the functions over
+// and over while many goroutines decide, on a chain (the general script)
+// and on one bucket (the lean function), through a plain client and
+// through go-redis's auto-pipeliner, where NOSCRIPT and "function not
+// found" arrive inside a pipeline. Under FailClosed any store failure
+// would surface as an error, so none may.
 func TestNoscriptUnderLoad(t *testing.T) {
 	srv := redistest.StartServer(t)
 	for _, tc := range []struct {
@@ -1080,11 +1082,16 @@ func TestNoscriptUnderLoad(t *testing.T) {
 			admin := srv.Client(t)
 			var ta tally
 			stop := loadUntilStopped(16, func(g, i int) {
-				ta.record(l.Allow(context.Background(), fmt.Sprint("user-", i%50), "gold", "daily", "minute"))
+				plans := []string{"gold", "daily", "minute"}
+				if g%2 == 0 {
+					plans = plans[:1]
+				}
+				ta.record(l.Allow(context.Background(), fmt.Sprint("user-", i%50), plans...))
 			})
 			flushes := 0
 			for deadline := time.Now().Add(time.Second); time.Now().Before(deadline); flushes++ {
 				require.NoError(t, admin.ScriptFlush(context.Background()).Err())
+				require.NoError(t, admin.FunctionFlush(context.Background()).Err())
 				time.Sleep(5 * time.Millisecond)
 			}
 			stop()
@@ -1092,6 +1099,8 @@ func TestNoscriptUnderLoad(t *testing.T) {
 			assert.Zero(t, ta.errs.Load(), "first error: %v", ta.firstErr.Load())
 			assert.Zero(t, ta.fallback.Load())
 			assert.GreaterOrEqual(t, store.ScriptLoads(), int64(flushes/2), "the flushes must have bitten")
+			assert.Positive(t, store.scripts.limit.Loads(), "the general script met NOSCRIPT")
+			assert.Positive(t, store.scripts.take.Loads(), "the lean function went missing")
 		})
 	}
 }
