@@ -30,13 +30,18 @@ type decisionScripts struct {
 // newDecisionScripts returns the scripts and functions of a store, with a
 // library of its own, so that each store learns on its first lean
 // decision whether its Redis has functions.
-func newDecisionScripts() *decisionScripts {
-	fns := redisscript.NewLibrary("tollgate", leanPrelude,
+func newDecisionScripts() *decisionScripts { return decisionScriptsOn(luaBucket) }
+
+// decisionScriptsOn returns the scripts and functions of a store, with
+// bucket as the bucket's functions (scripts/bucket.lua, which tests may
+// give a clock of their own).
+func decisionScriptsOn(bucket string) *decisionScripts {
+	fns := redisscript.NewLibrary("tollgate", redisscript.ReplyLua+bucket+luaTake,
 		redisscript.Entry{Name: "take", Body: "return takeOne(KEYS, ARGV)"},
 		redisscript.Entry{Name: "take_many", Body: "return takeMany(KEYS, ARGV)"})
 	return &decisionScripts{
-		limit:     redisscript.New(limitScript),
-		limitMany: redisscript.NewBatch(luaBucket, luaLimit),
+		limit:     redisscript.New(bucket + luaLimit),
+		limitMany: redisscript.NewBatch(bucket, luaLimit),
 		take:      fns[0],
 		takeMany:  redisscript.NewGrouped(fns[1], 1), // the cost is each call's own; capacity and rate are its plan's
 	}

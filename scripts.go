@@ -1,10 +1,6 @@
 package tollgate
 
-import (
-	_ "embed"
-
-	"github.com/tollgate-go/tollgate/internal/redisscript"
-)
+import _ "embed"
 
 // The Lua scripts the RedisStore runs, read from scripts/ when the package
 // is built, so that the store and the tests that check them read the same
@@ -46,13 +42,6 @@ var (
 	luaFleet string
 )
 
-// limitScript and settleScript are the scripts a decision and a
-// settlement run, each with the bucket's functions before it.
-var (
-	limitScript  = luaBucket + luaLimit
-	settleScript = luaBucket + luaSettle
-)
-
-// leanPrelude defines the lean decision's functions, with the bucket's
-// and a batch reply's before them.
-var leanPrelude = redisscript.ReplyLua + luaBucket + luaTake
+// settleScript is the script a settlement runs, with the bucket's
+// functions before it; decisionScriptsOn builds a decision's.
+var settleScript = luaBucket + luaSettle

@@ -82,6 +82,10 @@ func NewLibrary(name, prelude string, entries ...Entry) []*Function {
 // Name returns the name FCALL calls the function by.
 func (f *Function) Name() string { return f.name }
 
+// Script returns the script the function runs as on a server without
+// functions: the library's prelude, then the function's body.
+func (f *Function) Script() *Script { return f.script }
+
 // Loads returns how many times Run has sent the function's library with
 // FUNCTION LOAD, or its script with EVAL after NOSCRIPT.
 func (f *Function) Loads() int64 { return f.loads.Load() + f.script.Loads() }
