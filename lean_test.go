@@ -103,7 +103,10 @@ func TestStoreChoosesTheLeanDecision(t *testing.T) {
 		want   string
 	}{
 		{"take", func() error { _, err := s.Take(ctx, "k", 1, []Plan{gold}); return err }, leanScript},
-		{"read", func() error { _, err := s.decide(ctx, op{key: "k", n: 2, mode: modeRead, plans: []Plan{gold}}); return err }, leanScript},
+		{"read", func() error {
+			_, err := s.decide(ctx, op{key: "k", n: 2, mode: modeRead, plans: []Plan{gold}})
+			return err
+		}, leanScript},
 		{"chain", func() error { _, err := s.Take(ctx, "k", 1, testPlans); return err }, general},
 		{"window", func() error { _, err := s.Take(ctx, "k", 1, withWindow[2:]); return err }, general},
 		{"shadowed", func() error { _, err := s.Take(ctx, "k", 1, []Plan{shadowed(gold)}); return err }, general},
