@@ -23,10 +23,16 @@ const defaultKeyPrefix = "tollgate"
 // instance that uses the same Redis and key prefix. It is safe for
 // concurrent use.
 //
-// Each decision is one EVALSHA of an embedded Lua script, atomic across
-// every chained plan, with Redis TIME as the only clock. When Redis answers
-// NOSCRIPT (after a restart, SCRIPT FLUSH or failover) the store sends the
-// script with EVAL, which loads it, and carries on: callers never see it.
+// Each decision is one call of embedded Lua, atomic across every chained
+// plan, with Redis TIME as the only clock: EVALSHA of a script, or, for a
+// take or read on one token bucket plan without a version, not shadowed,
+// an FCALL of a function (Redis 7.0 and later), which does less work in
+// Redis. When Redis answers NOSCRIPT, or has no such function (after a
+// restart, SCRIPT FLUSH, FUNCTION FLUSH or failover), the store sends the
+// script with EVAL, or the library with FUNCTION LOAD, and carries on:
+// callers never see it. A server without functions (before 7.0), or an
+// ACL that forbids FCALL or FUNCTION LOAD, gets the function's script
+// with EVALSHA instead, as the store learns at its first such decision.
 // Errors Redis answers reach the caller as their class ("OOM",
 // "READONLY", ...) without Redis's text, which can quote a key.
 //
