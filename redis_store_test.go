@@ -1480,7 +1480,7 @@ func BenchmarkServerTime(b *testing.B) {
 				for _, k := range names { // every key exists, and the scripts are loaded
 					require.NoError(b, decide(k))
 				}
-				calls, usec := evalshaStats(b, c)
+				calls, usec := scriptStats(b, c)
 				cpu := serverCPU(b, c)
 				var next atomic.Int64
 				b.SetParallelism(8)
@@ -1496,7 +1496,7 @@ func BenchmarkServerTime(b *testing.B) {
 					}
 				})
 				b.StopTimer()
-				calls2, usec2 := evalshaStats(b, c)
+				calls2, usec2 := scriptStats(b, c)
 				b.ReportMetric(float64(usec2-usec)/float64(calls2-calls), "server-µs/op")
 				b.ReportMetric((serverCPU(b, c)-cpu)*1e6/float64(calls2-calls), "cpu-µs/op")
 			})
@@ -1522,21 +1522,27 @@ func serverCPU(b *testing.B, c *redis.Client) float64 {
 	return total
 }
 
-// evalshaStats returns the calls of EVALSHA and the µs Redis spent in
-// them, from INFO commandstats.
-func evalshaStats(b *testing.B, c *redis.Client) (calls, usec int64) {
+// scriptStats returns the calls of EVALSHA and FCALL (the lean
+// decision's, on Redis 7) and the µs Redis spent in them, from INFO
+// commandstats.
+func scriptStats(b *testing.B, c *redis.Client) (calls, usec int64) {
 	info, err := c.Info(context.Background(), "commandstats").Result()
 	require.NoError(b, err)
 	for _, line := range strings.Split(info, "\n") {
-		if rest, ok := strings.CutPrefix(strings.TrimSpace(line), "cmdstat_evalsha:"); ok {
+		line = strings.TrimSpace(line)
+		rest, ok := strings.CutPrefix(line, "cmdstat_evalsha:")
+		if !ok {
+			rest, ok = strings.CutPrefix(line, "cmdstat_fcall:")
+		}
+		if ok {
 			for _, kv := range strings.Split(rest, ",") {
 				k, v, _ := strings.Cut(kv, "=")
 				n, _ := strconv.ParseInt(v, 10, 64)
 				switch k {
 				case "calls":
-					calls = n
+					calls += n
 				case "usec":
-					usec = n
+					usec += n
 				}
 			}
 		}
