@@ -7,8 +7,6 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
-
-	"github.com/tollgate-go/tollgate/internal/redisscript"
 )
 
 // maxBatch is the most decisions one script call decides, and minSlots
@@ -28,8 +26,7 @@ func (s *RedisStore) batchCalls() {
 		return
 	}
 	slots := callSlots(s.client)
-	s.batch = &batcher{client: s.client, one: s.script, many: redisscript.NewBatch(luaBucket, luaLimit),
-		slots: slots, limit: slots}
+	s.batch = &batcher{client: s.client, scripts: s.scripts, slots: slots, limit: slots}
 }
 
 // callSlots returns how many script calls a batcher on client may keep
@@ -58,10 +55,9 @@ func callSlots(client redis.UniversalClient) int {
 // up to slots, so that under a light load every decision goes alone. It
 // is safe for concurrent use.
 type batcher struct {
-	client redis.Scripter
-	one    *redisscript.Script // for a decision sent alone
-	many   *redisscript.Batch
-	slots  int // script calls under way at once, at most
+	client  redis.UniversalClient
+	scripts *decisionScripts
+	slots   int // script calls under way at once, at most
 
 	mu       sync.Mutex
 	pending  []*scriptCall // waiting for a call slot, oldest first
@@ -74,7 +70,7 @@ type batcher struct {
 // can read it.
 func (s *RedisStore) eval(ctx context.Context, c *scriptCall) (any, error) {
 	if s.batch == nil {
-		reply, err := s.script.Run(ctx, s.client, c.Keys, c.Args...)
+		reply, err := s.scripts.runOne(ctx, s.client, c)
 		c.recycle()
 		return reply, err
 	}
@@ -89,7 +85,7 @@ func (b *batcher) do(ctx context.Context, c *scriptCall) (any, error) {
 	if b.inFlight < b.limit && len(b.pending) == 0 {
 		b.inFlight++
 		b.mu.Unlock()
-		reply, err := b.one.Run(ctx, b.client, c.Keys, c.Args...)
+		reply, err := b.scripts.runOne(ctx, b.client, c)
 		c.recycle()
 		b.release()
 		return reply, err
@@ -180,7 +176,7 @@ func (b *batcher) withdraw(c *scriptCall) {
 // first, which sends it, its answer. Callers whose context has ended are
 // left out: a decision takes nothing for them.
 func (b *batcher) send(batch []*scriptCall) {
-	live := make([]*redisscript.Call, 0, len(batch))
+	live := make([]*scriptCall, 0, len(batch))
 	var latest time.Time
 	bounded := true
 	for _, c := range batch {
@@ -188,7 +184,7 @@ func (b *batcher) send(batch []*scriptCall) {
 			c.Err = err
 			continue
 		}
-		live = append(live, &c.Call)
+		live = append(live, c)
 		dl, ok := c.ctx.Deadline()
 		bounded = bounded && ok
 		if dl.After(latest) {
@@ -201,22 +197,8 @@ func (b *batcher) send(batch []*scriptCall) {
 		ctx, cancel = context.WithDeadline(ctx, latest)
 		defer cancel()
 	}
-	switch len(live) {
-	case 0:
-	case 1:
-		live[0].Reply, live[0].Err = b.one.Run(ctx, b.client, live[0].Keys, live[0].Args...)
-	default:
-		b.many.Run(ctx, b.client, live)
-	}
+	b.scripts.runMany(ctx, b.client, live)
 	for _, c := range batch[1:] {
 		c.done <- struct{}{}
 	}
-}
-
-// loads returns how many times the batch script was sent after NOSCRIPT.
-func (b *batcher) loads() int64 {
-	if b == nil {
-		return 0
-	}
-	return b.many.Loads()
 }

@@ -129,7 +129,8 @@ func TestBatchDecidesAsCallsOfTheirOwn(t *testing.T) {
 			assert.Equal(t, storedAt(t, c, plain.Key(r.key, p.Name)), storedAt(t, c, batched.Key(r.key, p.Name)), "%s %s", r.key, p.Name)
 		}
 	}
-	assert.Equal(t, int64(1), batched.batch.many.Loads(), "the nine went in one script call")
+	assert.Equal(t, int64(1), batched.scripts.limitMany.Loads(), "the nine went in one script call")
+	assert.Zero(t, batched.scripts.takeMany.Loads(), "a batch of lean and other decisions runs the general script")
 }
 
 // TestBatchLoneCallerSendsAlone decides with an idle batcher: the decision
@@ -142,8 +143,8 @@ func TestBatchLoneCallerSendsAlone(t *testing.T) {
 		require.NoError(t, err)
 		assert.Equal(t, int64(3-i), r.Remaining)
 	}
-	assert.Equal(t, int64(1), s.script.Loads(), "the plain script, loaded once")
-	assert.Zero(t, s.batch.many.Loads(), "no batch was sent")
+	assert.Equal(t, int64(1), s.scripts.take.Loads(), "the lean decision alone, loaded once")
+	assert.Zero(t, s.scripts.takeMany.Loads(), "no batch was sent")
 	assert.Zero(t, s.batch.inFlight)
 	assert.Empty(t, s.batch.pending)
 }
@@ -155,10 +156,14 @@ func TestBatchLightLoadGoesAlone(t *testing.T) {
 	mr := miniredis.RunT(t)
 	c := redis.NewClient(&redis.Options{Addr: mr.Addr(), PoolSize: 20})
 	t.Cleanup(func() { _ = c.Close() })
-	require.NoError(t, c.ScriptLoad(context.Background(), limitScript).Err()) // no NOSCRIPT, and no EVAL
 	var h scriptCounter
 	c.AddHook(&h)
 	s := NewRedisStore(c)
+	// Found to have no functions, and loaded: no FCALL, NOSCRIPT or EVAL
+	// from here.
+	_, err := s.Take(context.Background(), "warm", 1, []Plan{gold})
+	require.NoError(t, err)
+	h.alone.Store(0)
 	var wg sync.WaitGroup
 	for g := range 8 {
 		wg.Go(func() {
@@ -404,8 +409,9 @@ func TestBatchDecidesAtOneRedisTimeOnRealRedis(t *testing.T) {
 	assert.Greater(t, second[0], first[0], "each batch reads TIME")
 }
 
-// TestBatchingNoscriptStormOnRealRedis flushes the script cache every 5 ms
-// under batched load: no decision fails, under FailClosed.
+// TestBatchingNoscriptStormOnRealRedis flushes the script cache and the
+// functions every 5 ms under batched load: no decision fails, under
+// FailClosed.
 func TestBatchingNoscriptStormOnRealRedis(t *testing.T) {
 	addr := redistest.Addr(t)
 	// 16 callers on 4 connections: most decisions ride in batches.
@@ -417,12 +423,13 @@ func TestBatchingNoscriptStormOnRealRedis(t *testing.T) {
 	stop := loadUntilStopped(16, func(g, i int) { ta.record(l.Allow(context.Background(), "k"+strconv.Itoa(i%64))) })
 	for end := time.Now().Add(time.Second); time.Now().Before(end); time.Sleep(5 * time.Millisecond) {
 		require.NoError(t, flusher.ScriptFlush(context.Background()).Err())
+		require.NoError(t, flusher.FunctionFlush(context.Background()).Err())
 	}
 	stop()
 	t.Logf("%d decisions, %d script loads", ta.allowed.Load(), s.ScriptLoads())
 	require.Zero(t, ta.errs.Load(), "first error: %v", ta.firstErr.Load())
 	assert.Zero(t, ta.fallback.Load())
-	assert.Positive(t, s.batch.many.Loads(), "batches met NOSCRIPT and healed it")
+	assert.Positive(t, s.scripts.takeMany.Loads(), "batches found their function missing and healed it")
 }
 
 // BenchmarkRedisBatching decides on 10,000 keys from 32 goroutines per
@@ -538,7 +545,7 @@ func TestBatchCarriesShadowsAndVersions(t *testing.T) {
 			assert.Equal(t, storedAt(t, c, plain.Key(r.key, p.Name)), storedAt(t, c, batched.Key(r.key, p.Name)), "%s %s", r.key, p.Name)
 		}
 	}
-	assert.Equal(t, int64(1), batched.batch.many.Loads(), "the eight went in one script call")
+	assert.Equal(t, int64(1), batched.scripts.limitMany.Loads(), "the eight went in one script call")
 }
 
 // TestBatchedDenialIsRemembered: a denial decided in a batch is the
@@ -562,7 +569,7 @@ func TestBatchedDenialIsRemembered(t *testing.T) {
 	require.NoError(t, errs[1])
 	require.True(t, got[0].Allowed)
 	require.False(t, got[1].Allowed, "denied in the same batch")
-	require.Equal(t, int64(1), s.batch.many.Loads(), "the two went in one script call")
+	require.Equal(t, int64(1), s.scripts.takeMany.Loads(), "the two went in one call")
 	sent := calls.alone.Load()
 	for range 3 {
 		r, err := l.Allow(ctx, "k")

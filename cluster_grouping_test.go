@@ -49,8 +49,9 @@ func BenchmarkClusterSlotGrouping(b *testing.B) {
 	}
 }
 
-// slotGauge is a go-redis hook that counts, for each EVALSHA sent, the
-// calls in flight on its slot and on its node, itself included.
+// slotGauge is a go-redis hook that counts, for each EVALSHA or FCALL
+// sent (both hold their first key at args[3]), the calls in flight on its
+// slot and on its node, itself included.
 type slotGauge struct {
 	node [16384]int // the index of the node serving each slot
 
@@ -70,7 +71,7 @@ func (g *slotGauge) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Pr
 func (g *slotGauge) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {
 		args := cmd.Args()
-		if cmd.Name() != "evalsha" || len(args) < 4 {
+		if !isScriptCmd(cmd) || len(args) < 4 {
 			return next(ctx, cmd)
 		}
 		key, _ := args[3].(string)

@@ -128,7 +128,7 @@ func TestCloseWaitsForGiveBacks(t *testing.T) {
 		require.NoError(t, err)
 		_, err = l.Peek(context.Background(), "k") // loads the limit script: the hold is one EVALSHA
 		require.NoError(t, err)
-		lost := &lostReplyHook{sha: rs.script.SHA(), ranFirst: true}
+		lost := &lostReplyHook{sha: rs.scripts.limit.SHA(), ranFirst: true}
 		lost.armed.Store(true)
 		rs.client.(*redis.Client).AddHook(lost)
 		_, err = l.Allow(context.Background(), "k")

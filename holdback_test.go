@@ -180,7 +180,7 @@ func TestHoldWhoseReplyIsLostIsGivenBack(t *testing.T) {
 			mr.SetTime(time.UnixMicro(t0))
 			c := redistest.NewClient(t, &redis.Options{Addr: mr.Addr(), MaxRetries: -1})
 			rs := NewRedisStore(c)
-			hook := &lostReplyHook{sha: rs.script.SHA(), ranFirst: ranFirst}
+			hook := &lostReplyHook{sha: rs.scripts.limit.SHA(), ranFirst: ranFirst}
 			c.AddHook(hook)
 			plans := []Plan{{Name: "p", Capacity: 100, Rate: 1}}
 			left := func() int64 {

@@ -29,7 +29,7 @@ func TestRedisDecisionAllocatesOnlyItsKey(t *testing.T) {
 	require.NoError(t, err)
 
 	keys, args := s.keys("user-42", benchPlan), s.args(1, benchPlan)
-	goRedis := testing.AllocsPerRun(1000, func() { _, _ = s.script.Run(ctx, c, keys, args...) })
+	goRedis := testing.AllocsPerRun(1000, func() { _, _ = s.scripts.take.Run(ctx, c, keys, args...) })
 
 	_, err = l.Allow(ctx, "user-42")
 	require.NoError(t, err)

@@ -23,10 +23,16 @@ const defaultKeyPrefix = "tollgate"
 // instance that uses the same Redis and key prefix. It is safe for
 // concurrent use.
 //
-// Each decision is one EVALSHA of an embedded Lua script, atomic across
-// every chained plan, with Redis TIME as the only clock. When Redis answers
-// NOSCRIPT (after a restart, SCRIPT FLUSH or failover) the store sends the
-// script with EVAL, which loads it, and carries on: callers never see it.
+// Each decision is one call of embedded Lua, atomic across every chained
+// plan, with Redis TIME as the only clock: EVALSHA of a script, or, for a
+// take or read on one token bucket plan without a version, not shadowed,
+// an FCALL of a function (Redis 7.0 and later), which does less work in
+// Redis. When Redis answers NOSCRIPT, or has no such function (after a
+// restart, SCRIPT FLUSH, FUNCTION FLUSH or failover), the store sends the
+// script with EVAL, or the library with FUNCTION LOAD, and carries on:
+// callers never see it. A server without functions (before 7.0), or an
+// ACL that forbids FCALL or FUNCTION LOAD, gets the function's script
+// with EVALSHA instead, as the store learns at its first such decision.
 // Errors Redis answers reach the caller as their class ("OOM",
 // "READONLY", ...) without Redis's text, which can quote a key.
 //
@@ -37,8 +43,8 @@ const defaultKeyPrefix = "tollgate"
 type RedisStore struct {
 	client       redis.UniversalClient
 	prefix       string
-	err          error // a wiring mistake: New reports it, and so does every call
-	script       *redisscript.Script
+	err          error            // a wiring mistake: New reports it, and so does every call
+	scripts      *decisionScripts // what a decision runs (lean.go)
 	settleScript *redisscript.Script
 	random       func() uint64 // draws for suppressed plans; tests replace it
 	planArgs     planArgCache  // each plan's ARGV numbers, boxed
@@ -53,7 +59,7 @@ type RedisStore struct {
 func NewRedisStore(client redis.UniversalClient, opts ...Option) *RedisStore {
 	c := config{keyPrefix: defaultKeyPrefix}
 	err := applyOptions(&c, takerRedisStore, opts)
-	s := &RedisStore{client: client, prefix: c.keyPrefix, script: redisscript.New(limitScript),
+	s := &RedisStore{client: client, prefix: c.keyPrefix, scripts: newDecisionScripts(),
 		settleScript: redisscript.New(settleScript), random: random53}
 	switch {
 	case err != nil:
@@ -69,9 +75,10 @@ func NewRedisStore(client redis.UniversalClient, opts ...Option) *RedisStore {
 }
 
 // ScriptLoads returns how many times the store has sent its scripts'
-// source after Redis answered NOSCRIPT.
+// source after Redis answered NOSCRIPT, or its library of functions after
+// Redis answered that it had none of them.
 func (s *RedisStore) ScriptLoads() int64 {
-	return s.script.Loads() + s.settleScript.Loads() + s.batch.loads()
+	return s.scripts.loads() + s.settleScript.Loads()
 }
 
 // Take implements Store.
@@ -103,6 +110,7 @@ func (s *RedisStore) take(ctx context.Context, key string, cost int64, plans []P
 	c := newScriptCall()
 	c.Keys = s.appendKeys(c.keys[:0], key, plans)
 	c.Args = s.appendArgs(c.args[:0], cost, plans)
+	c.lean = lean(plans)
 	return s.run(ctx, c, cost, plans)
 }
 
@@ -143,6 +151,7 @@ type scriptCall struct {
 	ctx  context.Context // with batching, the waiting caller's
 	done chan struct{}   // with batching, receives once Reply or Err is set, or lead
 	lead bool            // with batching, given a call slot to send a batch
+	lean bool            // runs the lean decision (lean.go)
 
 	keys [pooledPlans + 1]string    // + 1 for a hold's key
 	args [2 + 4*pooledPlans + 1]any // the wide layout, + 1 for a hold's TTL
@@ -161,7 +170,7 @@ func newScriptCall() *scriptCall { return scriptCalls.Get().(*scriptCall) }
 func (c *scriptCall) recycle() {
 	clear(c.keys[:]) // keep no caller's key or reply alive in the pool
 	clear(c.args[:])
-	c.Call, c.ctx, c.lead = redisscript.Call{}, nil, false
+	c.Call, c.ctx, c.lead, c.lean = redisscript.Call{}, nil, false, false
 	scriptCalls.Put(c)
 }
 

@@ -285,14 +285,14 @@ func TestRedisStoreManyPlans(t *testing.T) {
 	assert.Equal(t, "p0", r.Plan)
 }
 
-// scriptCounter is a go-redis hook that counts the script commands sent
-// alone and sent in pipelines.
+// scriptCounter is a go-redis hook that counts the script and function
+// commands sent alone and sent in pipelines.
 type scriptCounter struct {
 	alone, piped atomic.Int64
 }
 
 func isScriptCmd(cmd redis.Cmder) bool {
-	return cmd.Name() == "evalsha" || cmd.Name() == "eval"
+	return cmd.Name() == "evalsha" || cmd.Name() == "eval" || cmd.Name() == "fcall"
 }
 
 func (h *scriptCounter) DialHook(next redis.DialHook) redis.DialHook { return next }
@@ -325,12 +325,17 @@ func TestRedisStoreAutoPipelines(t *testing.T) {
 	mr := miniredis.RunT(t)
 	c := redis.NewClient(&redis.Options{Addr: mr.Addr()})
 	t.Cleanup(func() { _ = c.Close() })
-	require.NoError(t, c.ScriptLoad(ctx, limitScript).Err()) // no NOSCRIPT, and no EVAL
 	var h scriptCounter
 	c.AddHook(&h)
 	ap, err := c.AutoPipeline()
 	require.NoError(t, err)
 	s := NewRedisStore(ap, WithoutBatching()) // each decision its own command
+	// Found to have no functions, and loaded: no FCALL, NOSCRIPT or EVAL
+	// from here.
+	_, err = s.Take(ctx, "warm", 1, []Plan{gold})
+	require.NoError(t, err)
+	h.alone.Store(0)
+	h.piped.Store(0)
 	var wg sync.WaitGroup
 	for g := range 32 {
 		wg.Go(func() {
@@ -1045,10 +1050,12 @@ func loadUntilStopped(workers int, decide func(g, i int)) (stop func()) {
 	}
 }
 
-// TestNoscriptUnderLoad flushes the script cache over and over while many
-// goroutines decide, through a plain client and through go-redis's
-// auto-pipeliner, where NOSCRIPT arrives inside a pipeline. Under
-// FailClosed any store failure would surface as an error, so none may.
+// TestNoscriptUnderLoad flushes the script cache and the functions over
+// and over while many goroutines decide, on a chain (the general script)
+// and on one bucket (the lean function), through a plain client and
+// through go-redis's auto-pipeliner, where NOSCRIPT and "function not
+// found" arrive inside a pipeline. Under FailClosed any store failure
+// would surface as an error, so none may.
 func TestNoscriptUnderLoad(t *testing.T) {
 	srv := redistest.StartServer(t)
 	for _, tc := range []struct {
@@ -1075,11 +1082,16 @@ func TestNoscriptUnderLoad(t *testing.T) {
 			admin := srv.Client(t)
 			var ta tally
 			stop := loadUntilStopped(16, func(g, i int) {
-				ta.record(l.Allow(context.Background(), fmt.Sprint("user-", i%50), "gold", "daily", "minute"))
+				plans := []string{"gold", "daily", "minute"}
+				if g%2 == 0 {
+					plans = plans[:1]
+				}
+				ta.record(l.Allow(context.Background(), fmt.Sprint("user-", i%50), plans...))
 			})
 			flushes := 0
 			for deadline := time.Now().Add(time.Second); time.Now().Before(deadline); flushes++ {
 				require.NoError(t, admin.ScriptFlush(context.Background()).Err())
+				require.NoError(t, admin.FunctionFlush(context.Background()).Err())
 				time.Sleep(5 * time.Millisecond)
 			}
 			stop()
@@ -1087,6 +1099,8 @@ func TestNoscriptUnderLoad(t *testing.T) {
 			assert.Zero(t, ta.errs.Load(), "first error: %v", ta.firstErr.Load())
 			assert.Zero(t, ta.fallback.Load())
 			assert.GreaterOrEqual(t, store.ScriptLoads(), int64(flushes/2), "the flushes must have bitten")
+			assert.Positive(t, store.scripts.limit.Loads(), "the general script met NOSCRIPT")
+			assert.Positive(t, store.scripts.take.Loads(), "the lean function went missing")
 		})
 	}
 }
@@ -1373,13 +1387,13 @@ func TestCallerDeadlinesOnRealRedisAreNotOutages(t *testing.T) {
 	assert.Zero(t, s.Plans[0].Allowed[SourceFallback]+s.Plans[0].Denied[SourceFallback])
 }
 
-// TestRedisErrorsNeverCarryKeys renames EVALSHA away, so that Redis answers
-// "unknown command 'evalsha', with args beginning with: ..." and quotes the
-// command's arguments, the caller's key among them. Neither the error a
-// caller gets nor any log line may hold the key.
+// TestRedisErrorsNeverCarryKeys renames EVALSHA and FCALL away, so that
+// Redis answers "unknown command 'evalsha', with args beginning with: ..."
+// and quotes the command's arguments, the caller's key among them. Neither
+// the error a caller gets nor any log line may hold the key.
 func TestRedisErrorsNeverCarryKeys(t *testing.T) {
 	redistest.SkipIfUnavailable(t)
-	srv := redistest.StartServer(t, "--rename-command", "EVALSHA", `""`)
+	srv := redistest.StartServer(t, "--rename-command", "EVALSHA", `""`, "--rename-command", "FCALL", "FCALL_OFF")
 	const key = "alice@example.com"
 	logs := &logCounter{minLevel: slog.LevelDebug}
 	l, err := New(NewRedisStore(redistest.NewClient(t, redistest.FailFast(srv.Addr()))), testPlans,
@@ -1408,7 +1422,7 @@ func TestRedisErrorsNeverCarryKeys(t *testing.T) {
 // (whose map keys a client then chooses, one new metric label each).
 func TestRedisErrorClassesNeverComeFromKeys(t *testing.T) {
 	redistest.SkipIfUnavailable(t)
-	srv := redistest.StartServer(t, "--rename-command", "EVALSHA", `""`)
+	srv := redistest.StartServer(t, "--rename-command", "EVALSHA", `""`, "--rename-command", "FCALL", "FCALL_OFF")
 	const key = "x: -ALICESMITH y"
 	logs := &logCounter{minLevel: slog.LevelDebug}
 	l, err := New(NewRedisStore(redistest.NewClient(t, redistest.FailFast(srv.Addr())), WithKeyPrefix(redistest.KeyPrefix())),
@@ -1466,7 +1480,7 @@ func BenchmarkServerTime(b *testing.B) {
 				for _, k := range names { // every key exists, and the scripts are loaded
 					require.NoError(b, decide(k))
 				}
-				calls, usec := evalshaStats(b, c)
+				calls, usec := scriptStats(b, c)
 				cpu := serverCPU(b, c)
 				var next atomic.Int64
 				b.SetParallelism(8)
@@ -1482,7 +1496,7 @@ func BenchmarkServerTime(b *testing.B) {
 					}
 				})
 				b.StopTimer()
-				calls2, usec2 := evalshaStats(b, c)
+				calls2, usec2 := scriptStats(b, c)
 				b.ReportMetric(float64(usec2-usec)/float64(calls2-calls), "server-µs/op")
 				b.ReportMetric((serverCPU(b, c)-cpu)*1e6/float64(calls2-calls), "cpu-µs/op")
 			})
@@ -1508,21 +1522,27 @@ func serverCPU(b *testing.B, c *redis.Client) float64 {
 	return total
 }
 
-// evalshaStats returns the calls of EVALSHA and the µs Redis spent in
-// them, from INFO commandstats.
-func evalshaStats(b *testing.B, c *redis.Client) (calls, usec int64) {
+// scriptStats returns the calls of EVALSHA and FCALL (the lean
+// decision's, on Redis 7) and the µs Redis spent in them, from INFO
+// commandstats.
+func scriptStats(b *testing.B, c *redis.Client) (calls, usec int64) {
 	info, err := c.Info(context.Background(), "commandstats").Result()
 	require.NoError(b, err)
 	for _, line := range strings.Split(info, "\n") {
-		if rest, ok := strings.CutPrefix(strings.TrimSpace(line), "cmdstat_evalsha:"); ok {
+		line = strings.TrimSpace(line)
+		rest, ok := strings.CutPrefix(line, "cmdstat_evalsha:")
+		if !ok {
+			rest, ok = strings.CutPrefix(line, "cmdstat_fcall:")
+		}
+		if ok {
 			for _, kv := range strings.Split(rest, ",") {
 				k, v, _ := strings.Cut(kv, "=")
 				n, _ := strconv.ParseInt(v, 10, 64)
 				switch k {
 				case "calls":
-					calls = n
+					calls += n
 				case "usec":
-					usec = n
+					usec += n
 				}
 			}
 		}

@@ -695,7 +695,7 @@ func BenchmarkReservation(b *testing.B) {
 			for _, k := range names[:100] {
 				require.NoError(b, tc.pair(s, k)) // the scripts are loaded
 			}
-			calls, usec := evalshaStats(b, c)
+			calls, usec := scriptStats(b, c)
 			cpu := serverCPU(b, c)
 			var next atomic.Int64
 			b.SetParallelism(8)
@@ -711,7 +711,7 @@ func BenchmarkReservation(b *testing.B) {
 				}
 			})
 			b.StopTimer()
-			calls2, usec2 := evalshaStats(b, c)
+			calls2, usec2 := scriptStats(b, c)
 			pairs := float64(calls2-calls) / 2
 			b.ReportMetric(float64(usec2-usec)/pairs, "server-µs/op")
 			b.ReportMetric((serverCPU(b, c)-cpu)*1e6/pairs, "cpu-µs/op")

@@ -21,6 +21,13 @@ var (
 	//go:embed scripts/limit.lua
 	luaLimit string
 
+	// luaTake decides on one token bucket plan without a version, not
+	// shadowed, without a hold, as luaLimit does, with less work in
+	// Redis: one decision, or a batch of them.
+	//
+	//go:embed scripts/take.lua
+	luaTake string
+
 	// luaSettle settles a reservation's hold on the buckets of one key: it
 	// refunds what was held and not used, or charges what was used beyond
 	// it.
@@ -35,9 +42,6 @@ var (
 	luaFleet string
 )
 
-// limitScript and settleScript are the scripts a decision and a
-// settlement run, each with the bucket's functions before it.
-var (
-	limitScript  = luaBucket + luaLimit
-	settleScript = luaBucket + luaSettle
-)
+// settleScript is the script a settlement runs, with the bucket's
+// functions before it; decisionScriptsOn builds a decision's.
+var settleScript = luaBucket + luaSettle

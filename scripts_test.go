@@ -8,7 +8,13 @@ import (
 
 	"github.com/stretchr/testify/require"
 	lua "github.com/yuin/gopher-lua"
+
+	"github.com/tollgate-go/tollgate/internal/redisscript"
 )
+
+// limitScript is the general decision's script as a store sends it alone:
+// the bucket's functions, then scripts/limit.lua.
+var limitScript = luaBucket + luaLimit
 
 // redis72Number is how Redis 7.2.0 to 7.2.4 pass a Lua number to a
 // command (fpconv_dtoa, before redis/redis#13115 in 7.2.5): a whole number
@@ -126,10 +132,13 @@ func isInteger(s string) bool {
 // is 100,000,000 ms: on Redis 7.2.0 to 7.2.4 a Lua number would reach SET
 // as 'PX 1e+8', which Redis refuses, and the decision would fail.
 func TestBucketExpiryOfARoundNumberOnRedis72(t *testing.T) {
-	data := map[string]string{}
-	// 99,999,998 tokens refill at 1,000 a second in 99,999,998 ms, and the
-	// expiry adds 2 ms.
-	reply := runScriptAs72(t, data, limitScript, []string{"tg:{k}:2:p"}, []string{"99999998", "99999998", "1000"})
-	require.Equal(t, lua.LNumber(1), reply.RawGetInt(1), "allowed")
-	require.Contains(t, data, "tg:{k}:2:p", "the bucket is written")
+	lean := redisscript.ReplyLua + luaBucket + luaTake + "\nreturn takeOne(KEYS, ARGV)"
+	for name, script := range map[string]string{"general": limitScript, "lean": lean} {
+		data := map[string]string{}
+		// 99,999,998 tokens refill at 1,000 a second in 99,999,998 ms, and
+		// the expiry adds 2 ms.
+		reply := runScriptAs72(t, data, script, []string{"tg:{k}:2:p"}, []string{"99999998", "99999998", "1000"})
+		require.Equal(t, lua.LNumber(1), reply.RawGetInt(1), "%s: allowed", name)
+		require.Contains(t, data, "tg:{k}:2:p", "%s: the bucket is written", name)
+	}
 }

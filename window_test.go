@@ -356,7 +356,7 @@ func TestWindowChildProcess(t *testing.T) {
 		wg.Go(func() {
 			for i := 0; time.Now().Before(deadline); i++ {
 				cost := int64(1 + (i+w)%3)
-				reply, err := s.script.Run(context.Background(), c, keys, s.args(cost, windowProof)...)
+				reply, err := s.scripts.limit.Run(context.Background(), c, keys, s.args(cost, windowProof)...)
 				require.NoError(t, err)
 				allowed, now, _, err := parseReply(make([]TokenBucket, 2), make([]planState, 2), reply, windowProof, cost)
 				require.NoError(t, err)

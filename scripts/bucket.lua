@@ -13,19 +13,28 @@
 -- bucket in debt (a charge settled beyond what it held) holds 0 and has
 -- its stamp ahead of now, by the time the debt takes to accrue.
 
-local floor, tonumber = math.floor, tonumber
+-- The functions the decisions call, read once: reading a global in Redis
+-- costs more than a local.
+local floor, tonumber, format = math.floor, tonumber, string.format
+local redisCall, redisPcall = redis.call, redis.pcall
 local max53 = 9007199254740992
+
+-- readClock returns Redis TIME in µs, read at each call. TIME's fields
+-- are decimal strings that arithmetic converts once, where tonumber
+-- converts twice.
+local function readClock()
+  local time = redis.call('TIME')
+  return time[1] * 1000000 + time[2]
+end
 
 -- clock returns Redis TIME in µs, read once per script call: a batch
 -- (redisscript.Batch) runs this prelude once, so every decision in it is
--- made at the instant the batch began (ADR 26). TIME's fields are decimal
--- strings that arithmetic converts once, where tonumber converts twice.
+-- made at the instant the batch began (ADR 26). A library of Redis
+-- Functions runs this prelude once for all its calls, so its functions
+-- read readClock instead.
 local clock_us
 local function clock()
-  if not clock_us then
-    local time = redis.call('TIME')
-    clock_us = time[1] * 1000000 + time[2]
-  end
+  if not clock_us then clock_us = readClock() end
   return clock_us
 end
 
@@ -49,25 +58,24 @@ local function width(t)
   return t < 281474976710656 and 6 or 7
 end
 
--- encode returns a bucket's string; decode reads the numbers of one n
--- bytes long, which must be 8 to 14 or 28. Redis's struct library packs
--- and unpacks them in C at a third of plain Lua's cost; miniredis, which
--- the tests without Redis run on, has none, and gets the same bytes from
--- plain Lua, so both paths are tested against Go's reader.
-local encode, decode
+-- A bucket's layout, by its length in bytes (8 to 14, or 28; nil for
+-- any other): packBucket(layouts[n], ts, t, pv, c) returns the string of
+-- n bytes of a bucket, and unpackBucket(layouts[n], s) the numbers of
+-- one, ts and t, then pv and c if n is 28. Redis's struct library packs
+-- and unpacks them in C at a third of plain Lua's cost, and is both
+-- functions itself, which spares a call of a function of ours (a call
+-- costs more in Redis than a few lines of arithmetic); its layouts are
+-- its formats. miniredis, which the tests without Redis run on, has
+-- none, and gets the same bytes from plain Lua, where a layout is the
+-- length, so both paths are tested against Go's reader.
+local layouts, packBucket, unpackBucket
 local struct = rawget(_G, 'struct')
 if struct then
-  local pack, unpack_ = struct.pack, struct.unpack
-  local formats = {'>I7I1', '>I7I2', '>I7I3', '>I7I4', '>I7I5', '>I7I6', '>I7I7'}
-  encode = function(ts, t, pv, c)
-    if pv > 0 then return pack('>I7I7I7I7', ts, t, pv, c) end
-    return pack(formats[width(t)], ts, t)
-  end
-  decode = function(s, n)
-    if n == 28 then return unpack_('>I7I7I7I7', s) end
-    return unpack_(formats[n - 7], s)
-  end
+  layouts = {[8] = '>I7I1', [9] = '>I7I2', [10] = '>I7I3', [11] = '>I7I4', [12] = '>I7I5', [13] = '>I7I6',
+    [14] = '>I7I7', [28] = '>I7I7I7I7'}
+  packBucket, unpackBucket = struct.pack, struct.unpack
 else
+  layouts = {[8] = 8, [9] = 9, [10] = 10, [11] = 11, [12] = 12, [13] = 13, [14] = 14, [28] = 28}
   local byte, char = string.byte, string.char
   local function bytes7(x)
     return char(floor(x / 281474976710656) % 256, floor(x / 1099511627776) % 256, floor(x / 4294967296) % 256,
@@ -78,11 +86,11 @@ else
     for k = i, j do x = x * 256 + byte(s, k) end
     return x
   end
-  encode = function(ts, t, pv, c)
-    if pv > 0 then return bytes7(ts) .. bytes7(t) .. bytes7(pv) .. bytes7(c) end
-    return bytes7(ts) .. string.sub(bytes7(t), 8 - width(t))
+  packBucket = function(n, ts, t, pv, c)
+    if n == 28 then return bytes7(ts) .. bytes7(t) .. bytes7(pv) .. bytes7(c) end
+    return bytes7(ts) .. string.sub(bytes7(t), 15 - n)
   end
-  decode = function(s, n)
+  unpackBucket = function(n, s)
     if n == 28 then return number(s, 1, 7), number(s, 8, 14), number(s, 15, 21), number(s, 22, 28) end
     return number(s, 1, 7), number(s, 8, n)
   end
@@ -127,20 +135,25 @@ end
 -- left, its capacity (full's, if it has none) less what it counts, at
 -- most full, with pv -1: such a bucket inherits nothing (ADR 31).
 local function readBucket(key, full, now)
-  local s = redis.pcall('GET', key)
+  -- GET answers a string, false if the key is missing, or an error
+  -- (WRONGTYPE) as a table, whose length, 0, is no bucket's: a bucket
+  -- is found without a call of type.
+  local s = redisPcall('GET', key)
+  if not s then return full, now, 0 end
+  local layout = layouts[#s]
+  if layout then
+    local ts, t, pv, c = unpackBucket(layout, s)
+    if t > max53 or ts > max53 then return full, now, 0 end
+    if #s == 28 then return t, ts, pv, c end
+    return t, ts, 0
+  end
   if type(s) == 'table' then
     local h = redis.pcall('HGETALL', key)
     local admitted, _, c = windowCounts(h.err and {} or h, now)
     if not admitted then return full, now, 0 end
     return math.min(full, math.max(0, (c or full / 1000000) - admitted) * 1000000), now, -1
   end
-  if type(s) ~= 'string' then return full, now, 0 end
-  local n = #s
-  if n < 8 or (n > 14 and n ~= 28) then return full, now, 0 end
-  local ts, t, pv, c = decode(s, n)
-  if t > max53 or ts > max53 then return full, now, 0 end
-  if n == 28 then return t, ts, pv, c end
-  return t, ts, 0
+  return full, now, 0
 end
 
 -- inherit is bucketVersion.inherit: a plan of a version above the
@@ -179,12 +192,15 @@ local function refill(t, ts, full, rate, now)
   elseif t >= full then
     return full, now
   end
+  -- x - x % 1 is floor(x) without a function call, which costs more in
+  -- Redis than the arithmetic.
   local gain = (now - ts) * rate
-  local whole = floor(gain)
+  local whole = gain - gain % 1
   if t + whole >= full then
     return full, now
   end
-  return t + whole, now - floor((gain - whole) / rate)
+  local late = (gain - whole) / rate -- how long ago the last whole micro-token accrued
+  return t + whole, now - (late - late % 1)
 end
 
 -- accrual is accrualMicros: the fewest whole µs in which deficit
@@ -235,7 +251,12 @@ end
 -- bucketVersion.fence computes, so that its version does not leave with
 -- it and a reset or an additive change apply again (ADR 30).
 local function writeBucket(key, t, ts, full, rate, now, pv, c)
-  local us = (full - t) / rate + math.max(0, ts - now)
+  local us = (full - t) / rate
+  if ts > now then us = us + (ts - now) end
   if pv > 0 then us = us + floor(math.max(full, c * 1000000) / rate) end
-  redis.call('SET', key, encode(ts, t, pv, c), 'PX', whole(floor(us / 1000) + 2))
+  -- Its digits, formatted here: Redis 7.0 formats a Lua number with
+  -- printf's %.17g, at a larger cost, and 7.2.0 to 7.2.4 as '1e+8' (see
+  -- whole). %d drops the fraction of a positive number, as floor does.
+  local n = pv > 0 and 28 or 7 + width(t)
+  redisCall('SET', key, packBucket(layouts[n], ts, t, pv, c), 'PX', format('%d', us / 1000 + 2))
 end

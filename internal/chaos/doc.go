@@ -1,7 +1,7 @@
 // Package chaos holds tollgate's chaos suite, which shows its guarantees
 // under faults: several processes on one Redis, a Cluster master killed, a
-// Sentinel failover, a restart, a SCRIPT FLUSH storm, a paused Redis, a
-// flood of keys, and no goroutine left behind. It uses tollgate's exported
+// Sentinel failover, a restart, a SCRIPT FLUSH and FUNCTION FLUSH storm, a
+// paused Redis, a flood of keys, and no goroutine left behind. It uses tollgate's exported
 // API only, as a service would. It starts its own redis-server processes
 // on free loopback ports (internal/redistest) and stops them at the end of
 // each test.

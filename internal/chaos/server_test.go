@@ -92,9 +92,11 @@ func TestChaosRedisRestart(t *testing.T) {
 	assert.Greater(t, admitted, len(keys)*int(chaosPlan.Capacity), "the load must drain the buckets")
 }
 
-// TestChaosScriptFlushStorm flushes the script cache every few ms under
-// load. Under FailClosed any failure would reach the caller as an error, so
-// none may, no decision may leave Redis, and the bound is exact (lost = 0).
+// TestChaosScriptFlushStorm flushes the script cache and the functions
+// every few ms under load, so that calls meet NOSCRIPT and "function not
+// found". Under FailClosed any failure would reach the caller as an error,
+// so none may, no decision may leave Redis, and the bound is exact (lost =
+// 0).
 func TestChaosScriptFlushStorm(t *testing.T) {
 	chaosPrologue(t, true)
 	srv := redistest.StartServer(t)
@@ -103,6 +105,7 @@ func TestChaosScriptFlushStorm(t *testing.T) {
 	insts := newInstances(t, 3, func() redis.UniversalClient { return redistest.NewClient(t, pooled(&redis.Options{Addr: srv.Addr()})) },
 		tollgate.WithFailurePolicy(breaker.FailClosed))
 	admin := redistest.NewClient(t, &redis.Options{Addr: srv.Addr()})
+	functions := redistest.MajorVersion(t) >= 7
 	keys := chaosKeys(8)
 	storm, every := pick(2*time.Second, 20*time.Second), pick(5*time.Millisecond, 2*time.Millisecond)
 
@@ -111,6 +114,9 @@ func TestChaosScriptFlushStorm(t *testing.T) {
 	flushes := 0
 	for deadline := time.Now().Add(storm); time.Now().Before(deadline) && flushes < 100_000; flushes++ {
 		require.NoError(t, admin.ScriptFlush(context.Background()).Err())
+		if functions {
+			require.NoError(t, admin.FunctionFlush(context.Background()).Err())
+		}
 		time.Sleep(every)
 	}
 	l.finish()

@@ -18,49 +18,66 @@ type Batch struct {
 	script *Script
 }
 
-// batchFrame wraps a script's source: the first %s is its prelude, which
-// only defines functions, run once per batch; the second its body, run
-// once per call. ARGV[1] is the number of calls n, ARGV[2..n+1] the
-// number of keys of each call, ARGV[n+2..2n+1] the number of its args,
-// and the args follow, call after call, as the keys do in KEYS. Each
-// call's reply is its integers, each 0 to 2^56 - 1, in 7 big-endian bytes
-// (packedInts reads them): Redis's struct library packs them in C, where
-// string.format was a twelfth of a batch's work in Redis; miniredis,
-// which has none, gets the same bytes from plain Lua. A call that fails
-// replies with an error of its class alone: the first capital word of the
-// message as Redis 7 words it, or the one after ': ' as earlier versions
-// and miniredis word it (Sanitize keeps only known classes).
-const batchFrame = `%s
-local function decide(KEYS, ARGV)
-%s
-end
-local pack
+// ReplyLua defines, in Lua, how a batch replies for each of its calls,
+// for a script or a library that comes after it. packInts(intsFormat(n),
+// x1, ..., xn) packs a call's n integers, each 0 to 2^56 - 1, in 7
+// big-endian bytes each (packedInts reads them): Redis's struct library
+// packs them in C, where string.format was a twelfth of a batch's work
+// in Redis, and is packInts itself, which spares a call of a function of
+// ours; miniredis, which has none, gets the same bytes from plain Lua.
+// callError(err) returns the reply of a call that failed with err, as
+// pcall caught it: an error of its class alone, the first capital word of
+// the message as Redis 7 words it, or the one after ': ' as earlier
+// versions and miniredis word it (Sanitize keeps only known classes).
+const ReplyLua = `local packInts, intsFormat
 local struct = rawget(_G, 'struct')
 if struct then
-  local spack, formats = struct.pack, {} -- formats by reply length: '>I7I7...'
-  pack = function(reply)
-    local f = formats[#reply]
-    if not f then
-      f = '>' .. string.rep('I7', #reply)
-      formats[#reply] = f
-    end
-    return spack(f, unpack(reply))
-  end
+  packInts = struct.pack
+  intsFormat = function(n) return '>' .. string.rep('I7', n) end
 else
   local char, floor = string.char, math.floor
-  pack = function(reply)
-    local out = {}
-    for i = 1, #reply do
-      local x = reply[i]
-      out[i] = char(floor(x / 281474976710656) %% 256, floor(x / 1099511627776) %% 256,
-        floor(x / 4294967296) %% 256, floor(x / 16777216) %% 256, floor(x / 65536) %% 256,
-        floor(x / 256) %% 256, x %% 256)
+  intsFormat = function(n) return n end
+  packInts = function(_, ...)
+    local out = {...}
+    for i = 1, #out do
+      local x = out[i]
+      out[i] = char(floor(x / 281474976710656) % 256, floor(x / 1099511627776) % 256,
+        floor(x / 4294967296) % 256, floor(x / 16777216) % 256, floor(x / 65536) % 256,
+        floor(x / 256) % 256, x % 256)
     end
     return table.concat(out)
   end
 end
+local function callError(err)
+  if type(err) == 'table' then err = err.err end
+  err = tostring(err)
+  return {err = (string.match(err, '^%-?(%u+) ') or string.match(err, ': %-?(%u+) ') or 'ERR')
+    .. ' in a batched call'}
+end
+`
+
+// batchFrame wraps a script's source: the first %s is ReplyLua, the
+// second the script's prelude, which only defines functions, run once per
+// batch, and the third its body, run once per call. ARGV[1] is the number of calls n,
+// ARGV[2..n+1] the number of keys of each call, ARGV[n+2..2n+1] the
+// number of its args, and the args follow, call after call, as the keys
+// do in KEYS. Each call's reply is its integers, packed by packInts; a
+// call that fails replies callError's error.
+const batchFrame = `%s
+%s
+local function decide(KEYS, ARGV)
+%s
+end
+local formats = {} -- packInts's formats, by number of integers
 local function packed(ks, as)
-  return pack(decide(ks, as))
+  local reply = decide(ks, as)
+  local n = #reply
+  local f = formats[n]
+  if not f then
+    f = intsFormat(n)
+    formats[n] = f
+  end
+  return packInts(f, unpack(reply))
 end
 local n = tonumber(ARGV[1])
 local out, ks, as, ki, ai = {}, {}, {}, 0, 1 + 2 * n
@@ -77,10 +94,7 @@ for r = 1, n do
   if ok then
     out[r] = res
   else
-    if type(res) == 'table' then res = res.err end
-    res = tostring(res)
-    out[r] = {err = (string.match(res, '^%%-?(%%u+) ') or string.match(res, ': %%-?(%%u+) ') or 'ERR')
-      .. ' in a batched call'}
+    out[r] = callError(res)
   end
 end
 return out
@@ -92,7 +106,7 @@ return out
 // making its closures. The body must end with its return statement, as a
 // function body does.
 func NewBatch(prelude, body string) *Batch {
-	return &Batch{script: New(fmt.Sprintf(batchFrame, prelude, body))}
+	return &Batch{script: New(fmt.Sprintf(batchFrame, ReplyLua, prelude, body))}
 }
 
 // Loads returns how many times Run has sent the batch script's source
@@ -129,6 +143,12 @@ func (b *Batch) Run(ctx context.Context, c redis.Scripter, calls []*Call) {
 		args = append(args, call.Args...)
 	}
 	reply, err := b.script.Run(ctx, c, keys, args...)
+	deliver(calls, reply, err)
+}
+
+// deliver hands each of calls its element of a batch's reply, or err,
+// the batch's own, if the batch failed.
+func deliver(calls []*Call, reply any, err error) {
 	vals, ok := reply.([]any)
 	if err == nil && (!ok || len(vals) != len(calls)) {
 		err = fmt.Errorf("%w: want an array of %d replies, got %T", ErrBadReply, len(calls), reply)

@@ -27,6 +27,11 @@
 // a key in size classes 16 bytes apart:
 //
 //	go run ./cmd/load -callers '' -memdefaults -memkeylen 10,16,26,32
+//
+// With -floor N, it measures the same for scripts that do per key only
+// what any decision must (floor.go), in N calls of 32 keys:
+//
+//	go run ./cmd/load -callers '' -memkeys 0 -floor 2000 -instr 20000 -only tollgate
 package main
 
 import (
@@ -171,6 +176,7 @@ func main() {
 	rounds := flag.Int("rounds", 3, "rounds per concurrency; medians are reported")
 	pool := flag.Int("pool", 0, "every client's PoolSize; 0 is go-redis's default, 10 per GOMAXPROCS, as README's client has")
 	baseName := flag.String("base", "redis_rate", "the contender each round's ratio is to")
+	floorN := flag.Int("floor", 0, "calls of the floor scripts (floor.go), 32 keys each, from one serial client, for their Redis CPU per key (and, with -instr, instructions); 0 skips them")
 	flag.Parse()
 
 	opt, err := redis.ParseURL(*url)
@@ -229,11 +235,17 @@ func main() {
 			fmt.Printf("%-22s %7d %12.0f %10s %10s %10s %7d %11s %s\n", c.name, callers, r, q(0.50), q(0.99), q(0.999), errs, cpu, vs)
 		}
 	}
+	if *floorN > 0 {
+		floorCPU(opt, keys, *floorN)
+	}
 	if *memKeys > 0 {
 		memory(*memKeys, intList(*memKeyLens), *memDefaults)
 	}
 	if *instr > 0 {
 		instructions(active, keys, *instr)
+		if *floorN > 0 {
+			floorInstructions(keys, *instr)
+		}
 	}
 }
 

@@ -1,0 +1,88 @@
+package tollgate
+
+import (
+	"context"
+
+	"github.com/tollgate-go/tollgate/internal/redisscript"
+)
+
+// lean reports whether a take or a read on plans can run the lean
+// decision (scripts/take.lua) instead of the general one: one token
+// bucket plan, without a version, not shadowed. A hold never does.
+func lean(plans []Plan) bool {
+	if len(plans) != 1 {
+		return false
+	}
+	p := &plans[0]
+	return !p.isWindow() && p.Version == 0 && !p.Shadow
+}
+
+// decisionScripts are what a RedisStore runs in Redis for a decision: the
+// general script, alone and batched, and the lean decision's functions,
+// alone and batched. It is safe for concurrent use.
+type decisionScripts struct {
+	limit     *redisscript.Script
+	limitMany *redisscript.Batch
+	take      *redisscript.Function
+	takeMany  *redisscript.Grouped
+}
+
+// newDecisionScripts returns the scripts and functions of a store, with a
+// library of its own, so that each store learns on its first lean
+// decision whether its Redis has functions.
+func newDecisionScripts() *decisionScripts { return decisionScriptsOn(luaBucket) }
+
+// decisionScriptsOn returns the scripts and functions of a store, with
+// bucket as the bucket's functions (scripts/bucket.lua, which tests may
+// give a clock of their own).
+func decisionScriptsOn(bucket string) *decisionScripts {
+	fns := redisscript.NewLibrary("tollgate", redisscript.ReplyLua+bucket+luaTake,
+		redisscript.Entry{Name: "take", Body: "return takeOne(KEYS, ARGV)"},
+		redisscript.Entry{Name: "take_many", Body: "return takeMany(KEYS, ARGV)"})
+	return &decisionScripts{
+		limit:     redisscript.New(bucket + luaLimit),
+		limitMany: redisscript.NewBatch(bucket, luaLimit),
+		take:      fns[0],
+		takeMany:  redisscript.NewGrouped(fns[1], 1), // the cost is each call's own; capacity and rate are its plan's
+	}
+}
+
+// runOne runs the decision c alone on client, the lean function if c is
+// lean, and returns its reply.
+func (d *decisionScripts) runOne(ctx context.Context, client redisscript.Client, c *scriptCall) (any, error) {
+	if c.lean {
+		return d.take.Run(ctx, client, c.Keys, c.Args...)
+	}
+	return d.limit.Run(ctx, client, c.Keys, c.Args...)
+}
+
+// runMany runs the decisions calls on client, in their order, in one
+// call, and sets each one's Reply or Err: the lean batch if every one is
+// lean, else the general batch, which decides lean ones as well; a
+// decision alone as runOne does.
+func (d *decisionScripts) runMany(ctx context.Context, client redisscript.Client, calls []*scriptCall) {
+	switch {
+	case len(calls) == 0:
+		return
+	case len(calls) == 1:
+		calls[0].Reply, calls[0].Err = d.runOne(ctx, client, calls[0])
+		return
+	}
+	all := true
+	many := make([]*redisscript.Call, len(calls))
+	for i, c := range calls {
+		all = all && c.lean
+		many[i] = &c.Call
+	}
+	if all {
+		d.takeMany.Run(ctx, client, many)
+	} else {
+		d.limitMany.Run(ctx, client, many)
+	}
+}
+
+// loads returns how many times the scripts' and functions' source was
+// sent after Redis answered that it lacked them.
+func (d *decisionScripts) loads() int64 {
+	return d.limit.Loads() + d.limitMany.Loads() + d.take.Loads() + d.takeMany.Loads()
+}
