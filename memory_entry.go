@@ -50,10 +50,13 @@ func (e *memEntry) find(p *Plan) *memBucket {
 // makes it, as the script reads it.
 func (e *memEntry) bucket(p *Plan, now int64) TokenBucket {
 	if b := e.find(p); b != nil {
-		if b.win == nil {
+		switch {
+		case b.win != nil:
+			return fromWindow(b.win, b.plan.Capacity, p, now)
+		case p.Version > b.ver.pv:
 			return b.ver.inherit(b.TokenBucket, p, now)
 		}
-		return fromWindow(b.win, b.plan.Capacity, p, now)
+		return b.TokenBucket // what inherit returns, without the call
 	}
 	return fullBucket(*p, now)
 }

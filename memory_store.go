@@ -150,11 +150,16 @@ func (m *MemoryStore) decideIn(r *Result, o *op) {
 func (m *MemoryStore) takeBuckets(r *Result, key string, cost int64, plans []Plan) {
 	// A fixed array keeps up to four plans off the heap.
 	var buf [4]TokenBucket
-	buckets := buf[:0]
+	var buckets []TokenBucket
+	if len(plans) <= len(buf) {
+		buckets = buf[:len(plans)]
+	} else {
+		buckets = make([]TokenBucket, len(plans))
+	}
 	lk, now := m.lock(key)
 	e := lk.e
 	for i := range plans {
-		buckets = append(buckets, e.bucket(&plans[i], now))
+		buckets[i] = e.bucket(&plans[i], now)
 	}
 	allowed, wd := takeAll(plans, buckets, now, cost)
 	if allowed && cost > 0 {
@@ -179,7 +184,11 @@ func (m *MemoryStore) takeBuckets(r *Result, key string, cost int64, plans []Pla
 		}
 	}
 	lk.unlock()
-	r.describe(&outcome{plans: plans, buckets: buckets, now: now, cost: cost, allowed: allowed, wd: wd})
+	if len(plans) == 1 {
+		r.describeBucket(&plans[0], buckets[0], now, cost, allowed, wd)
+	} else {
+		r.describe(&outcome{plans: plans, buckets: buckets, now: now, cost: cost, allowed: allowed, wd: wd})
+	}
 }
 
 // inProcess implements localStore: a MemoryStore cannot fail.
