@@ -18,30 +18,33 @@ type memLock struct {
 }
 
 // lock locks key's entry, or its shard if it has none, and returns the
-// time. The clock is read before the lock, which it would otherwise
-// lengthen. If a decision that read the clock later took the entry's
-// lock first, the clock is read again under the lock, where it can only
-// be later than that decision's: a stale now would see that decision's
-// stamps from the future, and a stamp a whole refill ahead passes for
-// garbage.
+// time. A decision on a key the store holds reads the clock before the
+// entry's lock, which it would otherwise lengthen. If a decision that read
+// the clock later took the lock first, the clock is read again under the
+// lock, where it can only be later than that decision's: a stale now would
+// see that decision's stamps from the future, and a stamp a whole refill
+// ahead passes for garbage. A decision that finds no entry reads the clock
+// under the shard's lock, after every decision on the entry the key had
+// before it was dropped: deciding at a time read before those, it would
+// stamp a new bucket early, and refill it with tokens they took.
 func (m *MemoryStore) lock(key string) (memLock, int64) {
 	s, h := m.shard(key)
-	e := s.table.Load().probe(h)
-	now := m.now()
-	if e != nil {
+	if e := s.table.Load().probe(h); e != nil {
+		now := m.now()
 		e.mu.Lock()
 		if e.key == key {
 			return memLock{s: s, e: e, h: h}, m.visit(e, now)
 		}
 		e.mu.Unlock()
 	}
-	return m.lockShard(s, key, h, now)
+	return m.lockShard(s, key, h)
 }
 
 // lockShard is lock for a key that the probe missed or found gone: it
 // looks again under the shard's lock, where no entry can move.
-func (m *MemoryStore) lockShard(s *memShard, key string, h uint64, now int64) (memLock, int64) {
+func (m *MemoryStore) lockShard(s *memShard, key string, h uint64) (memLock, int64) {
 	s.mu.Lock()
+	now := m.now()
 	e, _ := s.table.Load().lookup(key, h)
 	if e == nil {
 		return memLock{s: s, h: h, shard: true}, now

@@ -29,13 +29,16 @@ func lockedEntry(m *MemoryStore, key string) (*memEntry, func()) {
 	return e, e.mu.Unlock
 }
 
-// TestMemoryStoreTakesDuringEvictionsLoseNothing decides on one key of one
-// token, a token a millisecond, from four goroutines, while a fifth
-// advances the clock and inserts new keys into the store's one shard of 8
-// keys, each of which evicts a key that is full: often the hot one, while
-// a decision that found its entry waits for the entry's lock. A decision
-// that then took from the entry, evicted and reused for another key, would
-// be lost: the key comes back full, and admits once more than its bound.
+// TestMemoryStoreTakesDuringEvictionsLoseNothing has four goroutines each
+// take from one key of one token, a token a millisecond, insert a new key
+// into the store's one shard of 8 keys, and advance the clock by 7 µs,
+// 5,000 times. Each insertion evicts a key that is full: at times the hot
+// one, while another goroutine's decision on it has found its entry and
+// waits for the entry's lock, or has found none and waits for the shard's.
+// Every eviction gives nothing back, so the hot key admits no more than
+// its bound, unless a decision is lost in an entry evicted and reused for
+// another key, or dates the key's new bucket by a clock it read before the
+// key was dropped.
 func TestMemoryStoreTakesDuringEvictionsLoseNothing(t *testing.T) {
 	ctx := context.Background()
 	var clock atomic.Int64
@@ -45,12 +48,17 @@ func TestMemoryStoreTakesDuringEvictionsLoseNothing(t *testing.T) {
 	m.fakeNow = clock.Load
 	hot := []Plan{{Name: "hot", Capacity: 1, Rate: 1000}}
 	flood := []Plan{{Name: "flood", Capacity: 1, Rate: 1e6}} // full again 1 µs after a take
-	var admitted, hotGone atomic.Int64
-	var done atomic.Bool
+	var admitted, inserted, hotAbsent atomic.Int64
 	var wg sync.WaitGroup
 	for range 4 {
 		wg.Go(func() {
-			for !done.Load() {
+			for range 5000 {
+				clock.Add(7) // every key of flood is full again, and at times hot
+				_, err := m.Take(ctx, fmt.Sprint("flood-", inserted.Add(1)), 1, flood)
+				assert.NoError(t, err)
+				if _, h := m.shard("hot"); m.shards[0].table.Load().probe(h) == nil {
+					hotAbsent.Add(1)
+				}
 				r, err := m.Take(ctx, "hot", 1, hot)
 				assert.NoError(t, err)
 				if r.Allowed {
@@ -59,19 +67,10 @@ func TestMemoryStoreTakesDuringEvictionsLoseNothing(t *testing.T) {
 			}
 		})
 	}
-	for i := range 20_000 {
-		clock.Add(7) // every key of flood is full again
-		if _, h := m.shard("hot"); m.shards[0].table.Load().probe(h) == nil {
-			hotGone.Add(1)
-		}
-		_, err := m.Take(ctx, fmt.Sprint("flood-", i), 1, flood)
-		require.NoError(t, err)
-	}
-	done.Store(true)
 	wg.Wait()
 	elapsed := float64(clock.Load()-t0) / 1e6
 	assert.LessOrEqual(t, float64(admitted.Load()), float64(hot[0].Capacity)+hot[0].Rate*elapsed)
-	assert.Greater(t, hotGone.Load(), int64(0), "the hot key was evicted, and decided on again")
+	assert.Positive(t, hotAbsent.Load(), "the hot key was evicted, and decided on again")
 	assert.LessOrEqual(t, m.Len(), 8)
 }
 
@@ -218,4 +217,46 @@ func TestMemoryStoreInsertWaitsWhenEveryKeyIsHeld(t *testing.T) {
 	e, unlock := lockedEntry(m, "c")
 	assert.NotNil(t, e)
 	unlock()
+}
+
+// TestMemoryStoreDecisionOnADroppedKeyReadsTheClockAgain has a decision on
+// a key read the clock, then wait for a second while another decision
+// takes the key's token and a newcomer evicts the key, full again. The
+// key has no entry when the first decision goes on: had it decided at
+// the time it read, a second before the other, its bucket would be
+// stamped a second early and would give a token at once that the clock
+// has not refilled.
+func TestMemoryStoreDecisionOnADroppedKeyReadsTheClockAgain(t *testing.T) {
+	ctx := context.Background()
+	now := t0
+	m := NewMemoryStore(WithMaxKeys(1))
+	p := []Plan{{Name: "p", Capacity: 1, Rate: 1}}
+	m.fakeNow = func() int64 { return now }
+	r, err := m.Take(ctx, "hot", 1, p)
+	require.NoError(t, err)
+	require.True(t, r.Allowed)
+	now += 1_000_000 // hot is full again
+	wait := true
+	m.fakeNow = func() int64 {
+		if !wait {
+			return now
+		}
+		wait = false
+		read := now // the decision on hot reads the clock here, and waits
+		r, err := m.Take(ctx, "hot", 1, p)
+		require.NoError(t, err)
+		require.True(t, r.Allowed, "hot was full")
+		now += 1_000_000 // full again, and evicted
+		r, err = m.Take(ctx, "newcomer", 1, p)
+		require.NoError(t, err)
+		require.True(t, r.Allowed)
+		return read
+	}
+	r, err = m.Take(ctx, "hot", 1, p)
+	require.NoError(t, err)
+	assert.False(t, wait)
+	assert.True(t, r.Allowed, "hot was full when it was dropped")
+	r, err = m.Take(ctx, "hot", 1, p)
+	require.NoError(t, err)
+	assert.False(t, r.Allowed, "3 tokens in 2 s of one token a second were taken; a fourth is not there")
 }
