@@ -13,7 +13,9 @@ const defaultMaxKeys = 100_000
 
 // MemoryStore is a Store that keeps buckets in this process, for a single
 // instance and as the fallback while Redis is down. It is safe for
-// concurrent use, starts no goroutine and needs no Close.
+// concurrent use, starts no goroutine and needs no Close. A decision on a
+// key the store holds locks that key alone: decisions on other keys share
+// no lock with it and write no memory in common.
 //
 // A key stays resident, full or not, until the store needs room for
 // another, whose entry then reuses the dropped one's: a key that refills
@@ -24,9 +26,10 @@ const defaultMaxKeys = 100_000
 // sample of 16, which reads the same as a missing one, or, if none is
 // full, the one that would get back the fewest tokens, per µs it has been
 // away, if it returned after as long again: a key in use is kept over keys
-// seen once, and a key that will be full by its return goes first. A key
-// that is dropped before it is full reads as full when it returns, so it
-// gets back at most one capacity of each plan per eviction.
+// seen once, and a key that will be full by its return goes first; a key
+// being decided on at that moment stays. A key that is dropped before it
+// is full reads as full when it returns, so it gets back at most one
+// capacity of each plan per eviction.
 type MemoryStore struct {
 	seed       maphash.Seed
 	shards     []memShard
@@ -40,9 +43,9 @@ type MemoryStore struct {
 	random     func() uint64 // draws for suppressed plans; tests replace it
 }
 
-// maxShards bounds the shards of a MemoryStore; a parallel benchmark shows
-// no lock contention left at this count on the machines we measured.
-// Smaller stores have fewer, so that each shard holds minShardKeys.
+// maxShards bounds the shards of a MemoryStore, whose locks serialize the
+// insertion and eviction of keys. Smaller stores have fewer, so that each
+// shard holds minShardKeys.
 const (
 	maxShards    = 64
 	minShardKeys = 64
