@@ -89,8 +89,10 @@ func (l *Limiter) plansFor(ctx context.Context, q *request) error {
 
 // check checks q against its plans, and the caller's context.
 func (l *Limiter) check(ctx context.Context, q *request) error {
-	if err := checkCost(q.n, q.plans); err != nil {
-		return err
+	if q.n != 1 { // one token fits every plan, which was checked when it was given
+		if err := checkCost(q.n, q.plans); err != nil {
+			return err
+		}
 	}
 	if len(q.plans) > maxShadowIndex {
 		if err := checkShadow(q.plans); err != nil {
