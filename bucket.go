@@ -73,8 +73,11 @@ func (b TokenBucket) refill(p *Plan, now int64) TokenBucket {
 	if float64(b.Tokens)+whole >= float64(full) {
 		return TokenBucket{Tokens: full, Stamp: now}
 	}
-	carry := math.Floor((gain - whole) / p.Rate) // microseconds not yet worth a micro-token
-	return TokenBucket{Tokens: b.Tokens + int64(whole), Stamp: now - int64(carry)}
+	stamp := now
+	if gain != whole { // the division is slow, and a rate in whole micro-tokens per µs needs none
+		stamp -= int64(math.Floor((gain - whole) / p.Rate)) // microseconds not yet worth a micro-token
+	}
+	return TokenBucket{Tokens: b.Tokens + int64(whole), Stamp: stamp}
 }
 
 // tooFarAhead reports whether the bucket's stamp is more than a full

@@ -24,7 +24,7 @@ func (l *Limiter) Check(ctx context.Context) error {
 	var err error
 	if c, ok := l.store.(checkedStore); ok {
 		err = c.check(ctx)
-	} else if !l.local {
+	} else if l.mem == nil {
 		_, err = l.store.Take(ctx, reservedKey, 0, []Plan{checkPlan})
 	}
 	if err == nil || ctx.Err() != nil {

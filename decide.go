@@ -41,7 +41,7 @@ func (l *Limiter) decide(ctx context.Context, r *Result, q *request) error {
 	}
 	cache := l.cacheable(q)
 	var asked int64 // on the Limiter's clock, read once: a store of this process is not timed
-	if cache || !l.local {
+	if cache || l.mem == nil {
 		asked = l.now()
 	}
 	if l.denials != nil {
@@ -51,13 +51,9 @@ func (l *Limiter) decide(ctx context.Context, r *Result, q *request) error {
 			return nil
 		}
 	}
-	var err error
-	if l.local { // a store of this process cannot fail: no breaker, no policy
-		*r, err = l.decider.decide(ctx, q.op)
-	} else {
-		err = l.ask(ctx, r, &q.op, asked)
-	}
-	if err != nil {
+	if l.mem != nil { // a store of this process cannot fail: no breaker, no policy
+		l.mem.decideIn(r, &q.op)
+	} else if err := l.ask(ctx, r, &q.op, asked); err != nil {
 		return err
 	}
 	if cache {
@@ -93,8 +89,10 @@ func (l *Limiter) plansFor(ctx context.Context, q *request) error {
 
 // check checks q against its plans, and the caller's context.
 func (l *Limiter) check(ctx context.Context, q *request) error {
-	if err := checkCost(q.n, q.plans); err != nil {
-		return err
+	if q.n != 1 { // one token fits every plan, which was checked when it was given
+		if err := checkCost(q.n, q.plans); err != nil {
+			return err
+		}
 	}
 	if len(q.plans) > maxShadowIndex {
 		if err := checkShadow(q.plans); err != nil {

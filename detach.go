@@ -60,7 +60,7 @@ func callerOf(ctx context.Context) context.Context {
 // reserve decides r, a reservation of the named plans, and counts it if
 // granted: on a store that can fail, on a context of its own.
 func (l *Limiter) reserve(ctx context.Context, r *Reservation, plans []string) error {
-	if !l.local {
+	if l.mem == nil {
 		return l.reserveDetached(ctx, r, plans)
 	}
 	if err := l.named(ctx, &r.result, r.request(), plans); err != nil {

@@ -61,11 +61,11 @@ type RateLimiter interface {
 // FailurePolicy while the store fails. It is safe for concurrent use.
 type Limiter struct {
 	store           Store
-	decider         decider // the store, as it decides a request
-	local           bool    // the store is of this process and cannot fail
-	holds           bool    // the store, and the fallback if any, hold reservations
-	fallback        Store   // nil unless the policy is Fallback
-	fallbackDecider decider // the fallback, as it decides a request
+	decider         decider      // the store, as it decides a request
+	mem             *MemoryStore // the store, if it is one: of this process, it cannot fail
+	holds           bool         // the store, and the fallback if any, hold reservations
+	fallback        Store        // nil unless the policy is Fallback
+	fallbackDecider decider      // the fallback, as it decides a request
 	policy          breaker.FailurePolicy
 	health          *health // the store's breakers; nil for a store of this process
 	denials         *denialcache.Cache[Result]
@@ -129,9 +129,10 @@ func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
 // around them: the breakers and the denial cache of a store that can fail,
 // the fallback store, and leases.
 func (l *Limiter) wire(c config) {
-	l.decider, l.local = deciderOf(l.store), isLocal(l.store)
+	l.decider = deciderOf(l.store)
+	l.mem, _ = l.decider.(*MemoryStore) // not a store of another package that embeds one
 	keys := defaultDenialCacheKeys
-	if l.local {
+	if l.mem != nil {
 		keys = 0
 	} else {
 		l.health = newHealth(l.store, c.breaker)
@@ -150,7 +151,7 @@ func (l *Limiter) wire(c config) {
 		l.fallbackDecider = deciderOf(l.fallback)
 	}
 	l.holds = canHold(l.store) && (l.fallback == nil || canHold(l.fallback))
-	if !l.local && l.holds {
+	if l.mem == nil && l.holds {
 		l.leases = newLeases(l, c.leaseTTL)
 	}
 }
@@ -173,7 +174,7 @@ func (l *Limiter) Plan(name string) (Plan, bool) {
 func (l *Limiter) Allow(ctx context.Context, key string, plans ...string) (r Result, err error) {
 	q := request{op: op{key: key, n: 1}}
 	err = l.named(ctx, &r, &q, plans)
-	return r, err
+	return // a bare return keeps it small enough to be inlined, and the Result is not copied
 }
 
 // AllowN takes cost tokens, at least 1, from the bucket of every named plan
@@ -188,7 +189,7 @@ func (l *Limiter) Allow(ctx context.Context, key string, plans ...string) (r Res
 func (l *Limiter) AllowN(ctx context.Context, key string, cost int64, plans ...string) (r Result, err error) {
 	q := request{op: op{key: key, n: cost}}
 	err = l.named(ctx, &r, &q, plans)
-	return r, err
+	return // a bare return keeps it small enough to be inlined, and the Result is not copied
 }
 
 // Peek reports the buckets of key without taking a token: Allowed says

@@ -1,31 +1,35 @@
 package tollgate
 
 import (
-	"math"
 	"strings"
 	"sync"
 )
 
-type memShard struct {
-	mu   sync.Mutex
-	keys map[string]*memEntry
-	_    [48]byte // keeps neighbouring shard locks off one cache line
-}
-
 // memEntry holds the buckets and windows of one key, one per plan it was
-// charged to.
+// charged to, under its own lock. Its key changes under the shard's lock
+// as well, so that a lookup under either lock may read it.
+//
+// A decision on a key of one plan writes one cache line: the lock, seen
+// and the bucket in one, which is the storage of buckets until a second
+// plan needs more. The padding makes the size a multiple of 64 bytes, so
+// that the allocator places every entry at the start of a cache line.
 type memEntry struct {
-	buckets []memBucket
+	mu      sync.Mutex
 	seen    int64 // µs: the last decision on the key, denials and reads included
+	one     [1]memBucket
+	buckets []memBucket
+	key     string // "" once the key left its shard: a decision that found the entry looks again
+	_       [16]byte
 }
 
 // memBucket is the state of one plan: its bucket, or its window when the
-// plan is a window plan.
+// plan is a window plan. The bucket comes first, on the cache line of its
+// entry's lock when it is the entry's first.
 type memBucket struct {
-	plan Plan
 	TokenBucket
-	win *window
-	ver bucketVersion // of versioned plans (Plan.Version)
+	plan Plan
+	win  *window
+	ver  bucketVersion // of versioned plans (Plan.Version)
 }
 
 // find returns the stored state of plan p's name, or nil. e may be nil: a
@@ -46,10 +50,13 @@ func (e *memEntry) find(p *Plan) *memBucket {
 // makes it, as the script reads it.
 func (e *memEntry) bucket(p *Plan, now int64) TokenBucket {
 	if b := e.find(p); b != nil {
-		if b.win == nil {
+		switch {
+		case b.win != nil:
+			return fromWindow(b.win, b.plan.Capacity, p, now)
+		case p.Version > b.ver.pv:
 			return b.ver.inherit(b.TokenBucket, p, now)
 		}
-		return fromWindow(b.win, b.plan.Capacity, p, now)
+		return b.TokenBucket // what inherit returns, without the call
 	}
 	return fullBucket(*p, now)
 }
@@ -148,55 +155,24 @@ func (e *memEntry) fullAt(now int64) int64 {
 	return at
 }
 
-// entry inserts an empty entry for key, with room for n plans, and
-// returns it. At the bound it reuses the entry of the key it evicts, so
-// that the key's copy is the only allocation. Requires s.mu.
-func (s *memShard) entry(key string, n, perCap int, now int64) *memEntry {
-	var e *memEntry
-	if len(s.keys) >= perCap {
-		e = s.evict(now)
+// newMemEntry returns an entry with room for n plans, locked.
+func newMemEntry(n int) *memEntry {
+	e := &memEntry{}
+	e.buckets = e.one[:0]
+	if n > len(e.one) {
+		e.buckets = make([]memBucket, 0, n)
 	}
-	if e == nil {
-		e = &memEntry{buckets: make([]memBucket, 0, n)}
-	} else {
-		clear(e.buckets) // the evicted key's windows and plans go with it
-		e.buckets = e.buckets[:0]
-	}
-	e.seen = now
-	s.keys[strings.Clone(key)] = e
+	e.mu.Lock()
 	return e
 }
 
-// evict drops a key to make room, and returns its entry, or nil if the
-// shard is empty: the first full key of a sample of evictSample, which
-// gives nothing back, or else the one that would get back the fewest
-// tokens, per µs it has been away, if it returned after as long again.
-// Requires s.mu.
-func (s *memShard) evict(now int64) *memEntry {
-	examined := 0
-	var victim string
-	var ve *memEntry
-	victimHarm := math.Inf(1)
-	for k, e := range s.keys {
-		if examined == evictSample {
-			break
-		}
-		examined++
-		at := e.fullAt(now)
-		if at <= now {
-			victim, ve = k, e
-			break
-		}
-		// What it would get back if it returned after as long as it has
-		// been away, per µs away: a key seen once long ago is a better
-		// victim than a drained key that keeps asking.
-		away := max(now-e.seen, 0) // its last decision may have read the clock after ours
-		if harm := float64(at-now-away) / float64(away+1); harm < victimHarm {
-			victim, ve, victimHarm = k, e, harm
-		}
-	}
-	if ve != nil {
-		delete(s.keys, victim)
-	}
-	return ve
+// claim makes e, locked, the entry of key, without buckets, last seen at
+// now: an evicted key's windows and plans go with it. Requires the
+// shard's lock.
+func (e *memEntry) claim(key string, now int64) {
+	clear(e.one[:])
+	clear(e.buckets)
+	e.buckets = e.buckets[:0]
+	e.key = strings.Clone(key)
+	e.seen = now
 }

@@ -3,6 +3,7 @@ package tollgate
 import (
 	"context"
 	"hash/maphash"
+	"math/bits"
 	"slices"
 	"time"
 )
@@ -12,7 +13,9 @@ const defaultMaxKeys = 100_000
 
 // MemoryStore is a Store that keeps buckets in this process, for a single
 // instance and as the fallback while Redis is down. It is safe for
-// concurrent use, starts no goroutine and needs no Close.
+// concurrent use, starts no goroutine and needs no Close. A decision on a
+// key the store holds locks that key alone: decisions on other keys share
+// no lock with it and write no memory in common.
 //
 // A key stays resident, full or not, until the store needs room for
 // another, whose entry then reuses the dropped one's: a key that refills
@@ -23,13 +26,15 @@ const defaultMaxKeys = 100_000
 // sample of 16, which reads the same as a missing one, or, if none is
 // full, the one that would get back the fewest tokens, per µs it has been
 // away, if it returned after as long again: a key in use is kept over keys
-// seen once, and a key that will be full by its return goes first. A key
-// that is dropped before it is full reads as full when it returns, so it
-// gets back at most one capacity of each plan per eviction.
+// seen once, and a key that will be full by its return goes first; a key
+// being decided on at that moment stays. A key that is dropped before it
+// is full reads as full when it returns, so it gets back at most one
+// capacity of each plan per eviction.
 type MemoryStore struct {
-	seed   maphash.Seed
-	shards []memShard
-	perCap int // keys one shard may hold
+	seed       maphash.Seed
+	shards     []memShard
+	shardShift uint // a key's shard is its hash shifted right by this much
+	perCap     int  // keys one shard may hold
 
 	epoch      time.Time // monotonic clock base
 	epochMicro int64
@@ -38,17 +43,13 @@ type MemoryStore struct {
 	random     func() uint64 // draws for suppressed plans; tests replace it
 }
 
-// maxShards bounds the shards of a MemoryStore; a parallel benchmark shows
-// no lock contention left at this count on the machines we measured.
-// Smaller stores have fewer, so that each shard holds minShardKeys.
+// maxShards bounds the shards of a MemoryStore, whose locks serialize the
+// insertion and eviction of keys. Smaller stores have fewer, so that each
+// shard holds minShardKeys.
 const (
 	maxShards    = 64
 	minShardKeys = 64
 )
-
-// evictSample is how many keys an insertion into a shard at its bound
-// examines to pick a victim.
-const evictSample = 16
 
 // NewMemoryStore returns an empty MemoryStore.
 func NewMemoryStore(opts ...Option) *MemoryStore {
@@ -70,8 +71,9 @@ func NewMemoryStore(opts ...Option) *MemoryStore {
 	}
 	m.shards = make([]memShard, n)
 	for i := range m.shards {
-		m.shards[i].keys = make(map[string]*memEntry)
+		m.shards[i].init()
 	}
+	m.shardShift = uint(64 - bits.TrailingZeros(uint(n)))
 	m.perCap = maxKeys / n
 	return m
 }
@@ -92,14 +94,17 @@ func (m *MemoryStore) Len() int {
 	for i := range m.shards {
 		s := &m.shards[i]
 		s.mu.Lock()
-		n += len(s.keys)
+		n += s.n
 		s.mu.Unlock()
 	}
 	return n
 }
 
-func (m *MemoryStore) shard(key string) *memShard {
-	return &m.shards[maphash.String(m.seed, key)&uint64(len(m.shards)-1)]
+// shard returns the shard of key and the key's hash: its high bits choose
+// the shard, its low bits the slot in the shard's table.
+func (m *MemoryStore) shard(key string) (*memShard, uint64) {
+	h := maphash.String(m.seed, key)
+	return &m.shards[h>>m.shardShift], h
 }
 
 // Take implements Store. The store never blocks on I/O; like a RedisStore,
@@ -120,31 +125,49 @@ func (m *MemoryStore) Take(ctx context.Context, key string, cost int64, plans []
 	return m.decide(ctx, op{key: key, n: cost, plans: plans})
 }
 
-// decide implements decider: a take, a read or a hold, already checked,
-// with its Result built in place. A hold is the Reservation itself, in
-// this process: the store only dates its expiry.
+// decide implements decider: a take, a read or a hold, already checked.
 func (m *MemoryStore) decide(_ context.Context, o op) (r Result, _ error) {
-	key, cost, plans := o.key, o.cost(), o.plans
-	if windowIn(plans) {
-		m.takeWindows(&r, key, cost, plans)
-		if o.mode == modeHold {
-			m.dateHold(o.hold)
-		}
-		return r, nil
-	}
+	m.decideIn(&r, &o)
+	return r, nil
+}
+
+// decideIn is decide with the Result built in *r, which a Limiter calls
+// without copying it: an interface's method would move it to the heap. A
+// hold is the Reservation itself, in this process: the store only dates
+// its expiry.
+func (m *MemoryStore) decideIn(r *Result, o *op) {
 	// A chain of buckets alone skips the windows' bookkeeping, which it
-	// would otherwise pay for nothing. A fixed array keeps up to four plans
-	// off the heap.
+	// would otherwise pay for nothing.
+	if windowIn(o.plans) {
+		m.takeWindows(r, o.key, o.cost(), o.plans)
+	} else {
+		m.takeBuckets(r, o.key, o.cost(), o.plans)
+	}
+	if o.mode == modeHold {
+		m.dateHold(o.hold)
+	}
+}
+
+// takeBuckets is decideIn for a chain of bucket plans: cost is the op's
+// (see op.cost).
+func (m *MemoryStore) takeBuckets(r *Result, key string, cost int64, plans []Plan) {
+	// A fixed array keeps up to four plans off the heap.
 	var buf [4]TokenBucket
-	buckets := buf[:0]
-	s, e, now := m.lock(key)
+	var buckets []TokenBucket
+	if len(plans) <= len(buf) {
+		buckets = buf[:len(plans)]
+	} else {
+		buckets = make([]TokenBucket, len(plans))
+	}
+	lk, now := m.lock(key)
+	e := lk.e
 	for i := range plans {
-		buckets = append(buckets, e.bucket(&plans[i], now))
+		buckets[i] = e.bucket(&plans[i], now)
 	}
 	allowed, wd := takeAll(plans, buckets, now, cost)
 	if allowed && cost > 0 {
 		if e == nil {
-			e = s.entry(key, len(plans), m.perCap, now)
+			e = lk.insert(m, key, len(plans), now)
 		}
 		for i := range plans {
 			if wd&(1<<i) == 0 { // a shadowed plan that would deny is left as it was, but for bringBack
@@ -163,13 +186,16 @@ func (m *MemoryStore) decide(_ context.Context, o op) (r Result, _ error) {
 			}
 		}
 	}
-	s.mu.Unlock()
-	r.describe(&outcome{plans: plans, buckets: buckets, now: now, cost: cost, allowed: allowed, wd: wd})
-	if o.mode == modeHold {
-		m.dateHold(o.hold)
+	lk.unlock()
+	if len(plans) == 1 {
+		r.describeBucket(&plans[0], buckets[0], now, cost, allowed, wd)
+	} else {
+		r.describe(&outcome{plans: plans, buckets: buckets, now: now, cost: cost, allowed: allowed, wd: wd})
 	}
-	return r, nil
 }
+
+// inProcess implements localStore: a MemoryStore cannot fail.
+func (*MemoryStore) inProcess() {}
 
 // dateHold dates the expiry of a hold it granted.
 func (m *MemoryStore) dateHold(h *hold) {
@@ -181,51 +207,30 @@ func (m *MemoryStore) self() Store { return m }
 // wiringError implements wiredStore: an option of another constructor.
 func (m *MemoryStore) wiringError() error { return m.err }
 
-// inProcess implements localStore: a MemoryStore cannot fail.
-func (*MemoryStore) inProcess() {}
-
-// lock locks the shard of key and returns it, the key's entry (nil if
-// none) and the time. The clock is read before the lock, which it would
-// otherwise lengthen. If a decision that read the clock later took the
-// lock first, the clock is read again under the lock, where it can only
-// be later than that decision's: a stale now would see that decision's
-// stamps from the future, and a stamp a whole refill ahead passes for
-// garbage.
-func (m *MemoryStore) lock(key string) (*memShard, *memEntry, int64) {
-	now := m.now()
-	s := m.shard(key)
-	s.mu.Lock()
-	e := s.keys[key]
-	if e != nil {
-		if now < e.seen {
-			now = m.now()
-		}
-		e.seen = now
-	}
-	return s, e, now
-}
-
 // Reset implements Store: it drops the buckets, which then read as full.
 func (m *MemoryStore) Reset(_ context.Context, key string, plans []Plan) error {
 	if err := checkKey(key); err != nil {
 		return err
 	}
-	s := m.shard(key)
+	s, h := m.shard(key)
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	e := s.keys[key]
+	e, i := s.table.Load().lookup(key, h)
 	if e == nil {
 		return nil
 	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
 	kept := e.buckets[:0]
 	for _, b := range e.buckets {
 		if !slices.ContainsFunc(plans, func(p Plan) bool { return p.Name == b.plan.Name }) {
 			kept = append(kept, b)
 		}
 	}
+	clear(e.buckets[len(kept):]) // the dropped plans' windows go with them
 	e.buckets = kept
 	if len(kept) == 0 {
-		delete(s.keys, key)
+		s.drop(e, i)
 	}
 	return nil
 }

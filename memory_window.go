@@ -17,7 +17,8 @@ func (m *MemoryStore) takeWindows(r *Result, key string, cost int64, plans []Pla
 		u = m.random()
 	}
 
-	s, e, now := m.lock(key)
+	lk, now := m.lock(key)
+	e := lk.e
 	for i := range plans {
 		if p := &plans[i]; p.isWindow() {
 			windows[i] = e.window(p, now)
@@ -30,7 +31,7 @@ func (m *MemoryStore) takeWindows(r *Result, key string, cost int64, plans []Pla
 	taken := allowed && cost > 0
 	if taken || suppressed && cost > 0 {
 		if e == nil {
-			e = s.entry(key, len(plans), m.perCap, now)
+			e = lk.insert(m, key, len(plans), now)
 		}
 		e.writeChain(&o, windows)
 	}
@@ -48,7 +49,7 @@ func (m *MemoryStore) takeWindows(r *Result, key string, cost int64, plans []Pla
 			}
 		}
 	}
-	s.mu.Unlock()
+	lk.unlock()
 	r.describe(&o)
 }
 

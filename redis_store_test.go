@@ -705,9 +705,8 @@ func assertSameWindow(t *testing.T, rs *RedisStore, ms *MemoryStore, key string,
 		clear(inRedis) // a window ahead of the clock: garbage, read as empty
 	}
 	inMemory := map[string]string{}
-	s := ms.shard(key)
-	s.mu.Lock()
-	w := s.keys[key].window(&p, now)
+	e, unlock := lockedEntry(ms, key)
+	w := e.window(&p, now)
 	lo, hi := w.span(now)
 	for i := lo; i <= hi; i++ {
 		n := int64(len(w.admitted))
@@ -718,7 +717,7 @@ func assertSameWindow(t *testing.T, rs *RedisStore, ms *MemoryStore, key string,
 			inMemory["o"+strconv.FormatInt(i, 10)] = strconv.FormatInt(w.offered[i%n], 10)
 		}
 	}
-	s.mu.Unlock()
+	unlock()
 	if len(inMemory) > 0 {
 		shape := "w"
 		if p.Suppress != 0 {
@@ -747,8 +746,9 @@ func keysInOwnShards(m *MemoryStore, steps []agreementOp) []string {
 	taken := map[*memShard]bool{}
 	var keys []string
 	for i := 0; len(keys) < n; i++ {
-		if k := fmt.Sprint("user-", i); !taken[m.shard(k)] {
-			taken[m.shard(k)] = true
+		k := fmt.Sprint("user-", i)
+		if s, _ := m.shard(k); !taken[s] {
+			taken[s] = true
 			keys = append(keys, k)
 		}
 	}
@@ -1656,12 +1656,11 @@ func runVariants(t *testing.T, seed uint64) {
 			}
 			var m Result
 			for _, q := range plans {
-				sh := ms.shard("k")
-				if e := sh.keys["k"]; e != nil && !q.isWindow() {
-					if b := e.find(&q); b != nil && b.win == nil && b.ver.inherit(b.TokenBucket, &q, now).tooFarAhead(&q, now) {
-						farAhead.Add(1)
-					}
+				e, unlock := lockedEntry(ms, "k")
+				if b := e.find(&q); b != nil && !q.isWindow() && b.win == nil && b.ver.inherit(b.TokenBucket, &q, now).tooFarAhead(&q, now) {
+					farAhead.Add(1)
 				}
+				unlock()
 			}
 			o := op{key: "k", n: cost, plans: plans}
 			if cost <= 0 { // a read: for 1 token (0), or for -cost

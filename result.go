@@ -182,17 +182,15 @@ func (r *Result) describe(o *outcome) {
 	plans, buckets, windows, now, cost, allowed, wd := o.plans, o.buckets, o.windows, o.now, o.cost, o.allowed, o.wd
 	if len(plans) == 1 { // the common case, and hot
 		p := &plans[0]
-		*r = Result{Plan: p.Name, Limit: p.Capacity}
-		r.Rate, r.Window, r.shadow = p.Rate, p.Window, p.Shadow // set apart: the literal, larger, was built in a temporary and copied
-		if p.isWindow() {
-			st := &windows[0]
-			r.Remaining, r.RetryAfter, r.ResetAfter = st.remaining, st.retryAfter, st.resetAfter
-			r.Suppressed, r.Suppression = st.drawn, st.suppression
-		} else {
-			r.Remaining, r.RetryAfter, r.ResetAfter = bucketState(p, buckets[0], now, cost, allowed && wd == 0)
+		if !p.isWindow() {
+			r.describeBucket(p, buckets[0], now, cost, allowed, wd)
+			return
 		}
-		r.ShadowDenied = p.Shadow && (wd != 0 || cost <= 0 && r.RetryAfter > 0)
-		r.Allowed = allowed && (cost > 0 || r.RetryAfter == 0 || p.Shadow)
+		st := &windows[0]
+		r.describePlan(p)
+		r.Remaining, r.RetryAfter, r.ResetAfter = st.remaining, st.retryAfter, st.resetAfter
+		r.Suppressed, r.Suppression = st.drawn, st.suppression
+		r.decided(p, cost, allowed, wd)
 		return
 	}
 	*r = Result{chain: make([]PlanResult, len(plans))}
@@ -244,6 +242,28 @@ func (o *outcome) stateOf(i int, allowed bool) planState {
 	var st planState
 	st.remaining, st.retryAfter, st.resetAfter = bucketState(p, o.buckets[i], o.now, o.cost, allowed)
 	return st
+}
+
+// describeBucket is describe for one bucket plan p, whose bucket after
+// the decision is b: a MemoryStore's hot path, which builds no outcome.
+func (r *Result) describeBucket(p *Plan, b TokenBucket, now, cost int64, allowed bool, wd uint64) {
+	r.describePlan(p)
+	r.Remaining, r.RetryAfter, r.ResetAfter = bucketState(p, b, now, cost, allowed && wd == 0)
+	r.decided(p, cost, allowed, wd)
+}
+
+// describePlan overwrites *r whole with what it tells of plan p alone.
+func (r *Result) describePlan(p *Plan) {
+	*r = Result{Plan: p.Name, Limit: p.Capacity}
+	r.Rate, r.Window, r.shadow = p.Rate, p.Window, p.Shadow // set apart: the literal, larger, was built in a temporary and copied
+}
+
+// decided sets Allowed and ShadowDenied of a Result of the one plan p,
+// whose RetryAfter is set, after a decision that allowed or not, for
+// cost, in which bit 0 of wd says that p, shadowed, would have denied.
+func (r *Result) decided(p *Plan, cost int64, allowed bool, wd uint64) {
+	r.ShadowDenied = p.Shadow && (wd != 0 || cost <= 0 && r.RetryAfter > 0)
+	r.Allowed = allowed && (cost > 0 || r.RetryAfter == 0 || p.Shadow)
 }
 
 // bucketState returns what a Result reports of one stored bucket after a

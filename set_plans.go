@@ -146,7 +146,7 @@ func (l *Limiter) SetPlans(plans []Plan) error {
 	if err != nil {
 		return err
 	}
-	if l.leases == nil && !l.local && leaseIn(plans) {
+	if l.leases == nil && l.mem == nil && leaseIn(plans) {
 		return fmt.Errorf("%w: Plan.Lease needs a store, and a fallback store, that hold reservations", errUnsupported(modeHold))
 	}
 	l.table.Store(t)

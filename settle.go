@@ -47,14 +47,15 @@ func (m *MemoryStore) settle(_ context.Context, o settleOp) (Settlement, settleS
 	key, plans, skip, n, actual := o.key, o.plans, o.hold.skip, o.n, o.used
 	var buf [4]TokenBucket
 	buckets := buf[:0]
-	s, e, now := m.lock(key)
+	lk, now := m.lock(key)
+	e := lk.e
 	status := holdLive
 	if now >= o.hold.expires { // as a key with that expiry would have gone
 		status = holdGone
 	}
 	delta := settleDelta(n, actual, status)
 	if delta != 0 && e == nil {
-		e = s.entry(key, len(plans), m.perCap, now)
+		e = lk.insert(m, key, len(plans), now)
 	}
 	var lost int64
 	for i := range plans {
@@ -68,7 +69,7 @@ func (m *MemoryStore) settle(_ context.Context, o settleOp) (Settlement, settleS
 		}
 		buckets = append(buckets, b)
 	}
-	s.mu.Unlock()
+	lk.unlock()
 	return settlement(o, buckets, now, lost, status), status, nil
 }
 

@@ -1,0 +1,124 @@
+package tollgate
+
+import (
+	"math"
+	"math/rand/v2"
+	"sync"
+	"sync/atomic"
+)
+
+// memShard is one shard of a MemoryStore's keys. A decision on a key the
+// shard holds probes its table and locks the key's entry alone (memLock);
+// the shard's lock serializes what changes the table: a key inserted,
+// evicted or removed, and the table's growth. It is taken before an
+// entry's lock, never after.
+type memShard struct {
+	mu    sync.Mutex
+	table atomic.Pointer[memTable]
+	n     int      // keys in the table, under mu
+	_     [40]byte // keeps neighbouring shards off one cache line
+}
+
+// evictSample is how many keys an insertion into a shard at its bound
+// examines to pick a victim.
+const evictSample = 16
+
+func (s *memShard) init() {
+	s.table.Store(newMemTable(minTableSlots))
+}
+
+// insert adds an entry for key, of hash h, with room for n plans, and
+// returns it, locked. A shard at its bound of perCap keys evicts one
+// first and reuses its entry, so that the copy of key is the only
+// allocation. Requires s.mu, and key absent.
+func (s *memShard) insert(key string, h uint64, n, perCap int, now int64) *memEntry {
+	var e *memEntry
+	if s.n >= perCap {
+		e = s.evict(now)
+	}
+	if e == nil {
+		e = newMemEntry(n)
+	}
+	e.claim(key, now)
+	t := s.table.Load()
+	if 2*(s.n+1) > len(t.slots) {
+		t = t.grown()
+		s.table.Store(t)
+	}
+	t.put(h, e)
+	s.n++
+	return e
+}
+
+// drop removes e, locked, from slot i of the table. A decision that found
+// e before and waits for its lock then finds its key gone, and looks
+// again. Requires s.mu.
+func (s *memShard) drop(e *memEntry, i int) {
+	s.table.Load().remove(i)
+	s.n--
+	e.key = ""
+}
+
+// evict drops a key to make room, and returns its entry, locked, or nil
+// if the shard is empty: the first full key of a sample of evictSample,
+// from a random slot on, which gives nothing back, or else the one that
+// would get back the fewest tokens, per µs it has been away, if it
+// returned after as long again. A key that a decision holds at that
+// moment is in use and stays, unless every key sampled is held. Requires
+// s.mu.
+func (s *memShard) evict(now int64) *memEntry {
+	t := s.table.Load()
+	v := victim{harm: math.Inf(1)}
+	start, examined := rand.Uint64(), 0
+	for n := uint64(0); n <= t.mask && examined < evictSample && v.harm != math.Inf(-1); n++ {
+		i := (start + n) & t.mask
+		if e := t.slots[i].e.Load(); e != nil {
+			examined++
+			v.consider(e, int(i), now)
+		}
+	}
+	if v.e == nil && v.busy != nil { // every key sampled is held: wait for one
+		v.busy.mu.Lock()
+		v.e, v.at = v.busy, v.busyAt
+	}
+	if v.e != nil {
+		s.drop(v.e, v.at)
+	}
+	return v.e
+}
+
+// victim is evict's choice so far: an entry, locked, its slot and the
+// harm of dropping it; and the first entry it found held, and its slot.
+type victim struct {
+	e      *memEntry
+	at     int
+	harm   float64 // -Inf: full, nothing given back
+	busy   *memEntry
+	busyAt int
+}
+
+// consider weighs e, in slot i, against the victim so far.
+func (v *victim) consider(e *memEntry, i int, now int64) {
+	if !e.mu.TryLock() {
+		if v.busy == nil {
+			v.busy, v.busyAt = e, i
+		}
+		return
+	}
+	harm := math.Inf(-1)
+	if at := e.fullAt(now); at > now {
+		// What it would get back if it returned after as long as it has
+		// been away, per µs away: a key seen once long ago is a better
+		// victim than a drained key that keeps asking.
+		away := max(now-e.seen, 0) // its last decision may have read the clock after ours
+		harm = float64(at-now-away) / float64(away+1)
+	}
+	if harm >= v.harm {
+		e.mu.Unlock()
+		return
+	}
+	if v.e != nil {
+		v.e.mu.Unlock()
+	}
+	v.e, v.at, v.harm = e, i, harm
+}
