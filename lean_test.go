@@ -397,5 +397,6 @@ func TestLeanFunctionReadsTheClockEachCall(t *testing.T) {
 	vals, err := redisscript.Ints(nil, calls[0].Reply, 4)
 	require.NoError(t, err)
 	assert.Greater(t, vals[1], nows[1], "the batch too")
-	assert.Zero(t, d.take.Loads()-1, "one load: FCALL ran both times")
+	// At most one load: the library may be on a shared server already.
+	assert.LessOrEqual(t, d.take.Loads(), int64(1), "FCALL ran both times")
 }
