@@ -153,27 +153,14 @@ func TestBatchLoneCallerSendsAlone(t *testing.T) {
 // 20 connections: none ever waits for a call slot, so every decision is a
 // script call of its own, as without batching.
 func TestBatchLightLoadGoesAlone(t *testing.T) {
-	mr := miniredis.RunT(t)
-	c := redis.NewClient(&redis.Options{Addr: mr.Addr(), PoolSize: 20})
-	t.Cleanup(func() { _ = c.Close() })
-	var h scriptCounter
-	c.AddHook(&h)
+	c, h := countedClient(t, &redis.Options{Addr: miniredis.RunT(t).Addr(), PoolSize: 20})
 	s := NewRedisStore(c)
 	// Found to have no functions, and loaded: no FCALL, NOSCRIPT or EVAL
 	// from here.
 	_, err := s.Take(context.Background(), "warm", 1, []Plan{gold})
 	require.NoError(t, err)
 	h.alone.Store(0)
-	var wg sync.WaitGroup
-	for g := range 8 {
-		wg.Go(func() {
-			for i := range 50 {
-				_, err := s.Take(context.Background(), "k"+strconv.Itoa(g*50+i), 1, []Plan{gold})
-				assert.NoError(t, err)
-			}
-		})
-	}
-	wg.Wait()
+	takeFromEach(t, s, 8, 50)
 	assert.Equal(t, int64(400), h.alone.Load(), "one script call per decision")
 }
 
@@ -181,24 +168,27 @@ func TestBatchLightLoadGoesAlone(t *testing.T) {
 // of 20 connections, on miniredis, which runs a script call far slower
 // than its callers ask: decisions wait, and ride in batches of several.
 func TestBatchHeavyLoadRidesInBatches(t *testing.T) {
-	mr := miniredis.RunT(t)
-	c := redis.NewClient(&redis.Options{Addr: mr.Addr(), PoolSize: 20})
-	t.Cleanup(func() { _ = c.Close() })
-	var h scriptCounter
-	c.AddHook(&h)
+	c, h := countedClient(t, &redis.Options{Addr: miniredis.RunT(t).Addr(), PoolSize: 20})
 	s := NewRedisStore(c)
+	takeFromEach(t, s, 64, 20)
+	t.Logf("1280 decisions in %d script calls", h.alone.Load())
+	assert.Less(t, h.alone.Load(), int64(1280/4), "decisions ride in batches of 4 or more on average")
+}
+
+// takeFromEach has callers goroutines each take one token, on gold, from
+// each of each keys of their own in turn, and waits for them.
+func takeFromEach(t *testing.T, s *RedisStore, callers, each int) {
+	t.Helper()
 	var wg sync.WaitGroup
-	for g := range 64 {
+	for g := range callers {
 		wg.Go(func() {
-			for i := range 20 {
-				_, err := s.Take(context.Background(), "k"+strconv.Itoa(g*20+i), 1, []Plan{gold})
+			for i := range each {
+				_, err := s.Take(context.Background(), "k"+strconv.Itoa(g*each+i), 1, []Plan{gold})
 				assert.NoError(t, err)
 			}
 		})
 	}
 	wg.Wait()
-	t.Logf("1280 decisions in %d script calls", h.alone.Load())
-	assert.Less(t, h.alone.Load(), int64(1280/4), "decisions ride in batches of 4 or more on average")
 }
 
 // TestBatchLimitFollowsTheLoad steps the batcher's call slots by hand:
@@ -556,10 +546,7 @@ func TestBatchedDenialIsRemembered(t *testing.T) {
 	ctx := context.Background()
 	mr := miniredis.RunT(t)
 	mr.SetTime(time.UnixMicro(t0))
-	c := redis.NewClient(&redis.Options{Addr: mr.Addr()})
-	t.Cleanup(func() { _ = c.Close() })
-	var calls scriptCounter
-	c.AddHook(&calls)
+	c, calls := countedClient(t, &redis.Options{Addr: mr.Addr()})
 	s := NewRedisStore(c)
 	l, err := New(s, []Plan{{Name: "slow", Capacity: 4, Rate: Per(4, time.Hour)}}, WithLogger(nil))
 	require.NoError(t, err)

@@ -807,10 +807,7 @@ func TestDenialCacheAndWindows(t *testing.T) {
 func TestFallbackDenialsAreNotRemembered(t *testing.T) {
 	ctx := context.Background()
 	mr := miniredis.RunT(t)
-	c := redis.NewClient(&redis.Options{Addr: mr.Addr(), MaxRetries: -1})
-	t.Cleanup(func() { _ = c.Close() })
-	var calls scriptCounter
-	c.AddHook(&calls)
+	c, calls := countedClient(t, &redis.Options{Addr: mr.Addr(), MaxRetries: -1})
 	l, err := New(NewRedisStore(c), []Plan{{Name: "slow", Capacity: 2, Rate: Per(2, time.Hour)}}, WithLogger(nil),
 		WithBreaker(breaker.Settings{Failures: 1000})) // every call goes to Redis
 	require.NoError(t, err)

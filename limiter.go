@@ -130,7 +130,10 @@ func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
 // the fallback store, and leases.
 func (l *Limiter) wire(c config) {
 	l.decider = deciderOf(l.store)
-	l.mem, _ = l.decider.(*MemoryStore) // not a store of another package that embeds one
+	// Held by its type, not as a capability: through an interface the
+	// caller's Result would move to the heap on every decision. deciderOf
+	// already refused a store of another package that embeds one.
+	l.mem, _ = l.decider.(*MemoryStore)
 	keys := defaultDenialCacheKeys
 	if l.mem != nil {
 		keys = 0

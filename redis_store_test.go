@@ -291,6 +291,17 @@ type scriptCounter struct {
 	alone, piped atomic.Int64
 }
 
+// countedClient returns a client with options o, closed at the test's
+// end, and the scriptCounter hooked to it.
+func countedClient(t *testing.T, o *redis.Options) (*redis.Client, *scriptCounter) {
+	t.Helper()
+	c := redis.NewClient(o)
+	t.Cleanup(func() { _ = c.Close() })
+	h := &scriptCounter{}
+	c.AddHook(h)
+	return c, h
+}
+
 func isScriptCmd(cmd redis.Cmder) bool {
 	return cmd.Name() == "evalsha" || cmd.Name() == "eval" || cmd.Name() == "fcall"
 }

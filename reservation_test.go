@@ -511,10 +511,7 @@ type holdTotals struct {
 func TestSettleHonoursAnOpenBreaker(t *testing.T) {
 	ctx := context.Background()
 	mr := miniredis.RunT(t)
-	c := redis.NewClient(&redis.Options{Addr: mr.Addr(), MaxRetries: -1})
-	t.Cleanup(func() { _ = c.Close() })
-	var calls scriptCounter
-	c.AddHook(&calls)
+	c, calls := countedClient(t, &redis.Options{Addr: mr.Addr(), MaxRetries: -1})
 	l, err := New(NewRedisStore(c), []Plan{llm}, WithLogger(nil), WithDenialCache(0),
 		WithBreaker(breaker.Settings{Failures: 1, Cooldown: time.Hour}))
 	require.NoError(t, err)
