@@ -74,6 +74,21 @@ func TestMemoryStoreTakesDuringEvictionsLoseNothing(t *testing.T) {
 	assert.LessOrEqual(t, m.Len(), 8)
 }
 
+// hotFullAgain returns a store of one key on the clock *now, and its plan
+// of one token a second, in which the key hot took its token at *now,
+// which it then moves a second on: hot is full again.
+func hotFullAgain(t *testing.T, now *int64) (*MemoryStore, []Plan) {
+	t.Helper()
+	m := NewMemoryStore(WithMaxKeys(1))
+	p := []Plan{{Name: "p", Capacity: 1, Rate: 1}}
+	m.fakeNow = func() int64 { return *now }
+	r, err := m.Take(context.Background(), "hot", 1, p)
+	require.NoError(t, err)
+	require.True(t, r.Allowed)
+	*now += 1_000_000
+	return m, p
+}
+
 // TestMemoryStoreDecisionOnAnEvictedEntryLooksAgain evicts a full key, and
 // reuses its entry for another key, between the moment a decision on it
 // finds the entry and the moment it locks it (the clock is read there).
@@ -83,13 +98,7 @@ func TestMemoryStoreTakesDuringEvictionsLoseNothing(t *testing.T) {
 func TestMemoryStoreDecisionOnAnEvictedEntryLooksAgain(t *testing.T) {
 	ctx := context.Background()
 	now := t0
-	m := NewMemoryStore(WithMaxKeys(1))
-	p := []Plan{{Name: "p", Capacity: 1, Rate: 1}}
-	m.fakeNow = func() int64 { return now }
-	r, err := m.Take(ctx, "hot", 1, p)
-	require.NoError(t, err)
-	require.True(t, r.Allowed)
-	now += 1_000_000 // hot is full again, and goes first
+	m, p := hotFullAgain(t, &now) // hot goes first
 	evict := true
 	m.fakeNow = func() int64 {
 		if evict { // the decision on hot has found its entry
@@ -100,7 +109,7 @@ func TestMemoryStoreDecisionOnAnEvictedEntryLooksAgain(t *testing.T) {
 		}
 		return now
 	}
-	r, err = m.Take(ctx, "hot", 1, p)
+	r, err := m.Take(ctx, "hot", 1, p)
 	require.NoError(t, err)
 	assert.False(t, evict, "the entry was evicted while the decision held it")
 	assert.True(t, r.Allowed, "hot was full")
@@ -229,13 +238,7 @@ func TestMemoryStoreInsertWaitsWhenEveryKeyIsHeld(t *testing.T) {
 func TestMemoryStoreDecisionOnADroppedKeyReadsTheClockAgain(t *testing.T) {
 	ctx := context.Background()
 	now := t0
-	m := NewMemoryStore(WithMaxKeys(1))
-	p := []Plan{{Name: "p", Capacity: 1, Rate: 1}}
-	m.fakeNow = func() int64 { return now }
-	r, err := m.Take(ctx, "hot", 1, p)
-	require.NoError(t, err)
-	require.True(t, r.Allowed)
-	now += 1_000_000 // hot is full again
+	m, p := hotFullAgain(t, &now)
 	wait := true
 	m.fakeNow = func() int64 {
 		if !wait {
@@ -252,7 +255,7 @@ func TestMemoryStoreDecisionOnADroppedKeyReadsTheClockAgain(t *testing.T) {
 		require.True(t, r.Allowed)
 		return read
 	}
-	r, err = m.Take(ctx, "hot", 1, p)
+	r, err := m.Take(ctx, "hot", 1, p)
 	require.NoError(t, err)
 	assert.False(t, wait)
 	assert.True(t, r.Allowed, "hot was full when it was dropped")
