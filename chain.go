@@ -2,7 +2,8 @@ package tollgate
 
 // chain decides cost on every plan of a chain, all or nothing, and writes
 // nothing: buckets[i] is the bucket of bucket plan i, refilled to now in
-// place; windows[i] is the window of window plan i (nil: empty). u is the
+// place, and, for concurrency plan i, its free permits as tokens;
+// windows[i] is the window of window plan i (nil: empty). u is the
 // request's random number for suppressed plans, in [0, 2^53). A read
 // (cost 0) is allowed. A shadowed plan that would deny does not: bit i
 // of wd says so for plan i. scripts/limit.lua decides the same way.
@@ -14,6 +15,8 @@ func chain(plans []Plan, buckets []TokenBucket, windows []*window, now, cost int
 		if p := &plans[i]; p.isWindow() {
 			admitted, offered := windows[i].counts(now)
 			fits = cost <= 0 || admits(suppression(p, admitted, offered, cost), u)
+		} else if p.Concurrency {
+			fits = buckets[i].Tokens >= need
 		} else {
 			buckets[i] = buckets[i].refill(p, now)
 			fits = buckets[i].Tokens >= need
@@ -34,6 +37,16 @@ func chain(plans []Plan, buckets []TokenBucket, windows []*window, now, cost int
 func suppressedIn(plans []Plan) bool {
 	for i := range plans {
 		if plans[i].Suppress != 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// permitsIn reports whether any of plans is a concurrency plan.
+func permitsIn(plans []Plan) bool {
+	for i := range plans {
+		if plans[i].Concurrency {
 			return true
 		}
 	}

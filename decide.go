@@ -102,8 +102,14 @@ func (l *Limiter) check(ctx context.Context, q *request) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	if q.mode == modeHold {
+	switch {
+	case q.mode == modeHold:
+		if permitsIn(q.plans) {
+			return fmt.Errorf("%w: %w", ErrInvalidPlan, errNoPermitPlan)
+		}
 		return q.hold.accept(q.plans)
+	case (q.mode == modeAcquire) != permitsIn(q.plans):
+		return fmt.Errorf("%w: %w", ErrInvalidPlan, errNoPermitPlan)
 	}
 	return nil
 }
@@ -143,7 +149,7 @@ func unknownPlan(name string) error {
 // remember, and suppressed plans write on every request, so a remembered
 // denial would not be the store's answer.
 func (l *Limiter) cacheable(q *request) bool {
-	return l.denials != nil && q.mode != modeRead && !suppressedIn(q.plans)
+	return l.denials != nil && q.mode != modeRead && q.mode != modeAcquire && !suppressedIn(q.plans)
 }
 
 // planKey names the plans of q for the denial cache by their fingerprints,

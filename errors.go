@@ -40,6 +40,8 @@ var (
 	// reservation holds no tokens: it was not granted (Reservation.OK
 	// reports false), or it was settled before. A retry of a Settle that
 	// failed with an error gets it when the first did reach the store.
+	// Permit.Release returns it for a Permit not granted (Permit.OK
+	// reports false), or released before.
 	ErrNotHeld = errors.New("tollgate: reservation holds nothing to settle")
 
 	// ErrHoldExpired means a reservation's hold was gone when it was
@@ -47,6 +49,13 @@ var (
 	// or it held data tollgate did not write, which is replaced. Nothing
 	// was refunded; tokens used beyond the reservation were still charged.
 	ErrHoldExpired = errors.New("tollgate: reservation hold expired")
+
+	// ErrPermitLost means a Permit's lease ended before its Limiter
+	// renewed it or it was released: its holder stopped, or could not
+	// reach the store, for longer than the lease (WithPermitLease), so
+	// that its permits may have gone to others. Release returns it, and
+	// changes nothing.
+	ErrPermitLost = errors.New("tollgate: permit lost: its lease ended")
 
 	// ErrWaitExceedsDeadline means Wait would have to wait past the
 	// context's deadline, so it returned at once.

@@ -175,6 +175,9 @@ func (l *Limiter) degrade(ctx context.Context, r *Result, o *op, cause error) er
 	}
 	share := *o
 	share.plans = shareOf(o.plans, l.fleetSize(), o.n)
+	if o.mode == modeAcquire {
+		share.plans = l.lessHeld(share.plans, o.key)
+	}
 	var err error
 	if *r, err = l.fallbackDecider.decide(ctx, share); err != nil {
 		*r = Result{}

@@ -96,7 +96,7 @@ func shareOf(plans []Plan, n, cost int64) []Plan {
 	shares := make([]Plan, len(plans))
 	for i, p := range plans {
 		p.Capacity = max(p.Capacity/n, cost, 1)
-		if !p.isWindow() {
+		if !p.isWindow() && !p.Concurrency {
 			p.Rate = max(p.Rate/float64(n), float64(p.Capacity)/maxRefillPeriod.Seconds())
 		}
 		shares[i] = p

@@ -14,7 +14,7 @@ func lean(plans []Plan) bool {
 		return false
 	}
 	p := &plans[0]
-	return !p.isWindow() && p.Version == 0 && !p.Shadow
+	return !p.isWindow() && !p.Concurrency && p.Version == 0 && !p.Shadow
 }
 
 // decisionScripts are what a RedisStore runs in Redis for a decision: the
@@ -40,8 +40,8 @@ func decisionScriptsOn(bucket string) *decisionScripts {
 		redisscript.Entry{Name: "take", Body: "return takeOne(KEYS, ARGV)"},
 		redisscript.Entry{Name: "take_many", Body: "return takeMany(KEYS, ARGV)"})
 	return &decisionScripts{
-		limit:     redisscript.New(bucket + luaLimit),
-		limitMany: redisscript.NewBatch(bucket, luaLimit),
+		limit:     redisscript.New(bucket + luaSemaphore + luaLimit),
+		limitMany: redisscript.NewBatch(bucket+luaSemaphore, luaLimit),
 		take:      fns[0],
 		takeMany:  redisscript.NewGrouped(fns[1], 1), // the cost is each call's own; capacity and rate are its plan's
 	}

@@ -72,6 +72,8 @@ type Limiter struct {
 	log             *slog.Logger
 	debug           bool // log every decision: the logger had debug enabled at New
 	holdTTL         time.Duration
+	permitLease     time.Duration // WithPermitLease
+	permitsHeld     bool          // the store, and the fallback if any, hold permits
 
 	table     atomic.Pointer[planTable] // New's plans, or SetPlans's
 	resolver  planResolver              // nil: none
@@ -85,6 +87,7 @@ type Limiter struct {
 	outage      outage
 	lastSuccess atomic.Int64 // the last store call that succeeded, on the Limiter's clock
 	backs       giveBacks    // the give-backs under way, which Close waits for
+	book        permitBook   // the permits granted and not released, which it renews
 }
 
 var _ RateLimiter = (*Limiter)(nil)
@@ -100,7 +103,7 @@ func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
 	if err := wiringError(store); err != nil {
 		return nil, err
 	}
-	c := config{log: slog.Default(), holdTTL: defaultHoldTTL, leaseTTL: defaultLeaseTTL}
+	c := config{log: slog.Default(), holdTTL: defaultHoldTTL, leaseTTL: defaultLeaseTTL, permitTTL: defaultPermitLease}
 	if err := applyOptions(&c, takerNew, opts); err != nil {
 		return nil, err
 	}
@@ -108,7 +111,8 @@ func New(store Store, plans []Plan, opts ...Option) (*Limiter, error) {
 		return nil, err
 	}
 	l := &Limiter{store: store, stats: newCounters(), epoch: time.Now(), resolver: c.resolver, shadowAll: c.shadow,
-		policy: c.policy, log: c.log, holdTTL: c.holdTTL}
+		policy: c.policy, log: c.log, holdTTL: c.holdTTL, permitLease: c.permitTTL}
+	l.book.l, l.book.lease = l, c.permitTTL
 	l.debug = l.log.Enabled(context.Background(), slog.LevelDebug)
 	l.wire(c)
 	if err := l.SetPlans(plans); err != nil {
@@ -154,6 +158,7 @@ func (l *Limiter) wire(c config) {
 		l.fallbackDecider = deciderOf(l.fallback)
 	}
 	l.holds = canHold(l.store) && (l.fallback == nil || canHold(l.fallback))
+	l.permitsHeld = canPermit(l.store) && (l.fallback == nil || canPermit(l.fallback))
 	if l.mem == nil && l.holds {
 		l.leases = newLeases(l, c.leaseTTL)
 	}
@@ -348,6 +353,7 @@ func (l *Limiter) Close() error {
 	if l.leases != nil {
 		l.leases.close()
 	}
+	l.book.close()
 	l.backs.wait()
 	return nil
 }

@@ -5,21 +5,20 @@ import (
 	"sync"
 )
 
-// memEntry holds the buckets and windows of one key, one per plan it was
+// memEntry holds the buckets, windows and permits of one key, one per plan it was
 // charged to, under its own lock. Its key changes under the shard's lock
 // as well, so that a lookup under either lock may read it.
 //
 // A decision on a key of one plan writes one cache line: the lock, seen
 // and the bucket in one, which is the storage of buckets until a second
-// plan needs more. The padding makes the size a multiple of 64 bytes, so
-// that the allocator places every entry at the start of a cache line.
+// plan needs more. Its size is a multiple of 64 bytes (a test pins it),
+// so that the allocator places every entry at the start of a cache line.
 type memEntry struct {
 	mu      sync.Mutex
 	seen    int64 // µs: the last decision on the key, denials and reads included
 	one     [1]memBucket
 	buckets []memBucket
 	key     string // "" once the key left its shard: a decision that found the entry looks again
-	_       [16]byte
 }
 
 // memBucket is the state of one plan: its bucket, or its window when the
@@ -29,6 +28,7 @@ type memBucket struct {
 	TokenBucket
 	plan Plan
 	win  *window
+	sem  *semaphore    // of concurrency plans (Plan.Concurrency)
 	ver  bucketVersion // of versioned plans (Plan.Version)
 }
 
@@ -51,6 +51,8 @@ func (e *memEntry) find(p *Plan) *memBucket {
 func (e *memEntry) bucket(p *Plan, now int64) TokenBucket {
 	if b := e.find(p); b != nil {
 		switch {
+		case b.sem != nil: // holds no tokens, as the script reads another type
+			return fullBucket(*p, now)
 		case b.win != nil:
 			return fromWindow(b.win, b.plan.Capacity, p, now)
 		case p.Version > b.ver.pv:
@@ -79,7 +81,7 @@ func (e *memEntry) bringBack(p *Plan, b TokenBucket, now int64) {
 func (e *memEntry) window(p *Plan, now int64) *window {
 	b := e.find(p)
 	switch {
-	case b == nil:
+	case b == nil || b.sem != nil:
 		return nil
 	case b.win == nil:
 		return fromBucket(b.TokenBucket, p, now)
@@ -103,7 +105,7 @@ func (e *memEntry) store(p *Plan, b TokenBucket) {
 	for i := range e.buckets {
 		switch eb := &e.buckets[i]; {
 		case eb.plan.Name != p.Name:
-		case eb.win != nil:
+		case eb.win != nil || eb.sem != nil:
 			*eb = memBucket{plan: *p, TokenBucket: b, ver: bucketVersion{}.written(p)}
 			return
 		case eb.plan.Capacity != p.Capacity || eb.plan.Rate != p.Rate:
@@ -130,6 +132,8 @@ func (e *memEntry) storeWindow(p *Plan, now int64) *window {
 	case eb == nil:
 		e.buckets = append(e.buckets, memBucket{plan: *p, win: &window{}})
 		return e.buckets[len(e.buckets)-1].win
+	case eb.sem != nil:
+		*eb = memBucket{plan: *p, win: &window{}}
 	case eb.win == nil:
 		*eb = memBucket{plan: *p, win: fromBucket(eb.TokenBucket, p, now)}
 	case !sameShape(&eb.plan, p):
@@ -146,13 +150,41 @@ func (e *memEntry) storeWindow(p *Plan, now int64) *window {
 func (e *memEntry) fullAt(now int64) int64 {
 	at := int64(0)
 	for _, b := range e.buckets {
-		if b.win != nil {
+		switch {
+		case b.sem != nil:
+			at = max(at, b.sem.endsAt())
+		case b.win != nil:
 			at = max(at, b.win.emptyAt())
-		} else {
+		default:
 			at = max(at, b.FullAt(b.plan, now)+b.ver.fence(&b.plan))
 		}
 	}
 	return at
+}
+
+// semaphore returns the permits of concurrency plan p, or nil, which
+// holds none, if there are none: state of another kind kept for a plan of
+// the name holds no permits, as the script reads it. e may be nil.
+func (e *memEntry) semaphore(p *Plan) *semaphore {
+	if b := e.find(p); b != nil {
+		return b.sem
+	}
+	return nil
+}
+
+// storeSemaphore returns concurrency plan p's permits to add to: new if
+// there are none, replacing state of another kind kept for a plan of the
+// name.
+func (e *memEntry) storeSemaphore(p *Plan) *semaphore {
+	eb := e.find(p)
+	switch {
+	case eb == nil:
+		e.buckets = append(e.buckets, memBucket{plan: *p, sem: &semaphore{}})
+		return e.buckets[len(e.buckets)-1].sem
+	case eb.sem == nil:
+		*eb = memBucket{plan: *p, sem: &semaphore{}}
+	}
+	return eb.sem
 }
 
 // newMemEntry returns an entry with room for n plans, locked.

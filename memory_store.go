@@ -138,13 +138,16 @@ func (m *MemoryStore) decide(_ context.Context, o op) (r Result, _ error) {
 func (m *MemoryStore) decideIn(r *Result, o *op) {
 	// A chain of buckets alone skips the windows' bookkeeping, which it
 	// would otherwise pay for nothing.
-	if windowIn(o.plans) {
-		m.takeWindows(r, o.key, o.cost(), o.plans)
+	if windowIn(o.plans) || o.mode == modeAcquire {
+		m.takeChain(r, o)
 	} else {
 		m.takeBuckets(r, o.key, o.cost(), o.plans)
 	}
-	if o.mode == modeHold {
+	switch {
+	case o.mode == modeHold:
 		m.dateHold(o.hold)
+	case o.mode == modeAcquire && r.Allowed:
+		o.grant.store = m
 	}
 }
 

@@ -1,8 +1,9 @@
 package tollgate
 
-// takeWindows is decide for a chain with window plans: cost is the op's
-// (see op.cost), and the Result is built in *r.
-func (m *MemoryStore) takeWindows(r *Result, key string, cost int64, plans []Plan) {
+// takeChain is decide for a chain with window or concurrency plans, and
+// the Result is built in *r.
+func (m *MemoryStore) takeChain(r *Result, o *op) {
+	key, cost, plans := o.key, o.cost(), o.plans
 	// Fixed arrays keep a decision on up to four chained plans off the heap.
 	var bbuf [4]TokenBucket
 	var wbuf [4]*window
@@ -20,23 +21,32 @@ func (m *MemoryStore) takeWindows(r *Result, key string, cost int64, plans []Pla
 	lk, now := m.lock(key)
 	e := lk.e
 	for i := range plans {
-		if p := &plans[i]; p.isWindow() {
+		switch p := &plans[i]; {
+		case p.isWindow():
 			windows[i] = e.window(p, now)
-		} else {
+		case p.Concurrency:
+			states[i] = e.reclaim(p, now)
+			buckets[i] = TokenBucket{Tokens: states[i].remaining * microTokens, Stamp: now}
+		default:
 			buckets[i] = e.bucket(p, now)
 		}
 	}
 	allowed, wd := chain(plans, buckets, windows, now, cost, u)
-	o := outcome{plans: plans, buckets: buckets, windows: states, now: now, cost: cost, allowed: allowed, wd: wd}
+	d := outcome{plans: plans, buckets: buckets, windows: states, now: now, cost: cost, allowed: allowed, wd: wd}
 	taken := allowed && cost > 0
 	if taken || suppressed && cost > 0 {
 		if e == nil {
 			e = lk.insert(m, key, len(plans), now)
 		}
-		e.writeChain(&o, windows)
+		e.writeChain(&d, windows)
+		if taken && o.mode == modeAcquire {
+			e.addPermits(o, now)
+		}
 	}
 	for i := range plans {
 		switch p := &plans[i]; {
+		case p.Concurrency:
+			states[i] = permitState(states[i].remaining, states[i].reclaimed, cost, taken)
 		case p.isWindow():
 			// Windows change in place: they are described under the lock.
 			states[i] = describeWindow(p, windows[i], now, cost, allowed && wd&(1<<i) == 0)
@@ -50,7 +60,7 @@ func (m *MemoryStore) takeWindows(r *Result, key string, cost int64, plans []Pla
 		}
 	}
 	lk.unlock()
-	r.describe(&o)
+	r.describe(&d)
 }
 
 // writeChain writes what the decision o on a chain with windows took:
@@ -63,6 +73,7 @@ func (e *memEntry) writeChain(o *outcome, windows []*window) {
 	for i := range o.plans {
 		taken := o.allowed && cost > 0 && o.wd&(1<<i) == 0 // a shadowed plan that would deny takes nothing
 		switch p := &o.plans[i]; {
+		case p.Concurrency: // addPermits adds the permits
 		case !p.isWindow():
 			if taken {
 				o.buckets[i].Tokens -= cost * microTokens

@@ -57,6 +57,7 @@ type config struct {
 	denialKeys *int // nil: the default
 	holdTTL    time.Duration
 	leaseTTL   time.Duration
+	permitTTL  time.Duration
 	resolver   planResolver
 	shadow     bool
 	fleet      *time.Duration // the heartbeat's interval; nil: no fleet
@@ -77,6 +78,8 @@ func (c *config) validate() error {
 		return fmt.Errorf("%w: hold TTL %v is outside 1ms to 100 years", ErrInvalidOption, c.holdTTL)
 	case c.leaseTTL < time.Millisecond || c.leaseTTL > maxLeaseTTL:
 		return fmt.Errorf("%w: lease TTL %v is outside 1ms to 1m", ErrInvalidOption, c.leaseTTL)
+	case c.permitTTL < minPermitLease || c.permitTTL > maxPermitLease:
+		return fmt.Errorf("%w: permit lease %v is outside %v to %v", ErrInvalidOption, c.permitTTL, minPermitLease, maxPermitLease)
 	}
 	if err := wiringError(c.fallback); err != nil {
 		return fmt.Errorf("fallback store: %w", err)
@@ -151,6 +154,15 @@ func WithHoldTTL(d time.Duration) Option {
 // to 1 minute. The default is 1 second.
 func WithLeaseTTL(d time.Duration) Option {
 	return Option{name: "WithLeaseTTL", taker: takerNew, apply: func(c *config) { c.leaseTTL = d }}
+}
+
+// WithPermitLease sets how long a permit of a concurrency plan lives
+// without a renewal (Acquire): the Limiter renews the permits it holds
+// every third of it, so a holder that dies gives its permits back within
+// this long plus a third, and never before this long. It must be 30ms to
+// 1 hour. The default is 5 seconds.
+func WithPermitLease(d time.Duration) Option {
+	return Option{name: "WithPermitLease", taker: takerNew, apply: func(c *config) { c.permitTTL = d }}
 }
 
 // WithShadow puts every plan of the Limiter in dry run, as Plan.Shadow

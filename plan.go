@@ -103,6 +103,14 @@ type Plan struct {
 	// or one with Shadow set. The default, 0, decides every request in
 	// Redis.
 	Lease int64
+	// Concurrency makes the plan a concurrency limit: at most Capacity
+	// permits of a key are held at once, 1 to 100,000, whoever holds
+	// them. Permits are taken with Limiter.Acquire and given back with
+	// Permit.Release; a permit whose holder stops renewing it expires
+	// after its lease (WithPermitLease). Rate, Window, Slots, Suppress,
+	// Version, Inherit and Lease must be 0, and Shadow false. The
+	// default, false, makes a token bucket or a window.
+	Concurrency bool
 }
 
 // Per returns the rate, in tokens per second, of n tokens every d. For
@@ -134,6 +142,9 @@ func (p Plan) validate() error {
 func (p Plan) validateNumbers() error {
 	if p.Capacity < 1 || p.Capacity > maxCapacity {
 		return fmt.Errorf("%w: capacity must be 1 to %d, got %d", ErrInvalidPlan, maxCapacity, p.Capacity)
+	}
+	if p.Concurrency {
+		return p.validateConcurrency()
 	}
 	if err := p.validateVersion(); err != nil {
 		return err
@@ -169,6 +180,23 @@ func (p Plan) validateWindow() error {
 		return fmt.Errorf("%w: suppress must be 0 or at least 1, got %v", ErrInvalidPlan, p.Suppress)
 	case float64(p.Capacity)*p.Suppress > maxCapacity:
 		return fmt.Errorf("%w: the hard limit capacity × suppress exceeds %d", ErrInvalidPlan, maxCapacity)
+	}
+	return nil
+}
+
+// maxPermits is the largest Capacity of a concurrency plan: each permit
+// is a member of a sorted set in Redis.
+const maxPermits = 100_000
+
+// validateConcurrency checks the fields of a concurrency plan.
+func (p Plan) validateConcurrency() error {
+	switch {
+	case p.Capacity > maxPermits:
+		return fmt.Errorf("%w: a concurrency plan's capacity must be 1 to %d, got %d", ErrInvalidPlan, maxPermits, p.Capacity)
+	case p.Rate != 0 || p.Window != 0 || p.Slots != 0 || p.Suppress != 0:
+		return fmt.Errorf("%w: a concurrency plan has no rate, window, slots or suppress", ErrInvalidPlan)
+	case p.Version != 0 || p.Inherit != 0 || p.Lease != 0 || p.Shadow:
+		return fmt.Errorf("%w: a concurrency plan has no version, inherit, lease or shadow", ErrInvalidPlan)
 	}
 	return nil
 }

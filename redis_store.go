@@ -46,6 +46,7 @@ type RedisStore struct {
 	err          error            // a wiring mistake: New reports it, and so does every call
 	scripts      *decisionScripts // what a decision runs (lean.go)
 	settleScript *redisscript.Script
+	permitScript *redisscript.Script
 	random       func() uint64 // draws for suppressed plans; tests replace it
 	planArgs     planArgCache  // each plan's ARGV numbers, boxed
 	batch        *batcher      // nil WithoutBatching, or on a Cluster or Ring (batch.go)
@@ -60,7 +61,7 @@ func NewRedisStore(client redis.UniversalClient, opts ...Option) *RedisStore {
 	c := config{keyPrefix: defaultKeyPrefix}
 	err := applyOptions(&c, takerRedisStore, opts)
 	s := &RedisStore{client: client, prefix: c.keyPrefix, scripts: newDecisionScripts(),
-		settleScript: redisscript.New(settleScript), random: random53}
+		settleScript: redisscript.New(settleScript), permitScript: redisscript.New(permitScript), random: random53}
 	switch {
 	case err != nil:
 		s.err = err
@@ -78,7 +79,7 @@ func NewRedisStore(client redis.UniversalClient, opts ...Option) *RedisStore {
 // source after Redis answered NOSCRIPT, or its library of functions after
 // Redis answered that it had none of them.
 func (s *RedisStore) ScriptLoads() int64 {
-	return s.scripts.loads() + s.settleScript.Loads()
+	return s.scripts.loads() + s.settleScript.Loads() + s.permitScript.Loads()
 }
 
 // Take implements Store.
@@ -91,8 +92,11 @@ func (s *RedisStore) Take(ctx context.Context, key string, cost int64, plans []P
 
 // decide implements decider: a take, a read or a hold, already checked.
 func (s *RedisStore) decide(ctx context.Context, o op) (Result, error) {
-	if o.mode == modeHold {
+	switch o.mode {
+	case modeHold:
 		return s.hold(ctx, o.key, o.n, o.plans, o.hold)
+	case modeAcquire:
+		return s.acquire(ctx, o)
 	}
 	return s.take(ctx, o.key, o.cost(), o.plans)
 }
@@ -284,7 +288,7 @@ func formatRate(rate float64) string {
 func replyLen(plans []Plan) int {
 	n := 2
 	for _, p := range plans {
-		n += 2
+		n += 2 // a bucket, or a concurrency plan
 		if p.isWindow() {
 			n += 2
 		}
@@ -317,6 +321,15 @@ func parseReply(buckets []TokenBucket, windows []planState, reply any, plans []P
 	vals = vals[2:]
 	for i := range plans {
 		p := &plans[i]
+		if p.Concurrency {
+			free, reclaimed := vals[0], vals[1]
+			if free > p.Capacity || reclaimed < 0 {
+				return false, 0, 0, fmt.Errorf("%w: a concurrency plan's count is out of range", redisscript.ErrBadReply)
+			}
+			windows[i] = permitState(free, reclaimed, cost, allowed)
+			vals = vals[2:]
+			continue
+		}
 		if !p.isWindow() {
 			buckets[i] = TokenBucket{Tokens: vals[0], Stamp: vals[1]}
 			vals = vals[2:]

@@ -17,6 +17,9 @@ const (
 	// modeHold takes n tokens and keeps them as a hold, to settle later:
 	// Reserve, and the leases of Plan.Lease.
 	modeHold
+	// modeAcquire takes n permits of each concurrency plan, to release
+	// later, and n tokens of every other plan: Acquire.
+	modeAcquire
 )
 
 // op is what a store is asked to do: take, read for, or hold n tokens of
@@ -27,7 +30,8 @@ type op struct {
 	n     int64 // tokens, at least 1
 	mode  mode
 	plans []Plan
-	hold  *hold // modeHold's, which the store that grants it fills in
+	hold  *hold   // modeHold's, which the store that grants it fills in
+	grant *permit // modeAcquire's, which the store that grants it fills in
 }
 
 // cost is the op in the terms of the bucket math and the scripts: the
@@ -62,8 +66,11 @@ type request struct {
 // errUnsupported is the error of a store asked for what it cannot do.
 func errUnsupported(m mode) error {
 	what := "holds (Reserve, Plan.Lease)"
-	if m == modeRead {
+	switch m {
+	case modeRead:
 		what = "reads for more than one token (PeekN)"
+	case modeAcquire:
+		what = "permits (Acquire)"
 	}
 	return fmt.Errorf("%w: the store does not do %s", errors.ErrUnsupported, what)
 }

@@ -141,6 +141,9 @@ func resolverKey(ctx context.Context, key string) string {
 func (l *Limiter) variantOf(e *planEntry, p *Plan) (*planEntry, error) {
 	given := p.Shadow
 	if l.shadowAll {
+		if p.Concurrency {
+			return nil, errShadowedPermits
+		}
 		p.Shadow = true
 	}
 	return e.variant(p, given)
@@ -170,6 +173,9 @@ func (l *Limiter) entryFor(t *planTable, p Plan) (*planEntry, error) {
 	if e == nil {
 		if err := p.validate(); err != nil {
 			return nil, err
+		}
+		if l.shadowAll && p.Concurrency {
+			return nil, errShadowedPermits
 		}
 		p.Shadow = p.Shadow || l.shadowAll
 		e = l.others.add(p, l.stats.plan)

@@ -126,6 +126,11 @@ type Result struct {
 	Rate   float64
 	Window time.Duration
 
+	// reclaimed counts the permits of concurrency plans whose lease had
+	// ended, which the decision reclaimed from holders that stopped
+	// renewing them.
+	reclaimed int64
+
 	// chain holds one PlanResult per plan when more than one plan was
 	// asked; for a single plan it is nil, so that the common decision
 	// allocates nothing, and PlanResults builds it.
@@ -149,7 +154,9 @@ type planState struct {
 	remaining              int64
 	retryAfter, resetAfter time.Duration
 	suppression            float64
-	drawn                  bool // a suppressed plan drew for the request
+	drawn                  bool  // a suppressed plan drew for the request
+	full                   bool  // a concurrency plan had too few free permits
+	reclaimed              int64 // a concurrency plan's permits whose lease had ended
 }
 
 // outcome is a store's decision on plans, from their state after it:
@@ -182,19 +189,20 @@ func (r *Result) describe(o *outcome) {
 	plans, buckets, windows, now, cost, allowed, wd := o.plans, o.buckets, o.windows, o.now, o.cost, o.allowed, o.wd
 	if len(plans) == 1 { // the common case, and hot
 		p := &plans[0]
-		if !p.isWindow() {
+		if !p.isWindow() && !p.Concurrency {
 			r.describeBucket(p, buckets[0], now, cost, allowed, wd)
 			return
 		}
 		st := &windows[0]
 		r.describePlan(p)
 		r.Remaining, r.RetryAfter, r.ResetAfter = st.remaining, st.retryAfter, st.resetAfter
-		r.Suppressed, r.Suppression = st.drawn, st.suppression
+		r.Suppressed, r.Suppression, r.reclaimed = st.drawn, st.suppression, st.reclaimed
 		r.decided(p, cost, allowed, wd)
 		return
 	}
 	*r = Result{chain: make([]PlanResult, len(plans))}
 	enforced := false // some plan is enforced
+	var full uint64   // bit i: concurrency plan i had too few free permits
 	for i := range plans {
 		p := &plans[i]
 		denied := i < 64 && wd&(1<<i) != 0
@@ -209,6 +217,10 @@ func (r *Result) describe(o *outcome) {
 			allowed = false
 		}
 		enforced = enforced || !p.Shadow
+		if st.full && i < 64 {
+			full |= 1 << i
+		}
+		r.reclaimed += st.reclaimed
 		r.Suppressed = r.Suppressed || st.drawn
 		r.Suppression = max(r.Suppression, st.suppression)
 	}
@@ -222,7 +234,10 @@ func (r *Result) describe(o *outcome) {
 			continue
 		}
 		b := &r.chain[bind]
-		if allowed && pr.Remaining < b.Remaining || !allowed && pr.RetryAfter > b.RetryAfter {
+		// A full concurrency plan refuses with no wait to tell: it binds
+		// over plans that would not refuse, and a plan's wait over it.
+		refuses := pr.RetryAfter > b.RetryAfter || pr.RetryAfter == b.RetryAfter && full>>i&1 > full>>bind&1
+		if allowed && pr.Remaining < b.Remaining || !allowed && refuses {
 			bind = i
 		}
 	}
@@ -236,7 +251,7 @@ func (r *Result) describe(o *outcome) {
 // the window's state as given, or the bucket's.
 func (o *outcome) stateOf(i int, allowed bool) planState {
 	p := &o.plans[i]
-	if p.isWindow() {
+	if p.isWindow() || p.Concurrency {
 		return o.windows[i]
 	}
 	var st planState

@@ -13,6 +13,18 @@ var (
 	//go:embed scripts/bucket.lua
 	luaBucket string
 
+	// luaSemaphore holds the functions on a concurrency plan's permits,
+	// which luaLimit and luaPermit share, after luaBucket.
+	//
+	//go:embed scripts/semaphore.lua
+	luaSemaphore string
+
+	// luaPermit releases or renews the permits of a key's concurrency
+	// plans (Permit.Release, and a Limiter's renewals).
+	//
+	//go:embed scripts/permit.lua
+	luaPermit string
+
 	// luaLimit decides on every chained plan of one key, token buckets and
 	// sliding windows alike, in one atomic step, and records a
 	// reservation's hold; TokenBucket, window and chain hold the same
@@ -45,3 +57,6 @@ var (
 // settleScript is the script a settlement runs, with the bucket's
 // functions before it; decisionScriptsOn builds a decision's.
 var settleScript = luaBucket + luaSettle
+
+// permitScript is the script a release or renewal runs.
+var permitScript = luaBucket + luaSemaphore + luaPermit

@@ -14,7 +14,7 @@ import (
 
 // limitScript is the general decision's script as a store sends it alone:
 // the bucket's functions, then scripts/limit.lua.
-var limitScript = luaBucket + luaLimit
+var limitScript = luaBucket + luaSemaphore + luaLimit
 
 // redis72Number is how Redis 7.2.0 to 7.2.4 pass a Lua number to a
 // command (fpconv_dtoa, before redis/redis#13115 in 7.2.5): a whole number

@@ -53,6 +53,9 @@ func fingerprint(p Plan) string {
 	if p.Shadow {
 		b = append(b, "/s"...)
 	}
+	if p.Concurrency {
+		b = append(b, "/c"...)
+	}
 	return string(b)
 }
 
@@ -104,6 +107,9 @@ func newTable(plans []Plan, shadow bool, counts func(name string) *planCount) (*
 	for _, p := range plans {
 		if err := p.validate(); err != nil {
 			return nil, err
+		}
+		if shadow && p.Concurrency {
+			return nil, errShadowedPermits
 		}
 		p.Shadow = p.Shadow || shadow
 		if _, dup := t.byName[p.Name]; dup {

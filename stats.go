@@ -85,6 +85,47 @@ type Stats struct {
 		// capacity.
 		Refunded, Charged, Uncharged uint64
 	}
+
+	// Permits counts the Acquire calls of concurrency plans
+	// (Plan.Concurrency) and their permits.
+	Permits struct {
+		// Granted and Refused count Acquire calls, by their outcome.
+		Granted, Refused uint64
+		// Released counts the Permits released while held, and Lost
+		// those whose lease had ended when this Limiter renewed or
+		// released them (ErrPermitLost).
+		Released, Lost uint64
+		// Reclaimed counts the permits, of any instance, whose lease had
+		// ended when this Limiter's Acquire found them: holders that
+		// died, or lost the store, without releasing. Redis deletes a
+		// key once every lease on it has ended, and its permits with it,
+		// uncounted.
+		Reclaimed uint64
+	}
+}
+
+// permitCounters are what Stats.Permits counts.
+type permitCounters struct {
+	granted, refused, released, lost, reclaimed atomic.Uint64
+}
+
+// acquired counts the Acquire call that decided r.
+func (c *permitCounters) acquired(r *Result) {
+	if r.Allowed {
+		c.granted.Add(1)
+	} else {
+		c.refused.Add(1)
+	}
+	if r.reclaimed > 0 {
+		c.reclaimed.Add(uint64(r.reclaimed))
+	}
+}
+
+// snapshot reads the counters into s.
+func (c *permitCounters) snapshot(s *Stats) {
+	p := &s.Permits
+	p.Granted, p.Refused, p.Released = c.granted.Load(), c.refused.Load(), c.released.Load()
+	p.Lost, p.Reclaimed = c.lost.Load(), c.reclaimed.Load()
 }
 
 // reservationCounters are what Stats.Reservations counts. Reservations are
@@ -128,6 +169,9 @@ type PlanStats struct {
 	// have denied had it been enforced (Plan.Shadow, WithShadow), whichever
 	// plan bound them.
 	ShadowDenied uint64
+	// PermitsHeld is, for a concurrency plan (Plan.Concurrency), the
+	// permits of it this Limiter holds now, on every key; 0 for others.
+	PermitsHeld int64
 }
 
 // Plan returns the figures of the plan named name, and false if s has
@@ -240,6 +284,7 @@ type planCount struct {
 type counters struct {
 	calls        []storeCounters
 	reservations reservationCounters
+	permits      permitCounters
 
 	mu     sync.Mutex
 	errors map[string]uint64
@@ -391,5 +436,9 @@ func (l *Limiter) Stats() Stats {
 		s.FleetSize = l.fleet.size.Load()
 	}
 	l.stats.reservations.snapshot(&s)
+	l.stats.permits.snapshot(&s)
+	for i := range s.Plans {
+		s.Plans[i].PermitsHeld = l.book.heldOf(s.Plans[i].Plan)
+	}
 	return s
 }

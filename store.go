@@ -99,6 +99,8 @@ var (
 	_ mastersStore = (*RedisStore)(nil)
 	_ fleetStore   = (*RedisStore)(nil)
 	_ scriptStore  = (*RedisStore)(nil)
+	_ permitStore  = (*MemoryStore)(nil)
+	_ permitStore  = (*RedisStore)(nil)
 )
 
 // plainStore is a decider for a Store of another package, which takes
@@ -134,6 +136,12 @@ func canRead(s Store) bool {
 // canHold reports whether s holds reservations and settles them.
 func canHold(s Store) bool {
 	_, ok := s.(settler)
+	return ok && canRead(s)
+}
+
+// canPermit reports whether s holds permits of concurrency plans.
+func canPermit(s Store) bool {
+	_, ok := s.(permitStore)
 	return ok && canRead(s)
 }
 
@@ -203,6 +211,9 @@ func checkTake(key string, cost int64, plans []Plan) error {
 	}
 	if err := checkShadow(plans); err != nil {
 		return err
+	}
+	if permitsIn(plans) {
+		return fmt.Errorf("%w: %w", ErrInvalidPlan, errNoPermitPlan)
 	}
 	if cost == 0 {
 		cost = 1

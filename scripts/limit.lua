@@ -43,6 +43,7 @@
 --                proportional, 2 reset, 3 additive, 0 as-is)
 --   a window:    sub-window width g in µs, the number k of sub-windows,
 --                and the hard limit in tokens if suppressed, else 0
+--   a concurrency plan: the lease in µs, -1, and the holder's id
 --
 -- Reply: {allowed (1 or 0) + 2 × (the sum of 2^(i-1) over the shadowed
 -- plans i that would deny), now (µs, from TIME), then per plan:
@@ -53,7 +54,10 @@
 --   a window:  admitted, offered: the counts at now before the decision;
 --              ready: when max(cost, 1) tokens fit, if not taken now;
 --              reset: when nothing admitted counts any more, after the
---              decision (now if nothing does)}
+--              decision (now if nothing does);
+--   a concurrency plan: free, the permits not held at now before the
+--              decision, and reclaimed, the permits whose lease had
+--              ended, which it removed}
 --
 -- Bucket: a string of tokens and stamp (see bucket.lua), written only
 -- when tokens are taken, or, by a decision that asks for tokens, when its
@@ -72,6 +76,13 @@
 -- full until it lies wholly outside the window. A plain window is written
 -- only when tokens are taken; a suppressed one whenever tokens are asked.
 -- It expires when its newest sub-window stops counting.
+--
+-- Concurrency plan: a sorted set of permits, members '<holder id>.<j>'
+-- for j = 1..n, scored by when their lease ends, in µs. Every decision on
+-- the plan, allowed or not, removes the permits whose lease ended (score
+-- <= now); an allowed one adds n members and sets the key to expire just
+-- after its latest score, so that an abandoned or empty set leaves
+-- nothing. permit.lua releases and renews them.
 --
 -- Data of another schema or type is replaced, never misread. A window of
 -- another shape (the plan's width, k or suppression changed) is replaced
@@ -126,6 +137,7 @@ local back -- bucket plans whose stamp Refill brought back: written, allowed or 
 local b, adm, off, newest, last, stale, xs
 local carry -- window plans whose key held a window of another shape, or a bucket: its counts
 local wc -- window plans: the capacity their window holds, c
+local inuse -- concurrency plans: the permits held, and reclaimed, by plan
 
 for i = 1, plans do
   local a = wide and 4 * i - 1 or 2 * i -- plan i's first argument
@@ -154,6 +166,21 @@ for i = 1, plans do
     t, ts = refill(t, ts, full, rate, now)
     after[4 * i - 3], after[4 * i - 2], after[4 * i - 1], after[4 * i] = t, ts, full, rate
     if t < need then refuse(i, shadow) end
+  elseif k < 0 then
+    -- A concurrency plan: reclaim the permits whose lease ended, count
+    -- the rest. A key of another type is another kind's state, which
+    -- holds no permit and is replaced on write.
+    local r = redisPcall('ZREMRANGEBYSCORE', KEYS[i], '-inf', now)
+    local c = 0
+    if type(r) == 'table' then
+      foreign = foreign or {}
+      foreign[i], r = true, 0
+    else
+      c = redisCall('ZCARD', KEYS[i])
+    end
+    inuse = inuse or {}
+    inuse[2 * i - 1], inuse[2 * i] = c, r
+    if c + cost > cap then refuse(i, false) end
   else
     -- A window: read it and count it, as window.go does.
     if b == nil then
@@ -266,6 +293,15 @@ for i = 1, plans do
       if back and back[i] then
         writeBucket(KEYS[i], after[4 * i - 3], after[4 * i - 2], after[4 * i - 1], after[4 * i], now, pvs and pvs[2 * i - 1] or 0, pvs and pvs[2 * i])
       end
+    end
+    n = n + 2
+  elseif k < 0 then -- a concurrency plan
+    local c = inuse[2 * i - 1]
+    out[n + 1], out[n + 2] = ARGV[a] - c, inuse[2 * i]
+    if allowed and cost > 0 then
+      if foreign and foreign[i] then redisCall('DEL', KEYS[i]) end
+      addPermits(KEYS[i], ARGV[a + 3], cost, now + ARGV[a + 1])
+      expireAfterLast(KEYS[i], now)
     end
     n = n + 2
   else -- a window

@@ -1,0 +1,223 @@
+package tollgate
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+)
+
+// defaultPermitLease is how long a permit lives without a renewal unless
+// WithPermitLease says otherwise.
+const defaultPermitLease = 5 * time.Second
+
+// The shortest and longest WithPermitLease: a renewal every third of the
+// lease must fit a round trip, and a dead holder's permits must come back
+// in hours, not days.
+const (
+	minPermitLease = 30 * time.Millisecond
+	maxPermitLease = time.Hour
+)
+
+// releaseTimeout bounds a release's store call: Release runs on a context
+// of its own, so that a caller whose context ended (a client that hung
+// up) still gives its permits back.
+const releaseTimeout = 2 * time.Second
+
+// Permit is the outcome of Acquire: when granted, n permits of each
+// concurrency plan of a key, held until Release, and the tokens of the
+// other plans, taken. It is safe for concurrent use; it is released at
+// most once.
+//
+// While it is held, its Limiter renews its lease in the store every
+// third of WithPermitLease, in one call per key for all the permits it
+// holds there. A permit whose holder dies, or cannot reach the store,
+// stops being renewed: its lease ends, and its permits go to others.
+type Permit struct {
+	l      *Limiter
+	key    string
+	n      int64
+	plans  []Plan // the concurrency plans, as decided
+	result Result
+	grant  permit
+
+	mu       sync.Mutex
+	released bool // by Release, or the store found it lost
+	lost     bool // the store found its lease ended
+}
+
+// permit is what Acquire asks of the store that decides it: to hold its
+// permits under a new holder id, for a lease. The store that grants it
+// fills in which store it is.
+type permit struct {
+	id    string        // 128 random bits in hex: unguessable, so no one else releases them
+	lease time.Duration // how long the permits live without a renewal
+	store Store         // the store that granted them; nil when none did (FailOpen, exempt)
+
+	backs *giveBacks // the Limiter's, which a release of a lost reply joins
+}
+
+// newPermitID returns a new holder id.
+func newPermitID() string {
+	var b [16]byte
+	_, _ = rand.Read(b[:]) // never fails (crypto/rand)
+	return hex.EncodeToString(b[:])
+}
+
+// permitOp is what a store is asked to do with permits it granted on the
+// concurrency plans of key: renew each holder's for lease, or, for a
+// lease of 0, release them.
+type permitOp struct {
+	key     string
+	plans   []Plan
+	lease   time.Duration
+	holders []permitHolder
+}
+
+// permitHolder is one holder's part of a permitOp: its id, the permits
+// it holds of each plan, and the plans it holds them of, bit i for
+// permitOp.plans[i].
+type permitHolder struct {
+	id   string
+	n    int64
+	mask uint64
+}
+
+// permitStore is a store that holds permits of concurrency plans
+// (Limiter.Acquire): it releases and renews them, and reports for each
+// holder whether it still held all its permits, alive, and how many
+// permits whose lease had ended it removed first.
+type permitStore interface {
+	permits(ctx context.Context, o permitOp) (live []bool, reclaimed int64, err error)
+}
+
+// Acquire takes n permits of each concurrency plan (Plan.Concurrency)
+// among the named plans for key, and n tokens of every other, all or
+// none, in one atomic step, and returns the Permit that holds them. A
+// Permit that is not OK took nothing; one that is must be released
+// (Permit.Release) once the work it guards is done.
+//
+// A refusal by a full concurrency plan has a Result whose RetryAfter is
+// 0: a permit comes back when its holder releases it, on no schedule.
+// Naming no concurrency plan is ErrInvalidPlan, as is naming one in
+// Allow, Peek or Reserve. n must be 1 to the smallest capacity of the
+// plans (ErrInvalidCost). A store that cannot hold permits (one of
+// another package) gets errors.ErrUnsupported.
+//
+// While the store fails, the failure policy decides: Fallback grants
+// permits in the fallback store, from this instance's share of each plan
+// (WithFleet) less the permits of the store it still holds; FailOpen
+// grants a Permit that holds nothing; FailClosed returns
+// ErrStoreUnavailable. A call whose reply was lost is released by its
+// holder id in the background; if it reaches the store after that, its
+// permits live until their lease ends.
+func (l *Limiter) Acquire(ctx context.Context, key string, n int64, plans ...string) (*Permit, error) {
+	if !l.permitsHeld {
+		return nil, errUnsupported(modeAcquire)
+	}
+	p := &Permit{l: l, key: key, n: n, grant: permit{id: newPermitID(), lease: l.permitLease, backs: &l.backs}}
+	q := &request{op: op{key: key, n: n, mode: modeAcquire, grant: &p.grant}}
+	if err := l.named(ctx, &p.result, q, plans); err != nil {
+		return nil, err
+	}
+	l.stats.permits.acquired(&p.result)
+	if p.result.Allowed && p.grant.store != nil {
+		p.plans = concurrencyOf(q.plans)
+		l.book.add(p)
+	}
+	return p, nil
+}
+
+// concurrencyOf returns the concurrency plans of plans.
+func concurrencyOf(plans []Plan) []Plan {
+	var out []Plan
+	for _, p := range plans {
+		if p.Concurrency {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+// OK reports whether the permits were granted.
+func (p *Permit) OK() bool { return p.result.Allowed }
+
+// Result returns the decision Acquire made. For a concurrency plan,
+// Limit is its capacity and Remaining its permits that no holder held
+// after the decision.
+func (p *Permit) Result() Result { return p.result }
+
+// Release gives the permits back, in one call to the store that granted
+// them, on a context of its own (a caller whose context ended still
+// releases), bounded by ctx's deadline or 2 seconds, whichever is later.
+//
+// Errors: ErrNotHeld for a Permit that was not granted, or released
+// before; ErrPermitLost when its lease ended before it was renewed or
+// released, so that its permits may have gone to others; and the store's
+// failure, wrapped in ErrStoreUnavailable: the permits are then no longer
+// renewed, and come back when their lease ends. A Permit granted by
+// FailOpen, or to an exempt key, holds nothing, and its Release returns
+// nil.
+func (p *Permit) Release(ctx context.Context) error {
+	if !p.result.Allowed {
+		return ErrNotHeld
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	switch {
+	case p.lost:
+		p.released = true
+		return ErrPermitLost
+	case p.released:
+		return ErrNotHeld
+	}
+	p.released = true
+	if p.grant.store == nil {
+		return nil
+	}
+	p.l.book.remove(p)
+	ctx, cancel := detach(ctx, releaseTimeout)
+	defer cancel()
+	live, reclaimed, err := p.grant.store.(permitStore).permits(ctx, p.op(0))
+	p.l.stats.permits.reclaimed.Add(uint64(reclaimed))
+	switch {
+	case err != nil:
+		return fmt.Errorf("%w: %w", ErrStoreUnavailable, err)
+	case !live[0]:
+		p.l.stats.permits.lost.Add(1)
+		return ErrPermitLost
+	}
+	p.l.stats.permits.released.Add(1)
+	return nil
+}
+
+// op returns the permitOp that renews p's permits for lease, or releases
+// them for a lease of 0.
+func (p *Permit) op(lease time.Duration) permitOp {
+	return permitOp{key: p.key, plans: p.plans, lease: lease,
+		holders: []permitHolder{{id: p.grant.id, n: p.n, mask: 1<<len(p.plans) - 1}}}
+}
+
+// markLost records that the store found p's lease ended, and reports
+// whether p was still held: a Permit released meanwhile was not lost.
+func (p *Permit) markLost() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.released || p.lost {
+		return false
+	}
+	p.lost = true
+	return true
+}
+
+// errNoPermitPlan is the error of an Acquire that names no concurrency
+// plan, and of a decision other than Acquire that names one.
+var errNoPermitPlan = errors.New("only Acquire takes concurrency plans, and Acquire needs one")
+
+// errShadowedPermits is the error of WithShadow on a concurrency plan: a
+// shadowed plan never denies, and a permit it granted beyond the capacity
+// would have to be released like any other.
+var errShadowedPermits = fmt.Errorf("%w: WithShadow cannot shadow a concurrency plan", ErrInvalidPlan)

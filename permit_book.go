@@ -1,0 +1,227 @@
+package tollgate
+
+import (
+	"context"
+	"slices"
+	"sync"
+	"time"
+)
+
+// permitBook keeps the permits a Limiter granted and has not released,
+// by key, and renews their leases: every third of the lease, one call
+// per key and store for all the permits held there. It starts its
+// goroutine at the first permit, and close stops it. It is safe for
+// concurrent use.
+type permitBook struct {
+	l     *Limiter
+	lease time.Duration
+
+	mu      sync.Mutex
+	byKey   map[string][]*Permit
+	started bool
+	stop    chan struct{}
+	done    chan struct{}
+}
+
+// add keeps p, granted, to renew it.
+func (b *permitBook) add(p *Permit) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.byKey == nil {
+		b.byKey = make(map[string][]*Permit)
+	}
+	b.byKey[p.key] = append(b.byKey[p.key], p)
+	if !b.started {
+		b.started = true
+		b.stop, b.done = make(chan struct{}), make(chan struct{})
+		go b.run()
+	}
+}
+
+// remove stops renewing p.
+func (b *permitBook) remove(p *Permit) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	ps := b.byKey[p.key]
+	for i, q := range ps {
+		if q == p {
+			ps[i] = ps[len(ps)-1]
+			ps[len(ps)-1] = nil
+			ps = ps[:len(ps)-1]
+			break
+		}
+	}
+	if len(ps) == 0 {
+		delete(b.byKey, p.key)
+		return
+	}
+	b.byKey[p.key] = ps
+}
+
+// held returns how many permits of plan name on key this Limiter holds
+// from store s.
+func (b *permitBook) held(key, name string, s Store) int64 {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	var n int64
+	for _, p := range b.byKey[key] {
+		for i := range p.plans {
+			if p.grant.store == s && p.plans[i].Name == name {
+				n += p.n
+			}
+		}
+	}
+	return n
+}
+
+// run renews every interval until close.
+func (b *permitBook) run() {
+	defer close(b.done)
+	interval := b.lease / 3
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-b.stop:
+			return
+		case <-t.C:
+			b.each(interval, b.lease)
+		}
+	}
+}
+
+// each renews the permits of every key for lease, or releases them for a
+// lease of 0, each call bounded by timeout.
+func (b *permitBook) each(timeout, lease time.Duration) {
+	b.mu.Lock()
+	keys := make([][]*Permit, 0, len(b.byKey))
+	for _, ps := range b.byKey {
+		keys = append(keys, append([]*Permit(nil), ps...))
+	}
+	b.mu.Unlock()
+	for _, ps := range keys {
+		for _, g := range byStore(ps) {
+			ctx, cancel := context.WithTimeout(context.Background(), timeout)
+			b.renew(ctx, g, lease)
+			cancel()
+		}
+	}
+}
+
+// renew renews, or releases for a lease of 0, the permits ps of one key
+// granted by one store, in one call, and stops renewing those the store
+// found lost. A call that fails is tried again at the next interval.
+func (b *permitBook) renew(ctx context.Context, ps []*Permit, lease time.Duration) {
+	o := permitOp{key: ps[0].key, lease: lease, holders: make([]permitHolder, len(ps))}
+	for h, p := range ps {
+		o.holders[h] = permitHolder{id: p.grant.id, n: p.n}
+		for _, pl := range p.plans {
+			i := planIndex(&o.plans, pl)
+			o.holders[h].mask |= 1 << i
+		}
+	}
+	live, reclaimed, err := ps[0].grant.store.(permitStore).permits(ctx, o)
+	if err != nil {
+		return
+	}
+	b.l.stats.permits.reclaimed.Add(uint64(reclaimed))
+	for h, p := range ps {
+		if !live[h] && p.markLost() {
+			b.remove(p)
+			b.l.stats.permits.lost.Add(1)
+		}
+	}
+}
+
+// planIndex returns the index of the plan of p's name in *plans, which it
+// appends p to if it has none.
+func planIndex(plans *[]Plan, p Plan) int {
+	for i := range *plans {
+		if (*plans)[i].Name == p.Name {
+			return i
+		}
+	}
+	*plans = append(*plans, p)
+	return len(*plans) - 1
+}
+
+// byStore splits the permits ps of one key by the store that granted
+// them.
+func byStore(ps []*Permit) [][]*Permit {
+	var groups [][]*Permit
+	for _, p := range ps {
+		i := 0
+		for i < len(groups) && groups[i][0].grant.store != p.grant.store {
+			i++
+		}
+		if i == len(groups) {
+			groups = append(groups, nil)
+		}
+		groups[i] = append(groups[i], p)
+	}
+	return groups
+}
+
+// close stops the renewals and releases the permits still held, each
+// call bounded by releaseTimeout; later calls return at once.
+func (b *permitBook) close() {
+	b.mu.Lock()
+	started := b.started
+	b.started = true // no goroutine starts after close
+	stop := b.stop
+	b.mu.Unlock()
+	if started && stop != nil {
+		select {
+		case <-stop:
+			return
+		default:
+			close(stop)
+			<-b.done
+		}
+	}
+	b.mu.Lock()
+	for _, ps := range b.byKey {
+		for _, p := range ps {
+			p.mu.Lock()
+			p.released = true
+			p.mu.Unlock()
+		}
+	}
+	b.mu.Unlock()
+	b.each(releaseTimeout, 0)
+	b.mu.Lock()
+	b.byKey = nil
+	b.mu.Unlock()
+}
+
+// lessHeld returns plans, the fallback's share of an Acquire's plans on
+// key, with the capacity of each concurrency plan lowered by the permits
+// of it that this Limiter still holds from its store: their holders still
+// work, and the fallback must not grant their slots again.
+func (l *Limiter) lessHeld(plans []Plan, key string) []Plan {
+	out := slices.Clone(plans)
+	for i := range out {
+		if out[i].Concurrency {
+			out[i].Capacity -= l.book.held(key, out[i].Name, l.store)
+		}
+	}
+	return out
+}
+
+// heldOf returns how many permits of plan name the book holds, on every
+// key.
+func (b *permitBook) heldOf(name string) int64 {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	var n int64
+	for _, ps := range b.byKey {
+		for _, p := range ps {
+			for i := range p.plans {
+				if p.plans[i].Name == name {
+					n += p.n
+				}
+			}
+		}
+	}
+	return n
+}

@@ -1,0 +1,196 @@
+package tollgate
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
+
+	"github.com/tollgate-go/tollgate/breaker"
+	"github.com/tollgate-go/tollgate/internal/redistest"
+)
+
+// permitPlans are a concurrency plan of 3 permits and a bucket of 5
+// tokens that refills slowly, to chain with it.
+var permitPlans = []Plan{
+	{Name: "inflight", Capacity: 3, Concurrency: true},
+	{Name: "daily", Capacity: 5, Rate: Per(5, time.Hour)},
+}
+
+// permitStores returns a Limiter on permitPlans for each store kind: a
+// MemoryStore, miniredis, and real Redis when there is one; not
+// miniredis for a test that waits for leases to end (timed), since its
+// clock stands still.
+func permitStores(t *testing.T, timed bool, opts ...Option) map[string]*Limiter {
+	t.Helper()
+	opts = append([]Option{WithLogger(nil), WithFailurePolicy(breaker.FailClosed)}, opts...)
+	out := map[string]*Limiter{}
+	add := func(name string, s Store) {
+		l, err := New(s, permitPlans, opts...)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = l.Close() })
+		out[name] = l
+	}
+	add("memory", NewMemoryStore())
+	if !timed {
+		rs, _, _ := newMiniredisStore(t)
+		add("miniredis", rs)
+	}
+	if redistest.Available() {
+		c := redistest.NewClient(t, &redis.Options{Addr: redistest.Addr(t)})
+		add("redis", NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix())))
+	}
+	return out
+}
+
+func TestAcquireHoldsAtMostCapacity(t *testing.T) {
+	ctx := context.Background()
+	for name, l := range permitStores(t, false) {
+		t.Run(name, func(t *testing.T) {
+			a, err := l.Acquire(ctx, "k", 2, "inflight")
+			require.NoError(t, err)
+			require.True(t, a.OK())
+			require.EqualValues(t, 1, a.Result().Remaining)
+			b, err := l.Acquire(ctx, "k", 2, "inflight")
+			require.NoError(t, err)
+			require.False(t, b.OK(), "3 permits, 2 held: 2 more do not fit")
+			require.Zero(t, b.Result().RetryAfter, "a permit has no schedule")
+			require.ErrorIs(t, b.Release(ctx), ErrNotHeld)
+			require.NoError(t, a.Release(ctx))
+			require.ErrorIs(t, a.Release(ctx), ErrNotHeld, "a second release")
+			c, err := l.Acquire(ctx, "k", 3, "inflight")
+			require.NoError(t, err)
+			require.True(t, c.OK(), "released permits come back")
+			require.NoError(t, c.Release(ctx))
+			st := l.Stats().Permits
+			require.EqualValues(t, 2, st.Granted)
+			require.EqualValues(t, 1, st.Refused)
+			require.EqualValues(t, 2, st.Released)
+		})
+	}
+}
+
+func TestAcquireChainTakesBothOrNeither(t *testing.T) {
+	ctx := context.Background()
+	for name, l := range permitStores(t, false) {
+		t.Run(name, func(t *testing.T) {
+			var held []*Permit
+			for i := 0; i < 3; i++ {
+				p, err := l.Acquire(ctx, "k", 1, "inflight", "daily")
+				require.NoError(t, err)
+				require.True(t, p.OK())
+				held = append(held, p)
+			}
+			p, err := l.Acquire(ctx, "k", 1, "inflight", "daily")
+			require.NoError(t, err)
+			require.False(t, p.OK())
+			require.Equal(t, "inflight", p.Result().Plan, "the full concurrency plan binds")
+			r, err := l.Peek(ctx, "k", "daily")
+			require.NoError(t, err)
+			require.EqualValues(t, 2, r.Remaining, "a refused acquire took no token")
+			for _, p := range held {
+				require.NoError(t, p.Release(ctx))
+			}
+			for i := 0; i < 2; i++ {
+				p, err := l.Acquire(ctx, "k", 1, "inflight", "daily")
+				require.NoError(t, err)
+				require.True(t, p.OK())
+				require.NoError(t, p.Release(ctx))
+			}
+			p, err = l.Acquire(ctx, "k", 1, "inflight", "daily")
+			require.NoError(t, err)
+			require.False(t, p.OK(), "no token left")
+			require.Equal(t, "daily", p.Result().Plan)
+			require.Positive(t, p.Result().RetryAfter)
+			q, err := l.Acquire(ctx, "k", 3, "inflight")
+			require.NoError(t, err)
+			require.True(t, q.OK(), "a refusal for tokens held no permit")
+			require.NoError(t, q.Release(ctx))
+		})
+	}
+}
+
+func TestAcquireBadInput(t *testing.T) {
+	ctx := context.Background()
+	for name, l := range permitStores(t, false) {
+		t.Run(name, func(t *testing.T) {
+			_, err := l.Allow(ctx, "k", "inflight")
+			require.ErrorIs(t, err, ErrInvalidPlan)
+			_, err = l.Reserve(ctx, "k", 1, "inflight")
+			require.ErrorIs(t, err, ErrInvalidPlan)
+			_, err = l.Peek(ctx, "k", "inflight")
+			require.ErrorIs(t, err, ErrInvalidPlan)
+			_, err = l.Acquire(ctx, "k", 1, "daily")
+			require.ErrorIs(t, err, ErrInvalidPlan)
+			_, err = l.Acquire(ctx, "k", 4, "inflight")
+			require.ErrorIs(t, err, ErrInvalidCost)
+			_, err = l.Acquire(ctx, "k", 0, "inflight")
+			require.ErrorIs(t, err, ErrInvalidCost)
+			_, err = l.Acquire(ctx, "", 1, "inflight")
+			require.ErrorIs(t, err, ErrInvalidKey)
+		})
+	}
+	for _, p := range []Plan{
+		{Name: "c", Concurrency: true},
+		{Name: "c", Capacity: maxPermits + 1, Concurrency: true},
+		{Name: "c", Capacity: 1, Rate: 1, Concurrency: true},
+		{Name: "c", Capacity: 1, Window: time.Second, Concurrency: true},
+		{Name: "c", Capacity: 1, Shadow: true, Concurrency: true},
+		{Name: "c", Capacity: 1, Lease: 1, Concurrency: true},
+		{Name: "c", Capacity: 1, Version: 1, Concurrency: true},
+	} {
+		_, err := New(NewMemoryStore(), []Plan{p})
+		require.ErrorIs(t, err, ErrInvalidPlan, "%+v", p)
+	}
+	_, err := New(NewMemoryStore(), permitPlans, WithShadow())
+	require.ErrorIs(t, err, ErrInvalidPlan)
+	_, err = New(NewMemoryStore(), permitPlans, WithPermitLease(time.Millisecond))
+	require.ErrorIs(t, err, ErrInvalidOption)
+	_, err = NewMemoryStore().Take(ctx, "k", 1, permitPlans[:1])
+	require.ErrorIs(t, err, ErrInvalidPlan)
+}
+
+func TestPermitLeaseEndsWithoutRenewal(t *testing.T) {
+	ctx := context.Background()
+	for name, l := range permitStores(t, true, WithPermitLease(60*time.Millisecond)) {
+		t.Run(name, func(t *testing.T) {
+			kept, err := l.Acquire(ctx, "k", 1, "inflight")
+			require.NoError(t, err)
+			p, err := l.Acquire(ctx, "k", 2, "inflight")
+			require.NoError(t, err)
+			require.True(t, p.OK())
+			l.book.remove(p) // its holder stops renewing it
+			time.Sleep(150 * time.Millisecond)
+			q, err := l.Acquire(ctx, "k", 2, "inflight")
+			require.NoError(t, err)
+			require.True(t, q.OK(), "the lease ended: its permits came back")
+			require.EqualValues(t, 2, l.Stats().Permits.Reclaimed)
+			require.ErrorIs(t, p.Release(ctx), ErrPermitLost)
+			require.ErrorIs(t, p.Release(ctx), ErrNotHeld)
+			require.NoError(t, q.Release(ctx))
+			require.NoError(t, kept.Release(ctx))
+		})
+	}
+}
+
+func TestPermitRenewedOutlivesItsLease(t *testing.T) {
+	ctx := context.Background()
+	for name, l := range permitStores(t, true, WithPermitLease(60*time.Millisecond)) {
+		t.Run(name, func(t *testing.T) {
+			p, err := l.Acquire(ctx, "k", 3, "inflight")
+			require.NoError(t, err)
+			time.Sleep(200 * time.Millisecond)
+			q, err := l.Acquire(ctx, "k", 1, "inflight")
+			require.NoError(t, err)
+			require.False(t, q.OK(), "renewed: still held")
+			require.EqualValues(t, 3, l.Stats().Plans[0].PermitsHeld)
+			require.NoError(t, p.Release(ctx))
+			require.Zero(t, l.Stats().Permits.Lost)
+		})
+	}
+}
+
+var _ = errors.Is

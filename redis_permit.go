@@ -1,0 +1,99 @@
+package tollgate
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/tollgate-go/tollgate/internal/redisscript"
+)
+
+// acquire decides o, an Acquire, in one call of the limit script: its
+// concurrency plans take its holder's permits, the others its tokens. A
+// call that fails but may have run in Redis all the same, or may yet, is
+// released by the holder's id (releaseLater).
+func (s *RedisStore) acquire(ctx context.Context, o op) (Result, error) {
+	if s.err != nil {
+		return Result{}, s.err
+	}
+	c := newScriptCall()
+	c.Keys = s.appendKeys(c.keys[:0], o.key, o.plans)
+	c.Args = s.appendPermitArgs(c.args[:0], &o)
+	r, err := s.run(ctx, c, o.n, o.plans)
+	switch {
+	case err == nil && r.Allowed:
+		o.grant.store = s
+	case err != nil && mayHaveRun(err):
+		s.releaseLater(ctx, o)
+	}
+	return r, err
+}
+
+// appendPermitArgs appends the limit script's ARGV for the Acquire o to
+// dst, in the wide layout: a concurrency plan's numbers are its capacity,
+// the lease in µs, -1, and the holder's id.
+func (s *RedisStore) appendPermitArgs(dst []any, o *op) []any {
+	dst = append(dst, o.n)
+	if suppressedIn(o.plans) {
+		dst = append(dst, s.random())
+	} else {
+		dst = append(dst, 0)
+	}
+	for i := range o.plans {
+		if p := &o.plans[i]; p.Concurrency {
+			dst = append(dst, p.Capacity, o.grant.lease.Microseconds(), -1, o.grant.id)
+		} else {
+			dst = s.planArgs.appendTo(dst, p, 4)
+		}
+	}
+	return dst
+}
+
+// releaseLater releases the permits of o, an Acquire whose call failed
+// but may have run, by the holder's id: on a goroutine that the Limiter's
+// Close waits for, tried until it succeeds or holdBackTimeout passes
+// (retryGiveBack). An acquire that reaches Redis after its release keeps
+// its permits until their lease ends.
+func (s *RedisStore) releaseLater(ctx context.Context, o op) {
+	release := permitOp{key: o.key, plans: concurrencyOf(o.plans),
+		holders: []permitHolder{{id: o.grant.id, n: o.n}}}
+	release.holders[0].mask = 1<<len(release.plans) - 1
+	backs := o.grant.backs
+	backs.add()
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), holdBackTimeout)
+	go func() {
+		defer cancel()
+		defer backs.done()
+		retryGiveBack(ctx, func() error {
+			_, _, err := s.permits(ctx, release)
+			return err
+		})
+	}()
+}
+
+// permits implements permitStore with scripts/permit.lua.
+func (s *RedisStore) permits(ctx context.Context, o permitOp) (live []bool, reclaimed int64, err error) {
+	args := make([]any, 1, 1+3*len(o.holders))
+	args[0] = o.lease.Microseconds()
+	for _, h := range o.holders {
+		args = append(args, h.id, h.n, h.mask)
+	}
+	reply, err := s.permitScript.Run(ctx, s.client, s.keys(o.key, o.plans), args...)
+	if err != nil {
+		return nil, 0, err
+	}
+	vals, err := redisscript.Ints(nil, reply, 2+len(o.holders))
+	if err != nil {
+		return nil, 0, err
+	}
+	if vals[1] < 0 {
+		return nil, 0, fmt.Errorf("%w: %d permits reclaimed", redisscript.ErrBadReply, vals[1])
+	}
+	live = make([]bool, len(o.holders))
+	for h, v := range vals[2:] {
+		if v != 0 && v != 1 {
+			return nil, 0, fmt.Errorf("%w: a permit's status is %d", redisscript.ErrBadReply, v)
+		}
+		live[h] = v == 1
+	}
+	return live, vals[1], nil
+}
