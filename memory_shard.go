@@ -113,6 +113,11 @@ func (v *victim) consider(e *memEntry, i int, now int64) {
 		away := max(now-e.seen, 0) // its last decision may have read the clock after ours
 		harm = float64(at-now-away) / float64(away+1)
 	}
+	if e.holdsPermits(now) {
+		// Dropped only when every key sampled holds permits: its holders'
+		// permits would read as free while they still work.
+		harm = math.MaxFloat64
+	}
 	if harm >= v.harm {
 		e.mu.Unlock()
 		return

@@ -150,6 +150,33 @@ func TestMemoryStoreEvictsFullKeysFirst(t *testing.T) {
 	assert.False(t, r.Allowed, "the drained key was never evicted")
 }
 
+// TestMemoryStoreKeepsKeysHoldingPermits fills a one-shard store with
+// drained keys, each a worse victim than the last by the refill rule,
+// while one key holds every permit of a concurrency plan with a long
+// lease: the key holding permits stays, so its permits never read as
+// free while their holder works.
+func TestMemoryStoreKeepsKeysHoldingPermits(t *testing.T) {
+	ctx := context.Background()
+	now := t0
+	m := NewMemoryStore(WithMaxKeys(minShardKeys)) // one shard, exact bound
+	m.fakeNow = func() int64 { return now }
+	inflight := []Plan{{Name: "c", Capacity: 2, Concurrency: true}}
+	acquire := op{key: "held", n: 2, mode: modeAcquire, plans: inflight, grant: &permit{id: "a", lease: time.Hour}}
+	r, err := m.decide(ctx, acquire)
+	require.NoError(t, err)
+	require.True(t, r.Allowed)
+	daily := []Plan{{Name: "p", Capacity: 10, Rate: Per(10, 24*time.Hour)}}
+	for i := 0; i < 2000; i++ {
+		now += 1_000
+		_, err := m.Take(ctx, fmt.Sprint("k", i), 10, daily)
+		require.NoError(t, err)
+	}
+	acquire.grant = &permit{id: "b", lease: time.Hour}
+	r, err = m.decide(ctx, acquire)
+	require.NoError(t, err)
+	assert.False(t, r.Allowed, "the key holding permits was never evicted")
+}
+
 // TestMemoryStoreRereadsAStaleClock has a decision read the clock before
 // one that took the lock first, as the store reads it outside its lock:
 // the later decision reads the clock again under the lock, so it sees no

@@ -133,3 +133,14 @@ func permitState(free, reclaimed, cost int64, allowed bool) planState {
 	}
 	return st
 }
+
+// holdsPermits reports whether a permit of e, of any concurrency plan,
+// is alive at now.
+func (e *memEntry) holdsPermits(now int64) bool {
+	for _, b := range e.buckets {
+		if b.sem != nil && b.sem.endsAt() > now {
+			return true
+		}
+	}
+	return false
+}
