@@ -2,7 +2,6 @@ package tollgate
 
 import (
 	"context"
-	"errors"
 	"testing"
 	"time"
 
@@ -193,4 +192,54 @@ func TestPermitRenewedOutlivesItsLease(t *testing.T) {
 	}
 }
 
-var _ = errors.Is
+// TestAcquireDuringAnOutage has Redis answer errors while permits are
+// held: the fallback grants from the instance's share less the permits
+// it still holds from Redis, and releases its own; FailOpen grants a
+// Permit that holds nothing; FailClosed refuses with the error.
+func TestAcquireDuringAnOutage(t *testing.T) {
+	ctx := context.Background()
+	outage := func(t *testing.T, opts ...Option) (*Limiter, func(string)) {
+		rs, mr, _ := newMiniredisStore(t)
+		l, err := New(rs, permitPlans, append([]Option{WithLogger(nil)}, opts...)...)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = l.Close() })
+		return l, func(msg string) { mr.SetError(msg) }
+	}
+	t.Run("fallback", func(t *testing.T) {
+		l, fail := outage(t)
+		onRedis, err := l.Acquire(ctx, "k", 2, "inflight")
+		require.NoError(t, err)
+		require.True(t, onRedis.OK())
+		fail("LOADING Redis is loading the dataset in memory")
+		p, err := l.Acquire(ctx, "k", 2, "inflight")
+		require.NoError(t, err)
+		require.Equal(t, SourceFallback, p.Result().Source)
+		require.False(t, p.OK(), "3 permits, 2 of them still held from Redis")
+		p, err = l.Acquire(ctx, "k", 1, "inflight")
+		require.NoError(t, err)
+		require.True(t, p.OK())
+		require.Equal(t, SourceFallback, p.Result().Source)
+		require.ErrorIs(t, onRedis.Release(ctx), ErrStoreUnavailable)
+		require.NoError(t, p.Release(ctx), "released in the fallback, which granted it")
+		q, err := l.Acquire(ctx, "k", 3, "inflight")
+		require.NoError(t, err)
+		require.True(t, q.OK(), "the Redis permits no longer count once released")
+		require.NoError(t, q.Release(ctx))
+	})
+	t.Run("fail-open", func(t *testing.T) {
+		l, fail := outage(t, WithFailurePolicy(breaker.FailOpen))
+		fail("LOADING Redis is loading the dataset in memory")
+		p, err := l.Acquire(ctx, "k", 3, "inflight")
+		require.NoError(t, err)
+		require.True(t, p.OK())
+		require.Equal(t, SourceFailOpen, p.Result().Source)
+		require.NoError(t, p.Release(ctx), "a permit FailOpen granted holds nothing")
+		require.ErrorIs(t, p.Release(ctx), ErrNotHeld)
+	})
+	t.Run("fail-closed", func(t *testing.T) {
+		l, fail := outage(t, WithFailurePolicy(breaker.FailClosed))
+		fail("LOADING Redis is loading the dataset in memory")
+		_, err := l.Acquire(ctx, "k", 1, "inflight")
+		require.ErrorIs(t, err, ErrStoreUnavailable)
+	})
+}
