@@ -19,9 +19,9 @@ import (
 // them (docs/adr/0001-token-representation.md).
 const microTokens = 1_000_000
 
-// inspect prints, for each plan, the bucket or window of key as Redis
-// holds it. It only reads (TIME, TYPE, PTTL, GET, HGETALL), never runs the
-// script, so it
+// inspect prints, for each plan, the bucket, window or permits of key as
+// Redis holds them. It only reads (TIME, TYPE, PTTL, GET, HGETALL,
+// ZRANGE), never runs the script, so it
 // changes nothing: the stored tokens are as of the refill stamp, before
 // the refill the next decision would add.
 func inspect(ctx context.Context, w io.Writer, c redis.UniversalClient, prefix, key string, plans []string) error {
@@ -59,12 +59,59 @@ func inspect(ctx context.Context, w io.Writer, c redis.UniversalClient, prefix, 
 				return fmt.Errorf("HGETALL of the window of plan %q: %w", plan, err)
 			}
 			printWindow(w, h, ttl, now.UnixMicro())
+		case "zset":
+			zs, err := c.ZRangeWithScores(ctx, rk, 0, -1).Result()
+			if err != nil {
+				return fmt.Errorf("ZRANGE of the permits of plan %q: %w", plan, err)
+			}
+			printPermits(w, zs, ttl, now.UnixMicro())
 		default:
 			fmt.Fprintf(w, "  type      %s, neither a bucket (string) nor a window (hash): foreign data; reads as full or empty, and the next decision that takes tokens replaces it\n", typ)
 			fmt.Fprintf(w, "  expires   %s\n", formatTTL(ttl))
 		}
 	}
 	return nil
+}
+
+// printPermits prints a concurrency plan's sorted set: the permits alive
+// at now, and each holder's, by the first 8 characters of its id (the
+// rest would let a reader release them), with when their lease ends.
+// Members are '<holder id>.<j>' scored by the lease's end in µs.
+func printPermits(w io.Writer, zs []redis.Z, ttl time.Duration, nowMicro int64) {
+	type holder struct {
+		id   string
+		n    int
+		ends int64
+	}
+	var holders []*holder
+	alive := 0
+	for _, z := range zs {
+		m, _ := z.Member.(string)
+		id, _, _ := strings.Cut(m, ".")
+		ends := int64(z.Score)
+		if ends > nowMicro {
+			alive++
+		}
+		i := slices.IndexFunc(holders, func(h *holder) bool { return h.id == id })
+		if i < 0 {
+			holders = append(holders, &holder{id: id, ends: ends})
+			i = len(holders) - 1
+		}
+		holders[i].n++
+	}
+	fmt.Fprintf(w, "  permits   %d held, alive at Redis TIME; %d members in all\n", alive, len(zs))
+	for _, h := range holders {
+		short := h.id
+		if len(short) > 8 {
+			short = short[:8] + "…"
+		}
+		state := fmt.Sprintf("lease ends in %s", time.Duration(h.ends-nowMicro)*time.Microsecond)
+		if h.ends <= nowMicro {
+			state = fmt.Sprintf("lease ended %s ago: the next decision reclaims them", time.Duration(nowMicro-h.ends)*time.Microsecond)
+		}
+		fmt.Fprintf(w, "  holder    %s: %d, %s\n", short, h.n, state)
+	}
+	fmt.Fprintf(w, "  expires   %s\n", formatTTL(ttl))
 }
 
 // printWindow prints a sliding window's hash: v = w or s (suppressed),

@@ -167,6 +167,35 @@ func TestInspect(t *testing.T) {
 	assert.Equal(t, before, mr.Dump(), "inspect writes nothing")
 }
 
+// TestInspectPermits prints a concurrency plan's permits: those alive,
+// and each holder's, by a prefix of its id only.
+func TestInspectPermits(t *testing.T) {
+	ctx := context.Background()
+	mr := miniredis.RunT(t)
+	mr.SetTime(t0)
+	client := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	t.Cleanup(func() { _ = client.Close() })
+	lim, err := tollgate.New(tollgate.NewRedisStore(client), []tollgate.Plan{{Name: "inflight", Capacity: 5, Concurrency: true}},
+		tollgate.WithFailurePolicy(breaker.FailClosed), tollgate.WithLogger(nil), tollgate.WithPermitLease(time.Minute))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = lim.Close() })
+	for _, n := range []int64{2, 1} {
+		p, err := lim.Acquire(ctx, "alice", n, "inflight")
+		require.NoError(t, err)
+		require.True(t, p.OK())
+	}
+	mr.SetTime(t0.Add(10 * time.Second))
+	code, stdout, stderr := cli(t, ctx, mr.Addr(), "inspect", "alice", "inflight")
+	require.Equal(t, exitOK, code, stderr)
+	assert.Contains(t, stdout, "permits   3 held, alive at Redis TIME; 3 members in all")
+	assert.Regexp(t, `holder    [0-9a-f]{8}…: 2, lease ends in 50s`, stdout)
+	assert.Regexp(t, `holder    [0-9a-f]{8}…: 1, lease ends in 50s`, stdout)
+	mr.SetTime(t0.Add(61 * time.Second))
+	_, stdout, _ = cli(t, ctx, mr.Addr(), "inspect", "alice", "inflight")
+	assert.Contains(t, stdout, "permits   0 held")
+	assert.Contains(t, stdout, "lease ended 1s ago: the next decision reclaims them")
+}
+
 // TestInspectWindow prints a window's sub-windows as the script wrote
 // them.
 func TestInspectWindow(t *testing.T) {
