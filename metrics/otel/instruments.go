@@ -44,11 +44,11 @@
 // Permits by event, as in tollgate.Stats.Permits: granted and refused
 // Acquire calls, Permits released while held, Permits lost (their lease
 // had ended), and reclaimed permits, those of any instance whose lease had
-// ended when an Acquire found them. tollgate.permits.held is the permits
-// of a plan that the Limiter holds now, on every key
-// (tollgate.PlanStats.PermitsHeld). Every event, and every plan, has its
-// data point from the first collection; a plan that is not a concurrency
-// plan holds 0, as for tollgate.shadow.denials.
+// ended when this Limiter's Acquire, renewal or release found them.
+// tollgate.permits.held is the permits of a plan that the Limiter holds
+// now, on every key (tollgate.PlanStats.PermitsHeld). Every event, and
+// every plan, has its data point from the first collection; a plan that
+// is not a concurrency plan holds 0, as for tollgate.shadow.denials.
 //
 // OpenTelemetry has no asynchronous histogram, so the duration of the
 // store calls is their total, tollgate.store.duration, beside their
@@ -191,7 +191,7 @@ func Register(lim *tollgate.Limiter, mp metric.MeterProvider, opts ...Option) (m
 		metric.WithDescription("Instances alive that the last heartbeat counted (WithFleet); 0 without one."))
 	err = errors.Join(err, e)
 	in.permits, e = m.Int64ObservableCounter("tollgate.permits", metric.WithUnit("{permit}"),
-		metric.WithDescription("Acquire calls of concurrency plans and their permits, by event: granted, refused (Acquire calls); released, lost (Permits given back while held, or found with their lease ended); reclaimed (permits of any instance that an Acquire found with their lease ended)."))
+		metric.WithDescription("Acquire calls of concurrency plans and their permits, by event: granted, refused (Acquire calls); released, lost (Permits given back while held, or found with their lease ended); reclaimed (permits of any instance whose lease had ended, removed by this Limiter's calls to the store)."))
 	err = errors.Join(err, e)
 	in.held, e = m.Int64ObservableGauge("tollgate.permits.held", metric.WithUnit("{permit}"),
 		metric.WithDescription("Permits of a concurrency plan that this Limiter holds now, on every key, by plan; 0 for other plans."))

@@ -47,11 +47,12 @@
 // and their Permits by event, as in tollgate.Stats.Permits: granted and
 // refused Acquire calls, Permits released while held, Permits lost (their
 // lease had ended), and reclaimed permits, those of any instance whose
-// lease had ended when an Acquire found them. Every event has its series
-// from the first scrape. tollgate_permits_held is the permits of a plan
-// that the Limiter holds now, on every key (tollgate.PlanStats.PermitsHeld).
-// As with tollgate_shadow_denials_total, every plan has a series from the
-// first scrape, at 0 for one that is not a concurrency plan.
+// lease had ended when this Limiter's Acquire, renewal or release found
+// them. Every event has its series from the first scrape.
+// tollgate_permits_held is the permits of a plan that the Limiter holds
+// now, on every key (tollgate.PlanStats.PermitsHeld). As with
+// tollgate_shadow_denials_total, every plan has a series from the first
+// scrape, at 0 for one that is not a concurrency plan.
 //
 // The buckets of tollgate_store_duration_seconds are the Limiter's,
 // Stats.LatencyBounds (50µs to 1s), and cannot be changed: the Limiter
@@ -162,7 +163,7 @@ func New(lim *tollgate.Limiter, opts ...Option) *Collector {
 			"Instances alive that the last heartbeat counted (WithFleet); 0 without one.",
 			nil, cl),
 		permits: prometheus.NewDesc("tollgate_permits_total",
-			"Acquire calls of concurrency plans and their permits, by event: granted, refused (Acquire calls); released, lost (Permits given back while held, or found with their lease ended); reclaimed (permits of any instance that an Acquire found with their lease ended).",
+			"Acquire calls of concurrency plans and their permits, by event: granted, refused (Acquire calls); released, lost (Permits given back while held, or found with their lease ended); reclaimed (permits of any instance whose lease had ended, removed by this Limiter's calls to the store).",
 			[]string{"event"}, cl),
 		held: prometheus.NewDesc("tollgate_permits_held",
 			"Permits of a concurrency plan that this Limiter holds now, on every key, by plan; 0 for other plans.",
