@@ -28,15 +28,27 @@
 //	tollgate.reservation.tokens{kind}         Int64ObservableCounter, {token}
 //	tollgate.shadow.denials{plan}             Int64ObservableCounter, {decision}
 //	tollgate.fleet.size                       Int64ObservableGauge, {instance}
+//	tollgate.permits{event}                   Int64ObservableCounter, {permit}
+//	tollgate.permits.held{plan}               Int64ObservableGauge, {permit}
 //
 // decision is allowed or denied; source is store, fallback, fail-open or
 // cache (a denial the Limiter remembered); to is closed, open or
 // half-open; class is the class of a store failure, as in
-// tollgate.Stats.StoreErrors; event is held, settled or expired, and kind
-// refunded, charged or uncharged, as in tollgate.Stats.Reservations. Every
-// plan has all its decision data points
+// tollgate.Stats.StoreErrors; a reservation's event is held, settled or
+// expired, and kind refunded, charged or uncharged, as in
+// tollgate.Stats.Reservations. Every plan has all its decision data points
 // from the first collection, at 0, and so do the common error classes
 // (timeout, network, canceled, bad-reply, other).
+//
+// tollgate.permits counts the Acquire calls of concurrency plans and their
+// Permits by event, as in tollgate.Stats.Permits: granted and refused
+// Acquire calls, Permits released while held, Permits lost (their lease
+// had ended), and reclaimed permits, those of any instance whose lease had
+// ended when this Limiter's Acquire, renewal or release found them.
+// tollgate.permits.held is the permits of a plan that the Limiter holds
+// now, on every key (tollgate.PlanStats.PermitsHeld). Every event, and
+// every plan, has its data point from the first collection; a plan that
+// is not a concurrency plan holds 0, as for tollgate.shadow.denials.
 //
 // OpenTelemetry has no asynchronous histogram, so the duration of the
 // store calls is their total, tollgate.store.duration, beside their
@@ -115,6 +127,8 @@ type instruments struct {
 	holdTokens  metric.Int64ObservableCounter
 	shadow      metric.Int64ObservableCounter
 	fleetSize   metric.Int64ObservableGauge
+	permits     metric.Int64ObservableCounter
+	held        metric.Int64ObservableGauge
 
 	attrs         []attribute.KeyValue
 	base          []metric.ObserveOption
@@ -123,6 +137,7 @@ type instruments struct {
 	transitionsTo [3][]metric.ObserveOption // closed, open, half-open
 	holdEvents    [3][]metric.ObserveOption // held, settled, expired
 	holdKinds     [3][]metric.ObserveOption // refunded, charged, uncharged
+	permitEvents  [5][]metric.ObserveOption // granted, refused, released, lost, reclaimed
 }
 
 // Register creates the instruments of lim's metrics on a meter of mp, nil
@@ -175,6 +190,12 @@ func Register(lim *tollgate.Limiter, mp metric.MeterProvider, opts ...Option) (m
 	in.fleetSize, e = m.Int64ObservableGauge("tollgate.fleet.size", metric.WithUnit("{instance}"),
 		metric.WithDescription("Instances alive that the last heartbeat counted (WithFleet); 0 without one."))
 	err = errors.Join(err, e)
+	in.permits, e = m.Int64ObservableCounter("tollgate.permits", metric.WithUnit("{permit}"),
+		metric.WithDescription("Acquire calls of concurrency plans and their permits, by event: granted, refused (Acquire calls); released, lost (Permits given back while held, or found with their lease ended); reclaimed (permits of any instance whose lease had ended, removed by this Limiter's calls to the store)."))
+	err = errors.Join(err, e)
+	in.held, e = m.Int64ObservableGauge("tollgate.permits.held", metric.WithUnit("{permit}"),
+		metric.WithDescription("Permits of a concurrency plan that this Limiter holds now, on every key, by plan; 0 for other plans."))
+	err = errors.Join(err, e)
 	if err != nil {
 		return nil, err
 	}
@@ -197,8 +218,12 @@ func Register(lim *tollgate.Limiter, mp metric.MeterProvider, opts ...Option) (m
 	for i, kind := range []string{"refunded", "charged", "uncharged"} {
 		in.holdKinds[i] = in.opts(attribute.String("kind", kind))
 	}
+	for i, event := range []string{"granted", "refused", "released", "lost", "reclaimed"} {
+		in.permitEvents[i] = in.opts(attribute.String("event", event))
+	}
 	return m.RegisterCallback(in.observe, in.decisions, in.duration, in.calls, in.storeErrors,
-		in.fallback, in.breaker, in.transitions, in.scriptLoads, in.holds, in.holdTokens, in.shadow, in.fleetSize)
+		in.fallback, in.breaker, in.transitions, in.scriptLoads, in.holds, in.holdTokens, in.shadow, in.fleetSize,
+		in.permits, in.held)
 }
 
 // meter returns the meter of mp, nil meaning otel.GetMeterProvider(), and
@@ -229,7 +254,7 @@ func point(attrs []attribute.KeyValue, kv ...attribute.KeyValue) []metric.Observ
 // planPoints are the ObserveOptions of one plan's data points.
 type planPoints struct {
 	decisions [2][][]metric.ObserveOption // [denied, allowed][source]
-	shadow    []metric.ObserveOption
+	plan      []metric.ObserveOption      // of the data points with the plan alone
 }
 
 // planOpts returns the ObserveOptions of a plan's data points.
@@ -241,7 +266,7 @@ func (in *instruments) planOpts(p tollgate.PlanStats) planPoints {
 				attribute.String("decision", decision), attribute.String("source", tollgate.Source(src).String())))
 		}
 	}
-	pp.shadow = in.opts(attribute.String("plan", p.Plan))
+	pp.plan = in.opts(attribute.String("plan", p.Plan))
 	return pp
 }
 
@@ -259,7 +284,8 @@ func (in *instruments) observe(_ context.Context, o metric.Observer) error {
 			o.ObserveInt64(in.decisions, clamp(p.Denied[src]), pp.decisions[0][src]...)
 			o.ObserveInt64(in.decisions, clamp(p.Allowed[src]), pp.decisions[1][src]...)
 		}
-		o.ObserveInt64(in.shadow, clamp(p.ShadowDenied), pp.shadow...)
+		o.ObserveInt64(in.shadow, clamp(p.ShadowDenied), pp.plan...)
+		o.ObserveInt64(in.held, p.PermitsHeld, pp.plan...)
 	}
 
 	o.ObserveFloat64(in.duration, s.StoreTime.Seconds(), in.base...)
@@ -295,6 +321,10 @@ func (in *instruments) observe(_ context.Context, o metric.Observer) error {
 		o.ObserveInt64(in.holdTokens, clamp(v), in.holdKinds[i]...)
 	}
 	o.ObserveInt64(in.fleetSize, s.FleetSize, in.base...)
+	ps := s.Permits
+	for i, v := range [5]uint64{ps.Granted, ps.Refused, ps.Released, ps.Lost, ps.Reclaimed} {
+		o.ObserveInt64(in.permits, clamp(v), in.permitEvents[i]...)
+	}
 	return nil
 }
 

@@ -126,12 +126,27 @@ func newReader(t *testing.T) (reader, *sdkmetric.MeterProvider) {
 	return reader{t, mr}, mp
 }
 
+// permitPlans are a concurrency plan of 2 permits and a bucket, which
+// holds no permits.
+var permitPlans = []tollgate.Plan{
+	{Name: "inflight", Capacity: 2, Concurrency: true},
+	{Name: "gold", Capacity: 2, Rate: 1},
+}
+
 // newRegistered returns a Limiter on store, and a reader of its
 // instruments.
 func newRegistered(t *testing.T, store tollgate.Store, opts ...tollgate.Option) (reader, *tollgate.Limiter) {
 	t.Helper()
-	lim, err := tollgate.New(store, plans, append([]tollgate.Option{tollgate.WithLogger(nil)}, opts...)...)
+	return newRegisteredPlans(t, store, plans, opts...)
+}
+
+// newRegisteredPlans is newRegistered for a Limiter on ps, closed when the
+// test ends.
+func newRegisteredPlans(t *testing.T, store tollgate.Store, ps []tollgate.Plan, opts ...tollgate.Option) (reader, *tollgate.Limiter) {
+	t.Helper()
+	lim, err := tollgate.New(store, ps, append([]tollgate.Option{tollgate.WithLogger(nil)}, opts...)...)
 	require.NoError(t, err)
+	t.Cleanup(func() { _ = lim.Close() })
 	r, mp := newReader(t)
 	_, err = tgotel.Register(lim, mp)
 	require.NoError(t, err)
@@ -461,6 +476,8 @@ func TestInstruments(t *testing.T) {
 		"tollgate.reservation.tokens":  "int64 counter {token}",
 		"tollgate.shadow.denials":      "int64 counter {decision}",
 		"tollgate.fleet.size":          "int64 gauge {instance}",
+		"tollgate.permits":             "int64 counter {permit}",
+		"tollgate.permits.held":        "int64 gauge {permit}",
 	}, got)
 }
 
@@ -479,6 +496,85 @@ func TestReservations(t *testing.T) {
 	assert.Equal(t, int64(1), r.value("tollgate.reservation.tokens", attribute.String("kind", "refunded")))
 	assert.Equal(t, int64(2), r.value("tollgate.reservation.tokens", attribute.String("kind", "charged")))
 	assert.Equal(t, int64(0), r.value("tollgate.reservation.tokens", attribute.String("kind", "uncharged")))
+}
+
+// permits returns the data points of tollgate.permits by event, and of
+// tollgate.permits.held by plan.
+func (r reader) permits() (events, held map[string]int64) {
+	r.t.Helper()
+	events, held = map[string]int64{}, map[string]int64{}
+	for _, m := range r.collect() {
+		switch d := m.Data.(type) {
+		case metricdata.Sum[int64]:
+			if m.Name == "tollgate.permits" {
+				for _, p := range d.DataPoints {
+					event, _ := p.Attributes.Value("event")
+					events[event.AsString()] = p.Value
+				}
+			}
+		case metricdata.Gauge[int64]:
+			if m.Name == "tollgate.permits.held" {
+				for _, p := range d.DataPoints {
+					plan, _ := p.Attributes.Value("plan")
+					held[plan.AsString()] = p.Value
+				}
+			}
+		}
+	}
+	return events, held
+}
+
+// TestPermits acquires permits of a concurrency plan, is refused and
+// releases: every event and every plan has its data point from the first
+// collection, and each moves with its own count.
+func TestPermits(t *testing.T) {
+	r, lim := newRegisteredPlans(t, tollgate.NewMemoryStore(), permitPlans)
+	ctx := context.Background()
+	events, held := r.permits()
+	assert.Equal(t, map[string]int64{"granted": 0, "refused": 0, "released": 0, "lost": 0, "reclaimed": 0}, events, "before the first Acquire")
+	assert.Equal(t, map[string]int64{"inflight": 0, "gold": 0}, held, "before the first Acquire")
+
+	acquire := func(n int64) *tollgate.Permit {
+		t.Helper()
+		p, err := lim.Acquire(ctx, "alice", n, "inflight")
+		require.NoError(t, err)
+		return p
+	}
+	a, b := acquire(1), acquire(1)
+	require.True(t, a.OK() && b.OK())
+	require.False(t, acquire(1).OK(), "2 permits, both held")
+	require.NoError(t, a.Release(ctx))
+	require.NoError(t, b.Release(ctx))
+	c := acquire(2)
+	require.True(t, c.OK())
+	events, held = r.permits()
+	assert.Equal(t, map[string]int64{"granted": 3, "refused": 1, "released": 2, "lost": 0, "reclaimed": 0}, events, "while c holds both permits")
+	assert.Equal(t, map[string]int64{"inflight": 2, "gold": 0}, held, "while c holds both permits")
+	require.NoError(t, c.Release(ctx))
+	assert.Equal(t, int64(0), r.value("tollgate.permits.held", attribute.String("plan", "inflight")))
+	assert.Equal(t, int64(3), r.value("tollgate.permits", attribute.String("event", "released")))
+}
+
+// TestPermitsLost moves Redis's clock past a lease: the next renewal
+// finds the Permit lost, and its 2 permits reclaimed.
+func TestPermitsLost(t *testing.T) {
+	ctx := context.Background()
+	mr := miniredis.RunT(t)
+	client := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	t.Cleanup(func() { _ = client.Close() })
+	r, lim := newRegisteredPlans(t, tollgate.NewRedisStore(client), permitPlans,
+		tollgate.WithPermitLease(30*time.Millisecond))
+	p, err := lim.Acquire(ctx, "alice", 2, "inflight")
+	require.NoError(t, err)
+	require.True(t, p.OK())
+	assert.Equal(t, int64(2), r.value("tollgate.permits.held", attribute.String("plan", "inflight")))
+
+	mr.SetTime(time.Now().Add(time.Hour)) // TIME in scripts; the key's TTL stands still
+	require.Eventually(t, func() bool { return lim.Stats().Permits.Lost > 0 }, 5*time.Second, 5*time.Millisecond)
+	require.ErrorIs(t, p.Release(ctx), tollgate.ErrPermitLost)
+	events, held := r.permits()
+	assert.Equal(t, map[string]int64{"granted": 1, "refused": 0, "released": 0, "lost": 1, "reclaimed": 2}, events)
+	assert.Equal(t, map[string]int64{"inflight": 0, "gold": 0}, held)
 }
 
 // Would-be denials are counted under the shadowed plan, also one that

@@ -25,12 +25,15 @@
 //	tollgate_reservation_tokens_total{kind}         counter
 //	tollgate_shadow_denials_total{plan}             counter
 //	tollgate_fleet_size                             gauge
+//	tollgate_permits_total{event}                   counter
+//	tollgate_permits_held{plan}                     gauge
 //
 // decision is allowed or denied; source is store, fallback, fail-open or
 // cache (a denial the Limiter remembered); to is closed, open or
 // half-open; class is the class of a store failure, as in
-// tollgate.Stats.StoreErrors; event is held, settled or expired, and kind
-// refunded, charged or uncharged, as in tollgate.Stats.Reservations.
+// tollgate.Stats.StoreErrors; a reservation's event is held, settled or
+// expired, and kind refunded, charged or uncharged, as in
+// tollgate.Stats.Reservations.
 // Every plan has all its decision series from
 // the first scrape, at 0, so that increase() sees the first denial or
 // fallback; so do the common error classes (timeout, network, canceled,
@@ -39,6 +42,17 @@
 // shadowed plan would have denied (tollgate.PlanStats.ShadowDenied), every
 // plan from the first scrape; tollgate_fleet_size is the instances alive
 // that the last heartbeat counted (tollgate.WithFleet), 0 without one.
+//
+// tollgate_permits_total counts the Acquire calls of concurrency plans
+// and their Permits by event, as in tollgate.Stats.Permits: granted and
+// refused Acquire calls, Permits released while held, Permits lost (their
+// lease had ended), and reclaimed permits, those of any instance whose
+// lease had ended when this Limiter's Acquire, renewal or release found
+// them. Every event has its series from the first scrape.
+// tollgate_permits_held is the permits of a plan that the Limiter holds
+// now, on every key (tollgate.PlanStats.PermitsHeld). As with
+// tollgate_shadow_denials_total, every plan has a series from the first
+// scrape, at 0 for one that is not a concurrency plan.
 //
 // The buckets of tollgate_store_duration_seconds are the Limiter's,
 // Stats.LatencyBounds (50µs to 1s), and cannot be changed: the Limiter
@@ -69,7 +83,7 @@ type config struct {
 // WithConstLabels adds labels with fixed values to every metric, for
 // example prometheus.Labels{"limiter": "api"} to tell the Collectors of
 // several Limiters apart in one registry. A label named like one of the
-// metrics' own (plan, decision, source, class, to) makes registering the
+// metrics' own (plan, decision, source, class, to, event, kind) makes registering the
 // Collector fail. The default is none.
 func WithConstLabels(l prometheus.Labels) Option {
 	return func(c *config) { c.constLabels = l }
@@ -91,6 +105,8 @@ type Collector struct {
 	holdTokens  *prometheus.Desc
 	shadow      *prometheus.Desc
 	fleetSize   *prometheus.Desc
+	permits     *prometheus.Desc
+	held        *prometheus.Desc
 }
 
 var _ prometheus.Collector = (*Collector)(nil)
@@ -146,12 +162,18 @@ func New(lim *tollgate.Limiter, opts ...Option) *Collector {
 		fleetSize: prometheus.NewDesc("tollgate_fleet_size",
 			"Instances alive that the last heartbeat counted (WithFleet); 0 without one.",
 			nil, cl),
+		permits: prometheus.NewDesc("tollgate_permits_total",
+			"Acquire calls of concurrency plans and their permits, by event: granted, refused (Acquire calls); released, lost (Permits given back while held, or found with their lease ended); reclaimed (permits of any instance whose lease had ended, removed by this Limiter's calls to the store).",
+			[]string{"event"}, cl),
+		held: prometheus.NewDesc("tollgate_permits_held",
+			"Permits of a concurrency plan that this Limiter holds now, on every key, by plan; 0 for other plans.",
+			[]string{"plan"}, cl),
 	}
 }
 
 // Describe implements prometheus.Collector.
 func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.decisions, c.duration, c.storeErrors, c.fallback, c.breaker, c.transitions, c.scriptLoads, c.holds, c.holdTokens, c.shadow, c.fleetSize} {
+	for _, d := range []*prometheus.Desc{c.decisions, c.duration, c.storeErrors, c.fallback, c.breaker, c.transitions, c.scriptLoads, c.holds, c.holdTokens, c.shadow, c.fleetSize, c.permits, c.held} {
 		ch <- d
 	}
 }
@@ -167,6 +189,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 			counter(ch, c.decisions, p.Denied[src], p.Plan, "denied", source)
 		}
 		counter(ch, c.shadow, p.ShadowDenied, p.Plan)
+		gauge(ch, c.held, float64(p.PermitsHeld), p.Plan)
 	}
 
 	// Prometheus's buckets are cumulative, the Limiter's are not.
@@ -204,6 +227,12 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	counter(ch, c.holdTokens, rs.Charged, "charged")
 	counter(ch, c.holdTokens, rs.Uncharged, "uncharged")
 	gauge(ch, c.fleetSize, float64(s.FleetSize))
+	ps := s.Permits
+	counter(ch, c.permits, ps.Granted, "granted")
+	counter(ch, c.permits, ps.Refused, "refused")
+	counter(ch, c.permits, ps.Released, "released")
+	counter(ch, c.permits, ps.Lost, "lost")
+	counter(ch, c.permits, ps.Reclaimed, "reclaimed")
 }
 
 func counter(ch chan<- prometheus.Metric, d *prometheus.Desc, v uint64, labels ...string) {
@@ -211,8 +240,8 @@ func counter(ch chan<- prometheus.Metric, d *prometheus.Desc, v uint64, labels .
 	send(ch, d, m, err)
 }
 
-func gauge(ch chan<- prometheus.Metric, d *prometheus.Desc, v float64) {
-	m, err := prometheus.NewConstMetric(d, prometheus.GaugeValue, v)
+func gauge(ch chan<- prometheus.Metric, d *prometheus.Desc, v float64, labels ...string) {
+	m, err := prometheus.NewConstMetric(d, prometheus.GaugeValue, v, labels...)
 	send(ch, d, m, err)
 }
 

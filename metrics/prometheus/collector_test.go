@@ -30,13 +30,28 @@ var plans = []tollgate.Plan{
 	{Name: "daily", Capacity: 100, Rate: tollgate.Per(100, 24*time.Hour)},
 }
 
+// permitPlans are a concurrency plan of 2 permits and a bucket, which
+// holds no permits.
+var permitPlans = []tollgate.Plan{
+	{Name: "inflight", Capacity: 2, Concurrency: true},
+	{Name: "gold", Capacity: 2, Rate: 1},
+}
+
 // newCollected returns a Limiter on store, and a pedantic registry that
 // holds its Collector. A pedantic registry checks on every Gather that
 // each metric collected matches a Desc that Describe sent.
 func newCollected(t *testing.T, store tollgate.Store, opts ...tollgate.Option) (*prometheus.Registry, *tollgate.Limiter) {
 	t.Helper()
-	lim, err := tollgate.New(store, plans, append([]tollgate.Option{tollgate.WithLogger(nil)}, opts...)...)
+	return newCollectedPlans(t, store, plans, opts...)
+}
+
+// newCollectedPlans is newCollected for a Limiter on ps, closed when the
+// test ends.
+func newCollectedPlans(t *testing.T, store tollgate.Store, ps []tollgate.Plan, opts ...tollgate.Option) (*prometheus.Registry, *tollgate.Limiter) {
+	t.Helper()
+	lim, err := tollgate.New(store, ps, append([]tollgate.Option{tollgate.WithLogger(nil)}, opts...)...)
 	require.NoError(t, err)
+	t.Cleanup(func() { _ = lim.Close() })
 	reg := prometheus.NewPedanticRegistry()
 	require.NoError(t, reg.Register(tgprom.New(lim)))
 	return reg, lim
@@ -84,6 +99,10 @@ var heads = map[string]string{
 # TYPE tollgate_breaker_transitions_total counter`,
 	"tollgate_store_errors_total": `# HELP tollgate_store_errors_total Calls to the Limiter's store that failed, by class; calls its caller ended are not counted.
 # TYPE tollgate_store_errors_total counter`,
+	"tollgate_permits_total": `# HELP tollgate_permits_total Acquire calls of concurrency plans and their permits, by event: granted, refused (Acquire calls); released, lost (Permits given back while held, or found with their lease ended); reclaimed (permits of any instance whose lease had ended, removed by this Limiter's calls to the store).
+# TYPE tollgate_permits_total counter`,
+	"tollgate_permits_held": `# HELP tollgate_permits_held Permits of a concurrency plan that this Limiter holds now, on every key, by plan; 0 for other plans.
+# TYPE tollgate_permits_held gauge`,
 }
 
 // assertSeries checks that the series of each metric in want are exactly
@@ -215,6 +234,77 @@ func TestReservations(t *testing.T) {
 	assert.Equal(t, 1.0, value(t, reg, "tollgate_reservation_tokens_total", "kind", "refunded"))
 	assert.Equal(t, 2.0, value(t, reg, "tollgate_reservation_tokens_total", "kind", "charged"))
 	assert.Equal(t, 0.0, value(t, reg, "tollgate_reservation_tokens_total", "kind", "uncharged"))
+}
+
+// TestPermits acquires permits of a concurrency plan, is refused and
+// releases: every event and every plan has its series from the first
+// scrape, and each moves with its own count.
+func TestPermits(t *testing.T) {
+	reg, lim := newCollectedPlans(t, tollgate.NewMemoryStore(), permitPlans)
+	ctx := context.Background()
+	assertSeries(t, reg, `
+tollgate_permits_total{event="granted"} 0
+tollgate_permits_total{event="lost"} 0
+tollgate_permits_total{event="reclaimed"} 0
+tollgate_permits_total{event="refused"} 0
+tollgate_permits_total{event="released"} 0
+tollgate_permits_held{plan="gold"} 0
+tollgate_permits_held{plan="inflight"} 0
+`, "before the first Acquire")
+
+	acquire := func(n int64) *tollgate.Permit {
+		t.Helper()
+		p, err := lim.Acquire(ctx, "alice", n, "inflight")
+		require.NoError(t, err)
+		return p
+	}
+	a, b := acquire(1), acquire(1)
+	require.True(t, a.OK() && b.OK())
+	require.False(t, acquire(1).OK(), "2 permits, both held")
+	require.NoError(t, a.Release(ctx))
+	require.NoError(t, b.Release(ctx))
+	c := acquire(2)
+	require.True(t, c.OK())
+	assertSeries(t, reg, `
+tollgate_permits_total{event="granted"} 3
+tollgate_permits_total{event="lost"} 0
+tollgate_permits_total{event="reclaimed"} 0
+tollgate_permits_total{event="refused"} 1
+tollgate_permits_total{event="released"} 2
+tollgate_permits_held{plan="gold"} 0
+tollgate_permits_held{plan="inflight"} 2
+`, "while c holds both permits")
+	require.NoError(t, c.Release(ctx))
+	assert.Equal(t, 0.0, value(t, reg, "tollgate_permits_held", "plan", "inflight"))
+	assert.Equal(t, 3.0, value(t, reg, "tollgate_permits_total", "event", "released"))
+}
+
+// TestPermitsLost moves Redis's clock past a lease: the next renewal
+// finds the Permit lost, and its 2 permits reclaimed.
+func TestPermitsLost(t *testing.T) {
+	ctx := context.Background()
+	mr := miniredis.RunT(t)
+	client := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	t.Cleanup(func() { _ = client.Close() })
+	reg, lim := newCollectedPlans(t, tollgate.NewRedisStore(client), permitPlans,
+		tollgate.WithPermitLease(30*time.Millisecond))
+	p, err := lim.Acquire(ctx, "alice", 2, "inflight")
+	require.NoError(t, err)
+	require.True(t, p.OK())
+	assert.Equal(t, 2.0, value(t, reg, "tollgate_permits_held", "plan", "inflight"))
+
+	mr.SetTime(time.Now().Add(time.Hour)) // TIME in scripts; the key's TTL stands still
+	require.Eventually(t, func() bool { return lim.Stats().Permits.Lost > 0 }, 5*time.Second, 5*time.Millisecond)
+	require.ErrorIs(t, p.Release(ctx), tollgate.ErrPermitLost)
+	assertSeries(t, reg, `
+tollgate_permits_total{event="granted"} 1
+tollgate_permits_total{event="lost"} 1
+tollgate_permits_total{event="reclaimed"} 2
+tollgate_permits_total{event="refused"} 0
+tollgate_permits_total{event="released"} 0
+tollgate_permits_held{plan="gold"} 0
+tollgate_permits_held{plan="inflight"} 0
+`)
 }
 
 // TestStoreDurationHistogram: the histogram is the Limiter's, made
@@ -488,7 +578,7 @@ tollgate_breaker_state{limiter="login"} 1
 func TestBadConstLabelRegistersNothing(t *testing.T) {
 	lim, err := tollgate.New(tollgate.NewMemoryStore(), plans)
 	require.NoError(t, err)
-	for _, name := range []string{"plan", "class", "to"} {
+	for _, name := range []string{"plan", "class", "to", "event"} {
 		reg := prometheus.NewPedanticRegistry()
 		err := reg.Register(tgprom.New(lim, tgprom.WithConstLabels(prometheus.Labels{name: "x"})))
 		require.ErrorContains(t, err, "duplicate label names", "const label %s", name)
@@ -539,7 +629,8 @@ func TestMetricNamesFollowConventions(t *testing.T) {
 	}
 	assert.Equal(t, []string{
 		"tollgate_breaker_state", "tollgate_breaker_transitions_total", "tollgate_decisions_total",
-		"tollgate_fallback_active", "tollgate_fleet_size", "tollgate_reservation_tokens_total",
+		"tollgate_fallback_active", "tollgate_fleet_size", "tollgate_permits_held", "tollgate_permits_total",
+		"tollgate_reservation_tokens_total",
 		"tollgate_reservations_total", "tollgate_script_loads_total", "tollgate_shadow_denials_total",
 		"tollgate_store_duration_seconds", "tollgate_store_errors_total",
 	}, names, "the names dashboards use")
