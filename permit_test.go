@@ -45,6 +45,8 @@ func permitStores(t *testing.T, timed bool, opts ...Option) map[string]*Limiter 
 	return out
 }
 
+// TestAcquireHoldsAtMostCapacity acquires, is refused, releases twice
+// and acquires again, on every store.
 func TestAcquireHoldsAtMostCapacity(t *testing.T) {
 	ctx := context.Background()
 	for name, l := range permitStores(t, false) {
@@ -72,6 +74,8 @@ func TestAcquireHoldsAtMostCapacity(t *testing.T) {
 	}
 }
 
+// TestAcquireChainTakesBothOrNeither chains permits with a bucket: a
+// refusal by either takes nothing from the other.
 func TestAcquireChainTakesBothOrNeither(t *testing.T) {
 	ctx := context.Background()
 	for name, l := range permitStores(t, false) {
@@ -112,6 +116,7 @@ func TestAcquireChainTakesBothOrNeither(t *testing.T) {
 	}
 }
 
+// TestAcquireBadInput gives each kind of bad input its error.
 func TestAcquireBadInput(t *testing.T) {
 	ctx := context.Background()
 	for name, l := range permitStores(t, false) {
@@ -152,9 +157,13 @@ func TestAcquireBadInput(t *testing.T) {
 	require.ErrorIs(t, err, ErrInvalidPlan)
 }
 
+// TestPermitLeaseEndsWithoutRenewal stops renewing one of two holders'
+// permits: once its lease has ended, they come back, and its Release
+// says they were lost. Leases are long enough that a starved test process
+// still renews the other holder's in time.
 func TestPermitLeaseEndsWithoutRenewal(t *testing.T) {
 	ctx := context.Background()
-	for name, l := range permitStores(t, true, WithPermitLease(60*time.Millisecond)) {
+	for name, l := range permitStores(t, true, WithPermitLease(600*time.Millisecond)) {
 		t.Run(name, func(t *testing.T) {
 			kept, err := l.Acquire(ctx, "k", 1, "inflight")
 			require.NoError(t, err)
@@ -162,7 +171,7 @@ func TestPermitLeaseEndsWithoutRenewal(t *testing.T) {
 			require.NoError(t, err)
 			require.True(t, p.OK())
 			l.book.remove(p) // its holder stops renewing it
-			time.Sleep(150 * time.Millisecond)
+			time.Sleep(time.Second)
 			q, err := l.Acquire(ctx, "k", 2, "inflight")
 			require.NoError(t, err)
 			require.True(t, q.OK(), "the lease ended: its permits came back")
@@ -175,13 +184,15 @@ func TestPermitLeaseEndsWithoutRenewal(t *testing.T) {
 	}
 }
 
+// TestPermitRenewedOutlivesItsLease holds permits for more than two
+// leases: the Limiter's renewals keep them.
 func TestPermitRenewedOutlivesItsLease(t *testing.T) {
 	ctx := context.Background()
-	for name, l := range permitStores(t, true, WithPermitLease(60*time.Millisecond)) {
+	for name, l := range permitStores(t, true, WithPermitLease(600*time.Millisecond)) {
 		t.Run(name, func(t *testing.T) {
 			p, err := l.Acquire(ctx, "k", 3, "inflight")
 			require.NoError(t, err)
-			time.Sleep(200 * time.Millisecond)
+			time.Sleep(1500 * time.Millisecond)
 			q, err := l.Acquire(ctx, "k", 1, "inflight")
 			require.NoError(t, err)
 			require.False(t, q.OK(), "renewed: still held")

@@ -89,15 +89,17 @@ type Stats struct {
 	// Permits counts the Acquire calls of concurrency plans
 	// (Plan.Concurrency) and their permits.
 	Permits struct {
-		// Granted and Refused count Acquire calls, by their outcome.
+		// Granted and Refused count Acquire calls, by their outcome;
+		// not those on a key exempt from every plan (ErrExempt).
 		Granted, Refused uint64
 		// Released counts the Permits released while held, and Lost
 		// those whose lease had ended when this Limiter renewed or
 		// released them (ErrPermitLost).
 		Released, Lost uint64
 		// Reclaimed counts the permits, of any instance, whose lease had
-		// ended when this Limiter's Acquire found them: holders that
-		// died, or lost the store, without releasing. Redis deletes a
+		// ended when this Limiter's Acquire, renewal or release found
+		// them, its own lost ones included: holders that died, or lost
+		// the store, without releasing. Redis deletes a
 		// key once every lease on it has ended, and its permits with it,
 		// uncounted.
 		Reclaimed uint64
@@ -109,11 +111,15 @@ type permitCounters struct {
 	granted, refused, released, lost, reclaimed atomic.Uint64
 }
 
-// acquired counts the Acquire call that decided r.
+// acquired counts the Acquire call that decided r; not one on a key
+// exempt from every plan, as PlanStats does not.
 func (c *permitCounters) acquired(r *Result) {
-	if r.Allowed {
+	switch {
+	case r.Source == SourceExempt:
+		return
+	case r.Allowed:
 		c.granted.Add(1)
-	} else {
+	default:
 		c.refused.Add(1)
 	}
 	if r.reclaimed > 0 {
