@@ -17,8 +17,8 @@
 // grpc-retry-pushback-ms, which grpc-go's retry policies obey. A
 // concurrency plan (tollgate.Plan.Concurrency) among the plans holds a
 // permit for the length of the handler, or of the stream, and its denial
-// tells no time to try again (see Acquirer). Allowed
-// calls can get the IETF fields in their header (WithAllowedMetadata). A
+// tells no time to try again (see Acquirer). Allowed calls can get the
+// IETF fields in their header (WithAllowedMetadata). A
 // store outage under tollgate.FailClosed ends a call with
 // codes.Unavailable, not ResourceExhausted, so clients do not back off
 // from a healthy server for the wrong reason. Keys, which may be personal
@@ -67,8 +67,9 @@ type Option func(*server)
 // them, or, if one lacks the tokens, from none. A concurrency plan among
 // them (tollgate.Plan.Concurrency) gives the call a permit to hold while
 // its handler runs (see Acquirer), as it does in WithMethodPlans. A later
-// WithPlans replaces an earlier one. The default, or no names, is the RateLimiter's default
-// plan (for a *tollgate.Limiter, the first plan given to New).
+// WithPlans replaces an earlier one. The default, or no names, is the
+// RateLimiter's default plan (for a *tollgate.Limiter, the first plan
+// given to New), which must not be a concurrency plan: name that one.
 func WithPlans(names ...string) Option {
 	names = slices.Clone(names)
 	return func(s *server) { s.plans = chain{names: names} }
@@ -122,10 +123,12 @@ func WithSkip(skip func(ctx context.Context, fullMethod string) bool) Option {
 // A denied call gets them in its trailer, with retry-after (seconds,
 // rounded up, at least 1) in every mode and grpc-retry-pushback-ms unless
 // WithPushback(false): the call ends with a trailers-only response, which
-// grpc-go needs to retry it. A concurrency plan is described as httplimit
-// describes it: q its capacity, r its free permits, no w or t, and when
-// it binds, no x-ratelimit-reset, retry-after or grpc-retry-pushback-ms. An allowed call gets the fields in its
+// grpc-go needs to retry it. An allowed call gets the fields in its
 // response header only with WithAllowedMetadata.
+//
+// A concurrency plan is described as httplimit describes it: q is its
+// capacity, r its free permits, and there is no w or t; when it binds,
+// there is no x-ratelimit-reset, retry-after or grpc-retry-pushback-ms.
 type MetadataMode int
 
 const (
