@@ -32,9 +32,15 @@ type MiddlewareLimiter struct {
 
 // NewMiddlewareLimiter returns a MiddlewareLimiter. Its options and
 // panics are those of UnaryServerInterceptor; WithStreamMessages has no
-// effect, since go-grpc-middleware asks once per call or stream.
+// effect, since go-grpc-middleware asks once per call or stream. It also
+// panics if a plan is a concurrency plan: go-grpc-middleware asks before
+// the handler and never after, so nothing would release the permit.
 func NewMiddlewareLimiter(l tollgate.RateLimiter, key KeyFunc, opts ...Option) *MiddlewareLimiter {
-	return &MiddlewareLimiter{s: newServer("NewMiddlewareLimiter", l, key, opts)}
+	s := newServer("NewMiddlewareLimiter", l, key, opts)
+	if s.holdsPermits() {
+		panic("grpclimit: NewMiddlewareLimiter: a concurrency plan's permit needs the interceptors of this package, which release it")
+	}
+	return &MiddlewareLimiter{s: s}
 }
 
 // Limit decides the call whose context is ctx, finding its method with
@@ -46,7 +52,7 @@ func (m *MiddlewareLimiter) Limit(ctx context.Context) error {
 	if s.skip != nil && s.skip(ctx, method) {
 		return nil
 	}
-	_, res, err := s.decide(ctx, method, nil)
+	_, res, _, err := s.decide(ctx, method, nil)
 	if err != nil {
 		return err
 	}

@@ -84,10 +84,18 @@ func (s *testService) receivedAt() []time.Time {
 // to it with the dial options given. Both stop when the test ends.
 func serve(t testing.TB, sopts []grpc.ServerOption, dopts ...grpc.DialOption) (*testService, *grpc.ClientConn) {
 	t.Helper()
-	lis := bufconn.Listen(1 << 20)
 	srv := grpc.NewServer(sopts...)
 	svc := &testService{}
 	testgrpc.RegisterTestServiceServer(srv, svc)
+	return svc, serveOn(t, srv, dopts...)
+}
+
+// serveOn starts srv on an in-memory connection, and returns a client
+// connected to it with the dial options given. Both stop when the test
+// ends.
+func serveOn(t testing.TB, srv *grpc.Server, dopts ...grpc.DialOption) *grpc.ClientConn {
+	t.Helper()
+	lis := bufconn.Listen(1 << 20)
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
@@ -104,7 +112,7 @@ func serve(t testing.TB, sopts []grpc.ServerOption, dopts ...grpc.DialOption) (*
 		srv.Stop()
 		<-done
 	})
-	return svc, conn
+	return conn
 }
 
 // limitedServer serves the test service behind both server interceptors.

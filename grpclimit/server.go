@@ -14,8 +14,11 @@
 // carry an errdetails.RetryInfo (when to try again), a QuotaFailure and
 // an ErrorInfo naming the plan, and whose trailer carries the IETF
 // ratelimit and ratelimit-policy fields, retry-after, and
-// grpc-retry-pushback-ms, which grpc-go's retry policies obey. Allowed
-// calls can get the IETF fields in their header (WithAllowedMetadata). A
+// grpc-retry-pushback-ms, which grpc-go's retry policies obey. A
+// concurrency plan (tollgate.Plan.Concurrency) among the plans holds a
+// permit for the length of the handler, or of the stream, and its denial
+// tells no time to try again (see Acquirer). Allowed calls can get the
+// IETF fields in their header (WithAllowedMetadata). A
 // store outage under tollgate.FailClosed ends a call with
 // codes.Unavailable, not ResourceExhausted, so clients do not back off
 // from a healthy server for the wrong reason. Keys, which may be personal
@@ -61,12 +64,15 @@ type Waiter interface {
 type Option func(*server)
 
 // WithPlans names the plans each call takes its tokens from: from all of
-// them, or, if one lacks the tokens, from none. A later WithPlans replaces
-// an earlier one. The default, or no names, is the RateLimiter's default
-// plan (for a *tollgate.Limiter, the first plan given to New).
+// them, or, if one lacks the tokens, from none. A concurrency plan among
+// them (tollgate.Plan.Concurrency) gives the call a permit to hold while
+// its handler runs (see Acquirer), as it does in WithMethodPlans. A later
+// WithPlans replaces an earlier one. The default, or no names, is the
+// RateLimiter's default plan (for a *tollgate.Limiter, the first plan
+// given to New), which must not be a concurrency plan: name that one.
 func WithPlans(names ...string) Option {
 	names = slices.Clone(names)
-	return func(s *server) { s.plans = names }
+	return func(s *server) { s.plans = chain{names: names} }
 }
 
 // WithMethodPlans gives methods plan chains of their own, in place of the
@@ -79,9 +85,9 @@ func WithPlans(names ...string) Option {
 // The methods share the key's buckets of a plan they share: give methods
 // buckets of their own with PerMethod, or with plans of their own.
 func WithMethodPlans(methods map[string][]string) Option {
-	m := make(map[string][]string, len(methods))
+	m := make(map[string]chain, len(methods))
 	for k, v := range methods {
-		m[k] = slices.Clone(v)
+		m[k] = chain{names: slices.Clone(v)}
 	}
 	return func(s *server) { s.methodPlans = m }
 }
@@ -119,6 +125,10 @@ func WithSkip(skip func(ctx context.Context, fullMethod string) bool) Option {
 // WithPushback(false): the call ends with a trailers-only response, which
 // grpc-go needs to retry it. An allowed call gets the fields in its
 // response header only with WithAllowedMetadata.
+//
+// A concurrency plan is described as httplimit describes it: q is its
+// capacity, r its free permits, and there is no w or t; when it binds,
+// there is no x-ratelimit-reset, retry-after or grpc-retry-pushback-ms.
 type MetadataMode int
 
 const (
@@ -184,7 +194,9 @@ const (
 // receives, not just the stream's opening: each takes cost(m) tokens, or 1
 // for a nil cost, from plans, or from the stream's plans if none are
 // named, for the key the stream was opened with. The opening is still
-// limited as without this option.
+// limited as without this option. A message holds no permit: plans must
+// not name a concurrency plan, and must be given if a chain of the
+// interceptor does.
 //
 // In Pace mode, the RateLimiter given to StreamServerInterceptor must be
 // a Waiter, as *tollgate.Limiter is. The default is no per-message limit.
@@ -216,11 +228,12 @@ func WithErrorStatus(h func(ctx context.Context, err error) *status.Status) Opti
 // server is the configuration the server interceptors share.
 type server struct {
 	lim         tollgate.RateLimiter
-	planner     Planner // lim, if it describes its plans; else nil
-	waiter      Waiter  // lim, if it waits; else nil
+	planner     Planner  // lim, if it describes its plans; else nil
+	waiter      Waiter   // lim, if it waits; else nil
+	acquirer    Acquirer // lim, if it holds permits; else nil
 	key         KeyFunc
-	plans       []string
-	methodPlans map[string][]string
+	plans       chain
+	methodPlans map[string]chain
 
 	cost      func(context.Context, string, any) int64
 	skip      func(context.Context, string) bool
@@ -229,6 +242,8 @@ type server struct {
 	pushback  bool
 	denied    func(context.Context, tollgate.Result) *status.Status
 	onError   func(context.Context, error) *status.Status
+
+	releaseError func(ctx context.Context, fullMethod string, err error)
 
 	msgMode  MessageMode // 0: no per-message limit
 	msgCost  func(any) int64
@@ -242,36 +257,45 @@ func newServer(caller string, l tollgate.RateLimiter, key KeyFunc, opts []Option
 	if l == nil || key == nil {
 		panic("grpclimit: " + caller + ": nil RateLimiter or KeyFunc")
 	}
-	s := &server{lim: l, key: key, pushback: true}
+	s := &server{lim: l, key: key, pushback: true, releaseError: logReleaseError}
 	s.planner, _ = l.(Planner)
 	s.waiter, _ = l.(Waiter)
+	s.acquirer, _ = l.(Acquirer)
 	for _, o := range opts {
 		o(s)
 	}
 	fail := func(format string, args ...any) {
 		panic("grpclimit: " + caller + ": " + fmt.Sprintf(format, args...))
 	}
-	checkPlans := func(what string, names []string) {
-		for i, name := range names {
-			if slices.Contains(names[:i], name) {
+	// checkPlans checks the names of c, and finds whether one is a
+	// concurrency plan.
+	checkPlans := func(what string, c *chain) {
+		for i, name := range c.names {
+			if slices.Contains(c.names[:i], name) {
 				fail("%splan %q named twice", what, name)
 			}
 			if s.planner != nil {
-				if _, ok := s.planner.Plan(name); !ok {
+				plan, ok := s.planner.Plan(name)
+				if !ok {
 					fail("%sunknown plan %q", what, name)
 				}
+				c.permits = c.permits || plan.Concurrency
 			}
 		}
+		if c.permits && s.acquirer == nil {
+			fail("%sa concurrency plan needs a RateLimiter that is an Acquirer", what)
+		}
 	}
-	checkPlans("", s.plans)
-	for method, names := range s.methodPlans {
+	checkPlans("", &s.plans)
+	for method, c := range s.methodPlans {
 		if !strings.HasPrefix(method, "/") || strings.Count(method, "/") != 2 {
 			fail("WithMethodPlans: %q is neither \"/package.Service/Method\" nor \"/package.Service/\"", method)
 		}
-		if len(names) == 0 {
+		if len(c.names) == 0 {
 			fail("WithMethodPlans: no plans for %q; exempt a method with WithSkip", method)
 		}
-		checkPlans("WithMethodPlans: "+method+": ", names)
+		checkPlans("WithMethodPlans: "+method+": ", &c)
+		s.methodPlans[method] = c
 	}
 	if len(s.methodPlans) == 0 {
 		s.methodPlans = nil
@@ -287,7 +311,11 @@ func newServer(caller string, l tollgate.RateLimiter, key KeyFunc, opts []Option
 		}
 		fallthrough
 	case Reject:
-		checkPlans("WithStreamMessages: ", s.msgPlans)
+		msgs := chain{names: s.msgPlans}
+		checkPlans("WithStreamMessages: ", &msgs)
+		if msgs.permits || len(msgs.names) == 0 && s.holdsPermits() {
+			fail("WithStreamMessages: a message holds no permit: name its plans, and no concurrency plan")
+		}
 	default:
 		fail("unknown MessageMode %d", s.msgMode)
 	}
@@ -295,7 +323,7 @@ func newServer(caller string, l tollgate.RateLimiter, key KeyFunc, opts []Option
 }
 
 // plansFor returns the plans of a method.
-func (s *server) plansFor(fullMethod string) []string {
+func (s *server) plansFor(fullMethod string) chain {
 	if s.methodPlans == nil {
 		return s.plans
 	}
@@ -327,15 +355,16 @@ func (s *server) plansFor(fullMethod string) []string {
 //
 // It panics if l or key is nil, if a plan is named twice, if an option is
 // invalid, or if l describes its plans, as *tollgate.Limiter does, and a
-// plan is not among them: these are wiring mistakes, caught when the
-// program starts. Serving never panics.
+// plan is not among them, or one is a concurrency plan and l is not an
+// Acquirer: these are wiring mistakes, caught when the program starts.
+// Serving never panics.
 func UnaryServerInterceptor(l tollgate.RateLimiter, key KeyFunc, opts ...Option) grpc.UnaryServerInterceptor {
 	s := newServer("UnaryServerInterceptor", l, key, opts)
 	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
 		if s.skip != nil && s.skip(ctx, info.FullMethod) {
 			return handler(ctx, req)
 		}
-		_, res, err := s.decide(ctx, info.FullMethod, req)
+		_, res, p, err := s.decide(ctx, info.FullMethod, req)
 		if err != nil {
 			return nil, err
 		}
@@ -347,6 +376,9 @@ func UnaryServerInterceptor(l tollgate.RateLimiter, key KeyFunc, opts ...Option)
 			// Fails only when ctx is not a server call's, as in a test
 			// that calls the interceptor itself.
 			_ = grpc.SetHeader(ctx, md)
+		}
+		if p != nil {
+			defer s.release(ctx, info.FullMethod, p)
 		}
 		return handler(ctx, req)
 	}
@@ -370,7 +402,7 @@ func StreamServerInterceptor(l tollgate.RateLimiter, key KeyFunc, opts ...Option
 		if s.skip != nil && s.skip(ctx, info.FullMethod) {
 			return handler(srv, ss)
 		}
-		k, res, err := s.decide(ctx, info.FullMethod, nil)
+		k, res, p, err := s.decide(ctx, info.FullMethod, nil)
 		if err != nil {
 			return err
 		}
@@ -384,31 +416,48 @@ func StreamServerInterceptor(l tollgate.RateLimiter, key KeyFunc, opts ...Option
 		if s.msgMode != 0 {
 			plans := s.msgPlans
 			if len(plans) == 0 {
-				plans = s.plansFor(info.FullMethod)
+				plans = s.plansFor(info.FullMethod).names
 			}
 			ss = &limitedStream{ServerStream: ss, s: s, key: k, plans: plans, ctx: callerkey.Context(ctx, k)}
+		}
+		if p != nil {
+			defer s.release(ctx, info.FullMethod, p)
 		}
 		return handler(srv, ss)
 	}
 }
 
-// decide finds the call's key and takes its tokens. It returns the key,
-// the decision, and an error that is a status, for a call to end with.
-func (s *server) decide(ctx context.Context, fullMethod string, req any) (string, tollgate.Result, error) {
+// decide finds the call's key and takes its tokens, or, for a chain with
+// a concurrency plan, acquires its permits with them. It returns the key,
+// the decision, the permit the call holds until its handler returns (nil
+// if none), and an error that is a status, for a call to end with.
+func (s *server) decide(ctx context.Context, fullMethod string, req any) (string, tollgate.Result, *tollgate.Permit, error) {
 	key, err := s.key(ctx, fullMethod)
 	if err != nil {
-		return "", tollgate.Result{}, s.errorStatus(ctx, err)
+		return "", tollgate.Result{}, nil, s.errorStatus(ctx, err)
 	}
 	cost := int64(1)
 	if s.cost != nil {
 		cost = s.cost(ctx, fullMethod, req)
 	}
+	c := s.plansFor(fullMethod)
+	var res tollgate.Result
+	var p *tollgate.Permit
 	// A plan resolver sees the API key, not the bucket's key.
-	res, err := s.lim.AllowN(callerkey.Context(ctx, key), key, cost, s.plansFor(fullMethod)...)
-	if err != nil {
-		return "", res, s.errorStatus(ctx, err)
+	if c.permits {
+		if p, err = s.acquirer.Acquire(callerkey.Context(ctx, key), key, cost, c.names...); err == nil {
+			res = p.Result()
+		}
+	} else {
+		res, err = s.lim.AllowN(callerkey.Context(ctx, key), key, cost, c.names...)
 	}
-	return key, res, nil
+	if err != nil {
+		return "", res, nil, s.errorStatus(ctx, err)
+	}
+	if !res.Allowed {
+		p = nil // it holds nothing
+	}
+	return key, res, p, nil
 }
 
 func (s *server) deniedStatus(ctx context.Context, res tollgate.Result) error {
@@ -487,6 +536,9 @@ func (s *server) deniedMetadata(res *tollgate.Result) metadata.MD {
 	if s.metadata != MetadataNone {
 		s.appendFields(&f, res)
 	}
+	if ratefields.Concurrent(res, s.planner) {
+		return f.md() // a permit comes back on no schedule: no time to tell
+	}
 	f.buf = ratefields.AppendRetryAfter(f.buf, res)
 	f.end(mdRetryAfter)
 	if s.pushback {
@@ -506,8 +558,10 @@ func (s *server) appendFields(f *fields, res *tollgate.Result) {
 		f.end(mdLimit)
 		f.buf = ratefields.AppendRemaining(f.buf, res)
 		f.end(mdRemaining)
-		f.buf = ratefields.AppendReset(f.buf, res)
-		f.end(mdReset)
+		if !ratefields.Concurrent(res, s.planner) {
+			f.buf = ratefields.AppendReset(f.buf, res)
+			f.end(mdReset)
+		}
 	}
 }
 

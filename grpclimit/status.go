@@ -9,9 +9,11 @@ import (
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/protoadapt"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	"github.com/tollgate-go/tollgate"
+	"github.com/tollgate-go/tollgate/internal/ratefields"
 )
 
 // Planner describes plans by name. *tollgate.Limiter implements it.
@@ -42,9 +44,20 @@ const (
 //     Metadata {"plan": NAME} for the plan that makes the caller wait
 //     longest.
 //
+// When the binding plan is a concurrency plan (tollgate.Plan.Concurrency),
+// as p describes it, the message is "no free permit (plan NAME)", a
+// violation's Description such as "10 permits held at once", and there is
+// no RetryInfo: a permit comes back when a call ends, on no schedule, and
+// a client retries after its own backoff.
+//
 // p describes the plans' rates for the descriptions; it may be nil.
 func DeniedStatus(res tollgate.Result, p Planner) *status.Status {
-	st := status.New(codes.ResourceExhausted, "rate limited (plan "+res.Plan+")")
+	concurrent := ratefields.Concurrent(&res, p)
+	msg := "rate limited (plan " + res.Plan + ")"
+	if concurrent {
+		msg = "no free permit (plan " + res.Plan + ")"
+	}
+	st := status.New(codes.ResourceExhausted, msg)
 	qf := &errdetails.QuotaFailure{}
 	for _, pr := range res.PlanResults() {
 		if pr.RetryAfter > 0 || pr.Plan == res.Plan {
@@ -54,15 +67,18 @@ func DeniedStatus(res tollgate.Result, p Planner) *status.Status {
 			})
 		}
 	}
-	st, err := st.WithDetails(
-		&errdetails.RetryInfo{RetryDelay: durationpb.New(retryDelay(res.RetryAfter))},
+	details := []protoadapt.MessageV1{
 		qf,
 		&errdetails.ErrorInfo{Reason: ReasonRateLimited, Domain: Domain, Metadata: map[string]string{"plan": res.Plan}},
-	)
-	if err != nil { // cannot happen: the details are well-formed messages
-		return status.New(codes.ResourceExhausted, "rate limited (plan "+res.Plan+")")
 	}
-	return st
+	if !concurrent {
+		details = append([]protoadapt.MessageV1{&errdetails.RetryInfo{RetryDelay: durationpb.New(retryDelay(res.RetryAfter))}}, details...)
+	}
+	withDetails, err := st.WithDetails(details...)
+	if err != nil { // cannot happen: the details are well-formed messages
+		return st
+	}
+	return withDetails
 }
 
 // describePlan returns a QuotaFailure violation's Description.
@@ -71,6 +87,8 @@ func describePlan(pr tollgate.PlanResult, p Planner) string {
 	if p != nil {
 		switch plan, ok := p.Plan(pr.Plan); {
 		case !ok:
+		case plan.Concurrency:
+			d = strconv.FormatInt(pr.Limit, 10) + " permits held at once"
 		case plan.Window > 0:
 			d += " in any " + plan.Window.String()
 		default:

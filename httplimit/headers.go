@@ -49,6 +49,19 @@ import (
 //
 // A denial also gets Retry-After, in every mode: the seconds until the same
 // request would pass, rounded up and at least 1 (1.2s is 2, 0.3s is 1).
+//
+// A concurrency plan (tollgate.Plan.Concurrency) is described by q, its
+// capacity, and r, its free permits after the decision, so that q-r
+// requests are in flight; the legacy Limit and Remaining say the same
+// when it binds. Its permits come back when their requests end, on no
+// schedule: it has no w or t, and when it binds, no X-RateLimit-Reset,
+// and a denial no Retry-After. With two plans of 10 permits and 100
+// requests a minute, the 11th request in flight gets:
+//
+//	RateLimit-Policy: "inflight";q=10, "minute";q=100;w=60
+//	RateLimit: "inflight";r=0, "minute";r=90;t=1
+//	X-RateLimit-Limit: 10
+//	X-RateLimit-Remaining: 0
 type HeaderMode int
 
 const (
@@ -104,7 +117,8 @@ func WithShadowHeaders() Option {
 }
 
 // setFields sets the fields of mode for res on h, and Retry-After if res
-// is a denial; shadowed plans only if shadow is set. p may be nil. The
+// is a denial; shadowed plans only if shadow is set. p may be nil. A
+// binding concurrency plan has no reset or Retry-After to tell. The
 // values come from package ratefields, which the gRPC interceptors share.
 func setFields(h http.Header, res *tollgate.Result, mode HeaderMode, p planner, shadow bool) {
 	var buf [256]byte
@@ -112,6 +126,7 @@ func setFields(h http.Header, res *tollgate.Result, mode HeaderMode, p planner, 
 	if !shadow && allShadowed(res) {
 		mode = HeadersNone
 	}
+	scheduled := !ratefields.Concurrent(res, p)
 	if mode == HeadersBoth || mode == HeadersIETF {
 		f.buf = ratefields.AppendPolicy(f.buf, res, p, shadow)
 		f.end(fieldPolicy)
@@ -123,10 +138,12 @@ func setFields(h http.Header, res *tollgate.Result, mode HeaderMode, p planner, 
 		f.end(fieldLimit)
 		f.buf = ratefields.AppendRemaining(f.buf, res)
 		f.end(fieldRemaining)
-		f.buf = ratefields.AppendReset(f.buf, res)
-		f.end(fieldReset)
+		if scheduled {
+			f.buf = ratefields.AppendReset(f.buf, res)
+			f.end(fieldReset)
+		}
 	}
-	if !res.Allowed {
+	if !res.Allowed && scheduled {
 		f.buf = ratefields.AppendRetryAfter(f.buf, res)
 		f.end(fieldRetryAfter)
 	}

@@ -248,3 +248,28 @@ func TestExemptKeyHasNoFields(t *testing.T) {
 	assert.Equal(t, http.StatusOK, rec.Code)
 	assert.Empty(t, rec.Header().Get("RateLimit-Policy"))
 }
+
+// TestFieldsOfAConcurrencyPlan holds the example of HeaderMode's
+// documentation: the 11th request in flight of 10 is told the capacity
+// and that none is free, and no reset or Retry-After.
+func TestFieldsOfAConcurrencyPlan(t *testing.T) {
+	lim, err := tollgate.New(tollgate.NewMemoryStore(), []tollgate.Plan{
+		{Name: "inflight", Capacity: 10, Concurrency: true},
+		{Name: "minute", Capacity: 100, Rate: tollgate.Per(100, time.Minute)},
+	})
+	require.NoError(t, err)
+	defer lim.Close()
+	h := Middleware(lim, ByHeader("X-Api-Key"), WithPlans("inflight", "minute"))(ok)
+	for range 10 { // held as by requests in flight
+		p, err := lim.Acquire(context.Background(), "header:X-Api-Key:k", 1, "inflight", "minute")
+		require.NoError(t, err)
+		require.True(t, p.OK())
+	}
+	w := get(h, "/")
+	assert.Equal(t, 429, w.Code)
+	assert.Equal(t, map[string]string{
+		"RateLimit-Policy":  `"inflight";q=10, "minute";q=100;w=60`,
+		"RateLimit":         `"inflight";r=0, "minute";r=90;t=1`,
+		"X-RateLimit-Limit": "10", "X-RateLimit-Remaining": "0", "X-RateLimit-Reset": "", "Retry-After": "",
+	}, rateLimitFields(w))
+}

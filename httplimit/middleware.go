@@ -32,7 +32,8 @@ import (
 //
 // An allowed request goes on to the handler; a denied one gets 429 Too
 // Many Requests and Retry-After. Both get the rate limit header fields
-// (see HeaderMode), set before the handler runs. A request without a key
+// (see HeaderMode), set before the handler runs. A concurrency plan among
+// the plans holds its permits while the handler runs (see Acquirer). A request without a key
 // gets 400 Bad Request. A request the RateLimiter cannot decide gets 503
 // Service Unavailable: under tollgate.FailClosed that includes a store
 // outage, which the tollgate.Fallback and tollgate.FailOpen policies
@@ -40,8 +41,9 @@ import (
 //
 // It panics if l or key is nil, if a plan is named twice, if an option is
 // invalid, or if l describes its plans, as *tollgate.Limiter does, and
-// one of the plans is not among them: these are wiring mistakes, caught
-// when the program starts. Serving never panics. The middleware is
+// one of the plans is not among them, or one is a concurrency plan and l
+// is not an Acquirer or WithSettle is given (a reservation holds no
+// permits): these are wiring mistakes, caught when the program starts. Serving never panics. The middleware is
 // safe for concurrent use.
 func Middleware(l tollgate.RateLimiter, key KeyFunc, opts ...Option) func(http.Handler) http.Handler {
 	if l == nil || key == nil {
@@ -53,6 +55,8 @@ func Middleware(l tollgate.RateLimiter, key KeyFunc, opts ...Option) func(http.H
 		denied:   tooManyRequests,
 		keyError: noKey,
 		onError:  undecided,
+
+		releaseError: logReleaseError,
 	}
 	m.planner, _ = l.(planner)
 	for _, o := range opts {
@@ -63,13 +67,18 @@ func Middleware(l tollgate.RateLimiter, key KeyFunc, opts ...Option) func(http.H
 			panic(fmt.Sprintf("httplimit: Middleware: plan %q named twice", name))
 		}
 		if m.planner != nil {
-			if _, ok := m.planner.Plan(name); !ok {
+			plan, ok := m.planner.Plan(name)
+			if !ok {
 				panic(fmt.Sprintf("httplimit: Middleware: unknown plan %q", name))
 			}
+			m.permits = m.permits || plan.Concurrency
 		}
 	}
 	if _, ok := l.(Reserver); m.final != nil && !ok {
 		panic("httplimit: Middleware: WithSettle needs a RateLimiter that is a Reserver")
+	}
+	if _, ok := l.(Acquirer); m.permits && (!ok || m.final != nil) {
+		panic("httplimit: Middleware: a concurrency plan needs a RateLimiter that is an Acquirer, and no WithSettle")
 	}
 	if m.headers < HeadersBoth || m.headers > HeadersNone {
 		panic(fmt.Sprintf("httplimit: Middleware: unknown HeaderMode %d", m.headers))
@@ -85,16 +94,20 @@ func Middleware(l tollgate.RateLimiter, key KeyFunc, opts ...Option) func(http.H
 type Option func(*middleware)
 
 // WithPlans names the plans each request takes its tokens from: from all
-// of them, or, if one lacks the tokens, from none. A later WithPlans
+// of them, or, if one lacks the tokens, from none. A concurrency plan
+// among them (tollgate.Plan.Concurrency) gives the request a permit to
+// hold while its handler runs (see Acquirer). A later WithPlans
 // replaces an earlier one. The default, or no names, is the RateLimiter's
-// default plan (for a *tollgate.Limiter, the first plan given to New).
+// default plan (for a *tollgate.Limiter, the first plan given to New),
+// which must not be a concurrency plan: name that one.
 func WithPlans(names ...string) Option {
 	names = slices.Clone(names)
 	return func(m *middleware) { m.plans = names }
 }
 
-// WithCost sets the tokens a request takes to cost(r), which must be at
-// least 1 and at most the Capacity of each plan. A cost outside that range
+// WithCost sets the tokens a request takes to cost(r), and the permits it
+// holds of a concurrency plan, which must be at least 1 and at most the
+// Capacity of each plan. A cost outside that range
 // is a bug in cost, answered 500 (see WithErrorHandler): reject requests
 // too large to ever pass, with 413 for example, before the middleware.
 // The default, or a nil cost, takes 1 token per request.
@@ -117,8 +130,8 @@ func WithHeaders(mode HeaderMode) Option {
 }
 
 // WithDeniedHandler sets what answers a denied request, res being the
-// decision. The rate limit header fields and Retry-After are set when it
-// runs. The default, or a nil denied, answers 429 Too Many Requests with
+// decision. The rate limit header fields and Retry-After, if it has one
+// (see HeaderMode), are set when it runs. The default, or a nil denied, answers 429 Too Many Requests with
 // a short text/plain body.
 func WithDeniedHandler(denied func(w http.ResponseWriter, r *http.Request, res tollgate.Result)) Option {
 	return func(m *middleware) {
@@ -169,6 +182,9 @@ type middleware struct {
 	keyError func(http.ResponseWriter, *http.Request, error)
 	onError  func(http.ResponseWriter, *http.Request, error)
 	final    func(*http.Request, Response) int64 // WithSettle's; nil: AllowN
+	permits  bool                                // a plan is a concurrency plan: Acquire
+
+	releaseError func(*http.Request, error)
 
 	shadowHeaders bool // WithShadowHeaders
 	inContext     bool // WithResultInContext
@@ -189,15 +205,7 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		cost = m.cost(r)
 	}
 	ctx := callerkey.Context(r.Context(), key) // a plan resolver sees the API key, not the bucket's key
-	var res tollgate.Result
-	var held *tollgate.Reservation
-	if m.final != nil {
-		if held, err = m.lim.(Reserver).Reserve(ctx, key, cost, m.plans...); err == nil {
-			res = held.Result()
-		}
-	} else {
-		res, err = m.lim.AllowN(ctx, key, cost, m.plans...)
-	}
+	d, err := m.decide(ctx, key, cost)
 	switch {
 	case errors.Is(err, tollgate.ErrInvalidKey):
 		m.keyError(w, r, err)
@@ -206,21 +214,50 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		m.onError(w, r, err)
 		return
 	}
+	res := &d.res
 	if res.Source != tollgate.SourceExempt { // an exempt key has no limits to tell
-		setFields(w.Header(), &res, m.headers, m.planner, m.shadowHeaders)
+		setFields(w.Header(), res, m.headers, m.planner, m.shadowHeaders)
 	}
 	if m.inContext {
-		r = r.WithContext(context.WithValue(r.Context(), resultKey{}, res))
+		r = r.WithContext(context.WithValue(r.Context(), resultKey{}, *res))
 	}
-	if !res.Allowed {
-		m.denied(w, r, res)
-		return
+	switch {
+	case !res.Allowed:
+		m.denied(w, r, *res)
+	case d.held != nil:
+		m.serveHeld(ctx, w, r, d.held, next)
+	case d.permit != nil:
+		m.servePermit(w, r, d.permit, next)
+	default:
+		next.ServeHTTP(w, r)
 	}
-	if held != nil {
-		m.serveHeld(ctx, w, r, held, next)
-		return
+}
+
+// decision is a request's Result, and what the request holds while its
+// handler runs: a reservation to settle (WithSettle), or a permit to
+// release (a concurrency plan), or neither.
+type decision struct {
+	res    tollgate.Result
+	held   *tollgate.Reservation
+	permit *tollgate.Permit
+}
+
+// decide takes the request's cost: reserves it, acquires it, or, for
+// neither, takes it with AllowN.
+func (m *middleware) decide(ctx context.Context, key string, cost int64) (d decision, err error) {
+	switch {
+	case m.final != nil:
+		if d.held, err = m.lim.(Reserver).Reserve(ctx, key, cost, m.plans...); err == nil {
+			d.res = d.held.Result()
+		}
+	case m.permits:
+		if d.permit, err = m.lim.(Acquirer).Acquire(ctx, key, cost, m.plans...); err == nil {
+			d.res = d.permit.Result()
+		}
+	default:
+		d.res, err = m.lim.AllowN(ctx, key, cost, m.plans...)
 	}
-	next.ServeHTTP(w, r)
+	return d, err
 }
 
 func tooManyRequests(w http.ResponseWriter, _ *http.Request, _ tollgate.Result) {

@@ -25,7 +25,13 @@
 //
 // w and t need the plan's Rate or Window, which a Result of a
 // tollgate.Limiter tells, as applied, or else a Planner; without either
-// they are left out. The optional parameter pk (partition key) is left out
+// they are left out.
+//
+// A concurrency plan (tollgate.Plan.Concurrency) is a quota of permits
+// held at once: q is its capacity and r its free permits after the
+// decision, so that q-r are in flight. Permits come back when their
+// holders release them, on no schedule: w and t are left out, and so are
+// the reset and Retry-After of a decision it binds (see Concurrent). The optional parameter pk (partition key) is left out
 // because keys may be personal data, and qu because the default unit,
 // requests, is right unless a cost function charges more.
 //
@@ -86,6 +92,19 @@ func AppendRemaining(b []byte, res *tollgate.Result) []byte {
 	return strconv.AppendInt(b, res.Remaining, 10)
 }
 
+// Concurrent reports whether the binding plan of res is a concurrency
+// plan, as p describes it: a Result whose binding plan tells a Rate or
+// Window is not. Its permits come back on no schedule, so a decision it
+// binds has no reset time, and a refusal no Retry-After. p may be nil:
+// then it reports false.
+func Concurrent(res *tollgate.Result, p Planner) bool {
+	if p == nil || res.Rate > 0 || res.Window > 0 {
+		return false
+	}
+	plan, ok := p.Plan(res.Plan)
+	return ok && plan.Concurrency
+}
+
 // AppendReset appends the value of X-RateLimit-Reset: the seconds until
 // the binding plan's bucket is full, rounded up.
 func AppendReset(b []byte, res *tollgate.Result) []byte {
@@ -119,7 +138,8 @@ func shown(res *tollgate.Result, shadow bool) iter.Seq2[int, tollgate.PlanResult
 // describe returns the plan of pr as it was applied: from pr itself when
 // it tells its Rate or Window, as a tollgate.Limiter's results do, which
 // may differ from the table's plan of that name (a resolver's tier);
-// otherwise from p, if p knows it.
+// otherwise from p, if p knows it and it is not a concurrency plan, which
+// has no window.
 func describe(p Planner, pr tollgate.PlanResult) (tollgate.Plan, bool) {
 	switch {
 	case pr.Rate > 0 || pr.Window > 0:
@@ -127,7 +147,8 @@ func describe(p Planner, pr tollgate.PlanResult) (tollgate.Plan, bool) {
 	case p == nil:
 		return tollgate.Plan{}, false
 	}
-	return p.Plan(pr.Plan)
+	plan, ok := p.Plan(pr.Plan)
+	return plan, ok && !plan.Concurrency // a permit accrues at no rate
 }
 
 // appendItem appends the i-th List member's separator and its bare item,

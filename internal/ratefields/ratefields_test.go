@@ -110,3 +110,37 @@ func TestFieldsDescribeThePlanApplied(t *testing.T) {
 	assert.Equal(t, `"api";q=100;w=10, "new";q=5;w=5`, string(AppendPolicy(nil, &res, lim, true)))
 	assert.Equal(t, `"api";r=99;t=1, "new";r=4;t=1`, string(AppendRateLimit(nil, &res, lim, true)))
 }
+
+// TestFieldsOfAConcurrencyPlan: a concurrency plan tells its capacity and
+// free permits, and no window, which it does not have; it binds with no
+// reset and no Retry-After (Concurrent).
+func TestFieldsOfAConcurrencyPlan(t *testing.T) {
+	lim, err := tollgate.New(tollgate.NewMemoryStore(), []tollgate.Plan{
+		{Name: "inflight", Capacity: 2, Concurrency: true},
+		{Name: "gold", Capacity: 20, Rate: 2},
+	})
+	require.NoError(t, err)
+	defer lim.Close()
+	ctx := context.Background()
+	first, err := lim.Acquire(ctx, "k", 1, "inflight", "gold")
+	require.NoError(t, err)
+	res := first.Result()
+	assert.Equal(t, `"inflight";q=2, "gold";q=20;w=10`, string(AppendPolicy(nil, &res, lim, false)))
+	assert.Equal(t, `"inflight";r=1, "gold";r=19;t=1`, string(AppendRateLimit(nil, &res, lim, false)))
+	assert.True(t, Concurrent(&res, lim), "one permit free of 2 binds over 19 tokens of 20")
+	assert.False(t, Concurrent(&res, nil), "no Planner tells")
+
+	_, err = lim.Acquire(ctx, "k", 1, "inflight", "gold")
+	require.NoError(t, err)
+	full, err := lim.Acquire(ctx, "k", 1, "inflight")
+	require.NoError(t, err)
+	res = full.Result()
+	require.False(t, res.Allowed)
+	assert.Equal(t, `"inflight";q=2`, string(AppendPolicy(nil, &res, lim, false)))
+	assert.Equal(t, `"inflight";r=0`, string(AppendRateLimit(nil, &res, lim, false)))
+	assert.True(t, Concurrent(&res, lim))
+
+	bucket, err := lim.Allow(ctx, "k", "gold")
+	require.NoError(t, err)
+	assert.False(t, Concurrent(&bucket, lim), "a bucket plan binds")
+}

@@ -1,0 +1,59 @@
+package httplimit
+
+import (
+	"context"
+	"log/slog"
+	"net/http"
+
+	"github.com/tollgate-go/tollgate"
+)
+
+// Acquirer is a RateLimiter that holds permits of concurrency plans
+// (tollgate.Plan.Concurrency), as *tollgate.Limiter does: Middleware
+// needs one when WithPlans names a concurrency plan.
+//
+// A request then acquires its permits, and its tokens of the other plans
+// named, in one Acquire, with WithCost's cost as n, and holds the permits
+// until its handler returns: normally, by a panic, which goes on up once
+// they are released, or after its client hung up, which does not stop a
+// release. No free permit is 429 Too Many Requests without Retry-After,
+// since a permit comes back when a request ends, on no schedule; a
+// denial by another plan of the chain keeps its Retry-After.
+type Acquirer interface {
+	Acquire(ctx context.Context, key string, n int64, plans ...string) (*tollgate.Permit, error)
+}
+
+// WithReleaseErrorHandler sets what is told of a permit that could not be
+// released once the handler returned: err wraps tollgate.ErrPermitLost
+// (its lease had ended, so its permits may have gone to others) or
+// tollgate.ErrStoreUnavailable (the store failed; the permits come back
+// when their lease ends), and never holds the key. The response is sent
+// by then: h is the place to count or log. The default, or a nil h, logs
+// err at level Warn with slog.Default.
+func WithReleaseErrorHandler(h func(r *http.Request, err error)) Option {
+	return func(m *middleware) {
+		if h != nil {
+			m.releaseError = h
+		}
+	}
+}
+
+// servePermit calls next for a request that holds permit p, and releases
+// p when next returns or panics, so that the panic goes on up with p
+// released.
+func (m *middleware) servePermit(w http.ResponseWriter, r *http.Request, p *tollgate.Permit, next http.Handler) {
+	defer m.release(r, p)
+	next.ServeHTTP(w, r)
+}
+
+// release releases p, under r's context, which may have ended: Release
+// does not need it to.
+func (m *middleware) release(r *http.Request, p *tollgate.Permit) {
+	if err := p.Release(r.Context()); err != nil {
+		m.releaseError(r, err)
+	}
+}
+
+func logReleaseError(r *http.Request, err error) {
+	slog.Default().LogAttrs(r.Context(), slog.LevelWarn, "httplimit: releasing a permit failed", slog.String("error", err.Error()))
+}
