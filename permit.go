@@ -221,3 +221,11 @@ var errNoPermitPlan = errors.New("only Acquire takes concurrency plans, and Acqu
 // shadowed plan never denies, and a permit it granted beyond the capacity
 // would have to be released like any other.
 var errShadowedPermits = fmt.Errorf("%w: WithShadow cannot shadow a concurrency plan", ErrInvalidPlan)
+
+// errKindOfPermits is the error of a plan that would become, or stop
+// being, a concurrency plan under the same name (SetPlans, a resolver,
+// AllowPlans): its callers Acquire or Allow by its kind, and would fail
+// on every call.
+func errKindOfPermits(name string) error {
+	return fmt.Errorf("%w: plan %q cannot become or stop being a concurrency plan; give it a new name", ErrInvalidPlan, name)
+}

@@ -254,3 +254,30 @@ func TestAcquireDuringAnOutage(t *testing.T) {
 		require.ErrorIs(t, err, ErrStoreUnavailable)
 	})
 }
+
+// TestPlanCannotChangeKindOfPermits refuses a plan that becomes, or stops
+// being, a concurrency plan under its name: through SetPlans, a
+// resolver, or AllowPlans.
+func TestPlanCannotChangeKindOfPermits(t *testing.T) {
+	ctx := context.Background()
+	l, err := New(NewMemoryStore(), permitPlans, WithLogger(nil))
+	require.NoError(t, err)
+	rate := Plan{Name: "inflight", Capacity: 3, Rate: 1}
+	require.ErrorIs(t, l.SetPlans([]Plan{rate, permitPlans[1]}), ErrInvalidPlan)
+	permits := Plan{Name: "daily", Capacity: 3, Concurrency: true}
+	require.ErrorIs(t, l.SetPlans([]Plan{permitPlans[0], permits}), ErrInvalidPlan)
+	_, err = l.AllowPlans(ctx, "k", 1, rate)
+	require.ErrorIs(t, err, ErrInvalidPlan)
+	flip, err := New(NewMemoryStore(), permitPlans, WithLogger(nil),
+		WithPlanResolver(func(_ context.Context, _ string, p Plan) (Plan, error) {
+			if p.Concurrency {
+				return rate, nil
+			}
+			return p, nil
+		}))
+	require.NoError(t, err)
+	_, err = flip.Acquire(ctx, "k", 1, "inflight")
+	require.ErrorIs(t, err, ErrInvalidPlan)
+	_, err = flip.Allow(ctx, "k", "inflight")
+	require.ErrorIs(t, err, ErrInvalidPlan)
+}

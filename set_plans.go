@@ -79,6 +79,9 @@ func (e *planEntry) variant(p *Plan, shadow bool) (*planEntry, error) {
 			}
 		}
 	}
+	if p.Concurrency != e.one[0].Concurrency {
+		return nil, errKindOfPermits(p.Name)
+	}
 	given := *p
 	given.Shadow = shadow
 	if err := given.validate(); err != nil {
@@ -140,7 +143,8 @@ func leaseIn(plans []Plan) bool {
 // Buckets are kept by name: a plan whose Capacity grows keeps its tokens
 // and refills toward the new Capacity, one whose Capacity shrinks is
 // clamped to it at its next decision, and a changed Rate applies from the
-// next decision on. While instances with the old plans and the new run
+// next decision on. A plan may not become, or stop being, a concurrency
+// plan (ErrInvalidPlan): its callers Acquire or Allow by its kind. While instances with the old plans and the new run
 // side by side, a key's admissions stay within max(old, new) Capacity +
 // max(old, new) Rate × elapsed time (docs/tiers.md). It forgets
 // every remembered denial: under the new plans, or back under the old
@@ -151,6 +155,13 @@ func (l *Limiter) SetPlans(plans []Plan) error {
 	t, err := newTable(plans, l.shadowAll, l.stats.plan)
 	if err != nil {
 		return err
+	}
+	if old := l.table.Load(); old != nil {
+		for _, p := range t.plans {
+			if e := old.byName[p.Name]; e != nil && e.one[0].Concurrency != p.Concurrency {
+				return errKindOfPermits(p.Name)
+			}
+		}
 	}
 	if l.leases == nil && l.mem == nil && leaseIn(plans) {
 		return fmt.Errorf("%w: Plan.Lease needs a store, and a fallback store, that hold reservations", errUnsupported(modeHold))
