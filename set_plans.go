@@ -144,9 +144,10 @@ func leaseIn(plans []Plan) bool {
 // and refills toward the new Capacity, one whose Capacity shrinks is
 // clamped to it at its next decision, and a changed Rate applies from the
 // next decision on. A plan may not become, or stop being, a concurrency
-// plan (ErrInvalidPlan): its callers Acquire or Allow by its kind. While instances with the old plans and the new run
-// side by side, a key's admissions stay within max(old, new) Capacity +
-// max(old, new) Rate × elapsed time (docs/tiers.md). It forgets
+// plan (ErrInvalidPlan): its callers Acquire or Allow by its kind. While
+// instances with the old plans and the new run side by side, a key's
+// admissions stay within max(old, new) Capacity + max(old, new) Rate ×
+// elapsed time (docs/tiers.md). It forgets
 // every remembered denial: under the new plans, or back under the old
 // after a round trip, a bucket may hold tokens that a denial remembered
 // under the old plans says it lacks. Stats keeps counting each name, also
