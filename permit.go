@@ -44,18 +44,20 @@ type Permit struct {
 	result Result
 	grant  permit
 
-	mu       sync.Mutex
-	released bool // by Release, or the store found it lost
-	lost     bool // the store found its lease ended
+	mu         sync.Mutex
+	released   bool  // by Release, or the store found it lost
+	lost       bool  // the store found its lease ended
+	releasedAt int64 // when Release's store call ran, in µs of the store's clock; 0 before, or if it failed
 }
 
 // permit is what Acquire asks of the store that decides it: to hold its
 // permits under a new holder id, for a lease. The store that grants it
 // fills in which store it is.
 type permit struct {
-	id    string        // 128 random bits in hex: unguessable, so no one else releases them
-	lease time.Duration // how long the permits live without a renewal
-	store Store         // the store that granted them; nil when none did (FailOpen, exempt)
+	id        string        // 128 random bits in hex: unguessable, so no one else releases them
+	lease     time.Duration // how long the permits live without a renewal
+	store     Store         // the store that granted them; nil when none did (FailOpen, exempt)
+	decidedAt int64         // when a RedisStore decided, granted or not: the Redis TIME its call read, in µs; else 0
 
 	backs *giveBacks // the Limiter's, which a release of a lost reply joins
 }
@@ -87,11 +89,17 @@ type permitHolder struct {
 }
 
 // permitStore is a store that holds permits of concurrency plans
-// (Limiter.Acquire): it releases and renews them, and reports for each
-// holder whether it still held all its permits, alive, and how many
-// permits whose lease had ended it removed first.
+// (Limiter.Acquire): it releases and renews them, and replies what it
+// found.
 type permitStore interface {
-	permits(ctx context.Context, o permitOp) (live []bool, reclaimed int64, err error)
+	permits(ctx context.Context, o permitOp) (permitReply, error)
+}
+
+// permitReply is a permitStore's reply to a permitOp.
+type permitReply struct {
+	now       int64  // when the store decided, in µs of its clock
+	live      []bool // per holder: it still held all its permits, alive
+	reclaimed int64  // permits whose lease had ended, which it removed first
 }
 
 // Acquire takes n permits of each concurrency plan (Plan.Concurrency)
@@ -181,12 +189,13 @@ func (p *Permit) Release(ctx context.Context) error {
 	p.l.book.remove(p)
 	ctx, cancel := detach(ctx, releaseTimeout)
 	defer cancel()
-	live, reclaimed, err := p.grant.store.(permitStore).permits(ctx, p.op(0))
-	p.l.stats.permits.reclaimed.Add(uint64(reclaimed))
+	reply, err := p.grant.store.(permitStore).permits(ctx, p.op(0))
+	p.l.stats.permits.reclaimed.Add(uint64(reply.reclaimed))
+	p.releasedAt = reply.now
 	switch {
 	case err != nil:
 		return fmt.Errorf("%w: %w", ErrStoreUnavailable, err)
-	case !live[0]:
+	case !reply.live[0]:
 		p.l.stats.permits.lost.Add(1)
 		return ErrPermitLost
 	}

@@ -120,13 +120,13 @@ func (b *permitBook) renew(ctx context.Context, ps []*Permit, lease time.Duratio
 			o.holders[h].mask |= 1 << i
 		}
 	}
-	live, reclaimed, err := ps[0].grant.store.(permitStore).permits(ctx, o)
+	reply, err := ps[0].grant.store.(permitStore).permits(ctx, o)
 	if err != nil {
 		return
 	}
-	b.l.stats.permits.reclaimed.Add(uint64(reclaimed))
+	b.l.stats.permits.reclaimed.Add(uint64(reply.reclaimed))
 	for h, p := range ps {
-		if !live[h] && p.markLost() {
+		if !reply.live[h] && p.markLost() {
 			b.remove(p)
 			b.l.stats.permits.lost.Add(1)
 		}

@@ -18,7 +18,8 @@ func (s *RedisStore) acquire(ctx context.Context, o op) (Result, error) {
 	c := newScriptCall()
 	c.Keys = s.appendKeys(c.keys[:0], o.key, o.plans)
 	c.Args = s.appendPermitArgs(c.args[:0], &o)
-	r, err := s.run(ctx, c, o.n, o.plans)
+	r, now, err := s.runAt(ctx, c, o.n, o.plans)
+	o.grant.decidedAt = now
 	switch {
 	case err == nil && r.Allowed:
 		o.grant.store = s
@@ -64,14 +65,14 @@ func (s *RedisStore) releaseLater(ctx context.Context, o op) {
 		defer cancel()
 		defer backs.done()
 		retryGiveBack(ctx, func() error {
-			_, _, err := s.permits(ctx, release)
+			_, err := s.permits(ctx, release)
 			return err
 		})
 	}()
 }
 
 // permits implements permitStore with scripts/permit.lua.
-func (s *RedisStore) permits(ctx context.Context, o permitOp) (live []bool, reclaimed int64, err error) {
+func (s *RedisStore) permits(ctx context.Context, o permitOp) (permitReply, error) {
 	args := make([]any, 1, 1+3*len(o.holders))
 	args[0] = o.lease.Microseconds()
 	for _, h := range o.holders {
@@ -79,21 +80,21 @@ func (s *RedisStore) permits(ctx context.Context, o permitOp) (live []bool, recl
 	}
 	reply, err := s.permitScript.Run(ctx, s.client, s.keys(o.key, o.plans), args...)
 	if err != nil {
-		return nil, 0, err
+		return permitReply{}, err
 	}
 	vals, err := redisscript.Ints(nil, reply, 2+len(o.holders))
 	if err != nil {
-		return nil, 0, err
+		return permitReply{}, err
 	}
 	if vals[1] < 0 {
-		return nil, 0, fmt.Errorf("%w: %d permits reclaimed", redisscript.ErrBadReply, vals[1])
+		return permitReply{}, fmt.Errorf("%w: %d permits reclaimed", redisscript.ErrBadReply, vals[1])
 	}
-	live = make([]bool, len(o.holders))
+	live := make([]bool, len(o.holders))
 	for h, v := range vals[2:] {
 		if v != 0 && v != 1 {
-			return nil, 0, fmt.Errorf("%w: a permit's status is %d", redisscript.ErrBadReply, v)
+			return permitReply{}, fmt.Errorf("%w: a permit's status is %d", redisscript.ErrBadReply, v)
 		}
 		live[h] = v == 1
 	}
-	return live, vals[1], nil
+	return permitReply{now: vals[0], live: live, reclaimed: vals[1]}, nil
 }

@@ -122,9 +122,16 @@ func (s *RedisStore) take(ctx context.Context, key string, cost int64, plans []P
 // state of plans, and describes its decision. c is the batcher's or
 // recycled once run returns.
 func (s *RedisStore) run(ctx context.Context, c *scriptCall, cost int64, plans []Plan) (Result, error) {
+	r, _, err := s.runAt(ctx, c, cost, plans)
+	return r, err
+}
+
+// runAt is run that also returns when the script decided: the Redis TIME
+// it read, in µs.
+func (s *RedisStore) runAt(ctx context.Context, c *scriptCall, cost int64, plans []Plan) (Result, int64, error) {
 	reply, err := s.eval(ctx, c)
 	if err != nil {
-		return Result{}, err
+		return Result{}, 0, err
 	}
 	// Up to four plans without allocating.
 	var bstack [4]TokenBucket
@@ -135,9 +142,9 @@ func (s *RedisStore) run(ctx context.Context, c *scriptCall, cost int64, plans [
 	}
 	allowed, now, wd, err := parseReply(buckets, windows, reply, plans, cost)
 	if err != nil {
-		return Result{}, err
+		return Result{}, 0, err
 	}
-	return newResult(&outcome{plans: plans, buckets: buckets, windows: windows, now: now, cost: cost, allowed: allowed, wd: wd}), nil
+	return newResult(&outcome{plans: plans, buckets: buckets, windows: windows, now: now, cost: cost, allowed: allowed, wd: wd}), now, nil
 }
 
 // pooledPlans is how many plans a scriptCall holds the keys and ARGV of

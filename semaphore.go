@@ -71,16 +71,17 @@ func (s *semaphore) endsAt() int64 {
 
 // permits implements permitStore: it releases or renews, as permit.lua
 // does, the permits o names.
-func (m *MemoryStore) permits(_ context.Context, o permitOp) (live []bool, reclaimed int64, err error) {
+func (m *MemoryStore) permits(_ context.Context, o permitOp) (permitReply, error) {
 	lk, now := m.lock(o.key)
 	defer lk.unlock()
+	var reclaimed int64
 	sems := make([]*semaphore, len(o.plans))
 	for i := range o.plans {
 		if sems[i] = lk.e.semaphore(&o.plans[i]); sems[i] != nil {
 			reclaimed += sems[i].reclaim(now)
 		}
 	}
-	live = make([]bool, len(o.holders))
+	live := make([]bool, len(o.holders))
 	for h, x := range o.holders {
 		live[h] = true
 		for i, s := range sems {
@@ -98,7 +99,7 @@ func (m *MemoryStore) permits(_ context.Context, o permitOp) (live []bool, recla
 			}
 		}
 	}
-	return live, reclaimed, nil
+	return permitReply{now: now, live: live, reclaimed: reclaimed}, nil
 }
 
 // reclaim removes the permits of concurrency plan p whose lease ended,

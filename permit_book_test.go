@@ -1,0 +1,158 @@
+package tollgate
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/tollgate-go/tollgate/breaker"
+	"github.com/tollgate-go/tollgate/internal/redistest"
+)
+
+// holderChildEnv carries a windowJob to TestPermitHolderChildProcess.
+const holderChildEnv = "TOLLGATE_PERMIT_HOLDER_CHILD"
+
+// The lease of the holder that TestKilledHoldersPermitsComeBackOnRealRedis
+// kills, the interval its Limiter renews it at, and how much later than
+// the one before a renewal may reach Redis: a round trip after its tick.
+const (
+	holderLease    = 600 * time.Millisecond
+	holderInterval = holderLease / 3
+	renewalJitter  = 25 * time.Millisecond
+)
+
+// inflight3 is the plan of TestKilledHoldersPermitsComeBackOnRealRedis.
+var inflight3 = Plan{Name: "inflight", Capacity: 3, Concurrency: true}
+
+// newHolderLimiter returns a Limiter on inflight3 in the Redis at addr,
+// its keys under prefix, closed when t ends.
+func newHolderLimiter(t *testing.T, addr, prefix string) *Limiter {
+	t.Helper()
+	c := redistest.NewClient(t, &redis.Options{Addr: addr})
+	l, err := New(NewRedisStore(c, WithKeyPrefix(prefix)), []Plan{inflight3},
+		WithPermitLease(holderLease), WithFailurePolicy(breaker.FailClosed), WithLogger(nil))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = l.Close() })
+	return l
+}
+
+// TestPermitHolderChildProcess is not a test of its own:
+// TestKilledHoldersPermitsComeBackOnRealRedis runs the test binary again
+// with this test selected and a job in its environment. It acquires all 3
+// permits of inflight3, prints "held" and the Redis TIME of the grant,
+// and holds them, renewed, until its standard input closes: until its
+// parent kills it, or dies.
+func TestPermitHolderChildProcess(t *testing.T) {
+	spec := os.Getenv(holderChildEnv)
+	if spec == "" {
+		t.Skip("runs only as a child of TestKilledHoldersPermitsComeBackOnRealRedis")
+	}
+	var job windowJob
+	require.NoError(t, json.Unmarshal([]byte(spec), &job))
+	l := newHolderLimiter(t, job.Addr, job.Prefix)
+	p, err := l.Acquire(context.Background(), "k", 3, inflight3.Name)
+	require.NoError(t, err)
+	require.True(t, p.OK())
+	fmt.Printf("held %d\n", p.grant.decidedAt)
+	_, _ = io.Copy(io.Discard, os.Stdin)
+}
+
+// startHolder runs TestPermitHolderChildProcess with job, waits until it
+// holds its permits, and returns it and the Redis TIME of its grant. The
+// process is killed when t ends, if it still runs.
+func startHolder(t *testing.T, job windowJob) (*exec.Cmd, int64) {
+	t.Helper()
+	spec, err := json.Marshal(job)
+	require.NoError(t, err)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute) // a hung child is killed
+	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^TestPermitHolderChildProcess$", "-test.count=1")
+	cmd.Env = append(os.Environ(), holderChildEnv+"="+string(spec))
+	stdin, err := cmd.StdinPipe()
+	require.NoError(t, err)
+	stdout, err := cmd.StdoutPipe()
+	require.NoError(t, err)
+	require.NoError(t, cmd.Start())
+	t.Cleanup(func() {
+		_ = stdin.Close()
+		cancel()
+		_ = cmd.Wait()
+	})
+	line, err := bufio.NewReader(stdout).ReadString('\n')
+	require.NoError(t, err, "the holder printed %q", line)
+	var at int64
+	_, err = fmt.Sscanf(line, "held %d\n", &at)
+	require.NoError(t, err, "the holder printed %q", line)
+	return cmd, at
+}
+
+// TestKilledHoldersPermitsComeBackOnRealRedis kills with SIGKILL a
+// process that holds all 3 permits of a key, renewed every third of a
+// 600 ms lease, and acquires one permit again and again until it is
+// granted. Its last renewal reached Redis at most one interval before the
+// kill (and a little jitter), and none after: the permits come back when
+// the lease it set ends, not before, which is at least the lease less an
+// interval after the kill, and at most the lease after it; the test
+// allows a second more for a noisy machine.
+func TestKilledHoldersPermitsComeBackOnRealRedis(t *testing.T) {
+	if os.Getenv(holderChildEnv) != "" {
+		t.Skip("a child runs only TestPermitHolderChildProcess")
+	}
+	ctx := context.Background()
+	addr := redistest.Addr(t)
+	c := redistest.NewClient(t, &redis.Options{Addr: addr})
+	prefix := redistest.KeyPrefix()
+	holder, acquired := startHolder(t, windowJob{Addr: addr, Prefix: prefix})
+	l := newHolderLimiter(t, addr, prefix)
+	acquire := func() *Permit {
+		p, err := l.Acquire(ctx, "k", 1, inflight3.Name)
+		require.NoError(t, err)
+		return p
+	}
+
+	time.Sleep(2*holderLease + rand.N(holderInterval)) // at any moment between two renewals
+	require.False(t, acquire().OK(), "the holder renews its permits beyond their first lease")
+	before := redistest.Time(t, c)
+	require.Greater(t, before-acquired, holderLease.Microseconds(), "the holder outlived its first lease")
+	require.NoError(t, holder.Process.Signal(syscall.SIGKILL))
+	require.ErrorContains(t, holder.Wait(), "killed")
+	after := redistest.Time(t, c)
+	leases, err := c.ZRangeWithScores(ctx, NewRedisStore(c, WithKeyPrefix(prefix)).Key("k", inflight3.Name), 0, -1).Result()
+	require.NoError(t, err)
+	require.Len(t, leases, 3, "the dead holder's permits")
+	require.Equal(t, leases[0].Score, leases[2].Score, "one renewal call renews all three")
+	ends := int64(leases[0].Score)
+
+	var granted *Permit
+	deadline := time.Now().Add(holderLease + holderInterval + 2*time.Second)
+	for granted == nil && time.Now().Before(deadline) {
+		if p := acquire(); p.OK() {
+			granted = p
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	require.NotNil(t, granted, "the dead holder's permits never came back")
+	back := granted.grant.decidedAt
+	t.Logf("killed between %v and %v after the grant; lease ends %v after the kill; back %v after it",
+		us(before-acquired), us(after-acquired), us(ends-before), us(back-before))
+	assert.GreaterOrEqual(t, back-before, ends-before, "a permit came back before its lease ended")
+	assert.LessOrEqual(t, ends-after, holderLease.Microseconds(), "the lease ends more than a lease after the kill")
+	assert.GreaterOrEqual(t, back-before, (holderLease - holderInterval - renewalJitter).Microseconds(),
+		"refused for less than the lease less a renewal interval after the kill")
+	assert.LessOrEqual(t, back-after, (holderLease + holderInterval + time.Second).Microseconds(),
+		"granted later than the lease and a renewal interval after the kill (and a second for a noisy machine)")
+}
+
+// us returns a span of n µs.
+func us(n int64) time.Duration { return time.Duration(n) * time.Microsecond }
