@@ -194,6 +194,7 @@ func (p *Permit) Release(ctx context.Context) error {
 	p.releasedAt = reply.now
 	switch {
 	case err != nil:
+		p.l.stats.permits.unreleased.Add(1)
 		return fmt.Errorf("%w: %w", ErrStoreUnavailable, err)
 	case !reply.live[0]:
 		p.l.stats.permits.lost.Add(1)

@@ -231,6 +231,7 @@ func TestAcquireDuringAnOutage(t *testing.T) {
 		require.True(t, p.OK())
 		require.Equal(t, SourceFallback, p.Result().Source)
 		require.ErrorIs(t, onRedis.Release(ctx), ErrStoreUnavailable)
+		require.EqualValues(t, 1, l.Stats().Permits.Unreleased)
 		require.NoError(t, p.Release(ctx), "released in the fallback, which granted it")
 		q, err := l.Acquire(ctx, "k", 3, "inflight")
 		require.NoError(t, err)

@@ -94,8 +94,10 @@ type Stats struct {
 		Granted, Refused uint64
 		// Released counts the Permits released while held, and Lost
 		// those whose lease had ended when this Limiter renewed or
-		// released them (ErrPermitLost).
-		Released, Lost uint64
+		// released them (ErrPermitLost). Unreleased counts the releases
+		// the store failed: their permits come back when their lease
+		// ends.
+		Released, Lost, Unreleased uint64
 		// Reclaimed counts the permits, of any instance, whose lease had
 		// ended when this Limiter's Acquire, renewal or release found
 		// them, its own lost ones included: holders that died, or lost
@@ -108,7 +110,7 @@ type Stats struct {
 
 // permitCounters are what Stats.Permits counts.
 type permitCounters struct {
-	granted, refused, released, lost, reclaimed atomic.Uint64
+	granted, refused, released, lost, unreleased, reclaimed atomic.Uint64
 }
 
 // acquired counts the Acquire call that decided r; not one on a key
@@ -131,7 +133,7 @@ func (c *permitCounters) acquired(r *Result) {
 func (c *permitCounters) snapshot(s *Stats) {
 	p := &s.Permits
 	p.Granted, p.Refused, p.Released = c.granted.Load(), c.refused.Load(), c.released.Load()
-	p.Lost, p.Reclaimed = c.lost.Load(), c.reclaimed.Load()
+	p.Lost, p.Unreleased, p.Reclaimed = c.lost.Load(), c.unreleased.Load(), c.reclaimed.Load()
 }
 
 // reservationCounters are what Stats.Reservations counts. Reservations are

@@ -46,7 +46,7 @@
 // tollgate_permits_total counts the Acquire calls of concurrency plans
 // and their Permits by event, as in tollgate.Stats.Permits: granted and
 // refused Acquire calls, Permits released while held, Permits lost (their
-// lease had ended), and reclaimed permits, those of any instance whose
+// lease had ended), releases the store failed (unreleased), and reclaimed permits, those of any instance whose
 // lease had ended when this Limiter's Acquire, renewal or release found
 // them. Every event has its series from the first scrape.
 // tollgate_permits_held is the permits of a plan that the Limiter holds
@@ -163,7 +163,7 @@ func New(lim *tollgate.Limiter, opts ...Option) *Collector {
 			"Instances alive that the last heartbeat counted (WithFleet); 0 without one.",
 			nil, cl),
 		permits: prometheus.NewDesc("tollgate_permits_total",
-			"Acquire calls of concurrency plans and their permits, by event: granted, refused (Acquire calls); released, lost (Permits given back while held, or found with their lease ended); reclaimed (permits of any instance whose lease had ended, removed by this Limiter's calls to the store).",
+			"Acquire calls of concurrency plans and their permits, by event: granted, refused (Acquire calls); released, lost (Permits given back while held, or found with their lease ended); unreleased (releases the store failed); reclaimed (permits of any instance whose lease had ended, removed by this Limiter's calls to the store).",
 			[]string{"event"}, cl),
 		held: prometheus.NewDesc("tollgate_permits_held",
 			"Permits of a concurrency plan that this Limiter holds now, on every key, by plan; 0 for other plans.",
@@ -232,6 +232,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	counter(ch, c.permits, ps.Refused, "refused")
 	counter(ch, c.permits, ps.Released, "released")
 	counter(ch, c.permits, ps.Lost, "lost")
+	counter(ch, c.permits, ps.Unreleased, "unreleased")
 	counter(ch, c.permits, ps.Reclaimed, "reclaimed")
 }
 

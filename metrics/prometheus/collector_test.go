@@ -99,7 +99,7 @@ var heads = map[string]string{
 # TYPE tollgate_breaker_transitions_total counter`,
 	"tollgate_store_errors_total": `# HELP tollgate_store_errors_total Calls to the Limiter's store that failed, by class; calls its caller ended are not counted.
 # TYPE tollgate_store_errors_total counter`,
-	"tollgate_permits_total": `# HELP tollgate_permits_total Acquire calls of concurrency plans and their permits, by event: granted, refused (Acquire calls); released, lost (Permits given back while held, or found with their lease ended); reclaimed (permits of any instance whose lease had ended, removed by this Limiter's calls to the store).
+	"tollgate_permits_total": `# HELP tollgate_permits_total Acquire calls of concurrency plans and their permits, by event: granted, refused (Acquire calls); released, lost (Permits given back while held, or found with their lease ended); unreleased (releases the store failed); reclaimed (permits of any instance whose lease had ended, removed by this Limiter's calls to the store).
 # TYPE tollgate_permits_total counter`,
 	"tollgate_permits_held": `# HELP tollgate_permits_held Permits of a concurrency plan that this Limiter holds now, on every key, by plan; 0 for other plans.
 # TYPE tollgate_permits_held gauge`,
@@ -248,6 +248,7 @@ tollgate_permits_total{event="lost"} 0
 tollgate_permits_total{event="reclaimed"} 0
 tollgate_permits_total{event="refused"} 0
 tollgate_permits_total{event="released"} 0
+tollgate_permits_total{event="unreleased"} 0
 tollgate_permits_held{plan="gold"} 0
 tollgate_permits_held{plan="inflight"} 0
 `, "before the first Acquire")
@@ -271,6 +272,7 @@ tollgate_permits_total{event="lost"} 0
 tollgate_permits_total{event="reclaimed"} 0
 tollgate_permits_total{event="refused"} 1
 tollgate_permits_total{event="released"} 2
+tollgate_permits_total{event="unreleased"} 0
 tollgate_permits_held{plan="gold"} 0
 tollgate_permits_held{plan="inflight"} 2
 `, "while c holds both permits")
@@ -302,6 +304,7 @@ tollgate_permits_total{event="lost"} 1
 tollgate_permits_total{event="reclaimed"} 2
 tollgate_permits_total{event="refused"} 0
 tollgate_permits_total{event="released"} 0
+tollgate_permits_total{event="unreleased"} 0
 tollgate_permits_held{plan="gold"} 0
 tollgate_permits_held{plan="inflight"} 0
 `)
