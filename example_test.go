@@ -129,6 +129,78 @@ func ExampleLimiter_Reserve() {
 	// denied; retry after 10s
 }
 
+func ExampleLimiter_Acquire() {
+	// An LLM gateway: each tenant may have 10 requests in flight and
+	// 10,000 tokens a minute. A request holds a permit while the model
+	// answers, and reserves the most its answer may cost.
+	lim, err := tollgate.New(tollgate.NewMemoryStore(), []tollgate.Plan{
+		{Name: "inflight", Capacity: 10, Concurrency: true},
+		{Name: "tpm", Capacity: 10_000, Rate: tollgate.Per(10_000, time.Minute)},
+	})
+	if err != nil {
+		panic(err)
+	}
+	defer lim.Close()
+	ctx := context.Background()
+	const maxTokens = 4_000
+
+	// 11 requests arrive at once: 10 get a permit.
+	var inFlight []*tollgate.Permit
+	for range 11 {
+		p, err := lim.Acquire(ctx, "tenant-7", 1, "inflight")
+		if err != nil {
+			panic(err)
+		}
+		if !p.OK() {
+			fmt.Println("refused: 10 in flight; RetryAfter", p.Result().RetryAfter)
+			continue
+		}
+		inFlight = append(inFlight, p)
+	}
+	// Each reserves 4,000 tokens: those that get none give their permit
+	// back at once.
+	type answer struct {
+		permit *tollgate.Permit
+		tokens *tollgate.Reservation
+	}
+	var answering []answer
+	var wait time.Duration
+	for _, p := range inFlight {
+		r, err := lim.Reserve(ctx, "tenant-7", maxTokens, "tpm")
+		if err != nil {
+			panic(err)
+		}
+		if !r.OK() {
+			wait = r.Result().RetryAfter
+			if err := p.Release(ctx); err != nil {
+				panic(err)
+			}
+			continue
+		}
+		answering = append(answering, answer{p, r})
+	}
+	fmt.Println("tokens for", len(answering), "of", len(inFlight), "- the others retry after", wait.Round(time.Second))
+	// The model answers; each settles the tokens it used and releases.
+	for i, used := range []int64{1_200, 900} {
+		st, err := answering[i].tokens.Settle(ctx, used)
+		if err != nil {
+			panic(err)
+		}
+		if err := answering[i].permit.Release(ctx); err != nil {
+			panic(err)
+		}
+		fmt.Println("used", used, "tokens left", st.Remaining)
+	}
+	inflight, _ := lim.Stats().Plan("inflight")
+	fmt.Println("permits held:", inflight.PermitsHeld)
+	// Output:
+	// refused: 10 in flight; RetryAfter 0s
+	// tokens for 2 of 10 - the others retry after 12s
+	// used 1200 tokens left 4800
+	// used 900 tokens left 7900
+	// permits held: 0
+}
+
 func ExampleWithPlanResolver() {
 	gold := tollgate.Plan{Name: "api", Capacity: 5, Rate: 1}
 	lim, err := tollgate.New(tollgate.NewMemoryStore(), []tollgate.Plan{{Name: "api", Capacity: 2, Rate: 1}},

@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -16,6 +17,10 @@ const (
 	defaultFleetInterval = 5 * time.Second
 	minFleetInterval     = 10 * time.Millisecond
 	maxFleetSize         = 65_536
+	// fleetTTLBeats is how many intervals an instance counts as alive
+	// after its last heartbeat, and how many heartbeats' counts the size
+	// is the largest of.
+	fleetTTLBeats = 3
 )
 
 // fleet is a Limiter's heartbeat and the fleet's size last seen. It is
@@ -25,7 +30,8 @@ type fleet struct {
 	id       string
 	interval time.Duration
 	ttl      time.Duration
-	size     atomic.Int64 // instances alive last seen; 0 before the first heartbeat
+	size     atomic.Int64         // instances alive last seen; 0 before the first heartbeat
+	counts   [fleetTTLBeats]int64 // of the last heartbeats, newest first; only beat uses them
 
 	stop    chan struct{}
 	done    chan struct{}
@@ -48,7 +54,7 @@ func newFleet(store Store, interval time.Duration) (*fleet, error) {
 	var id [8]byte
 	_, _ = rand.Read(id[:]) // never fails (crypto/rand)
 	return &fleet{
-		store: fs, id: hex.EncodeToString(id[:]), interval: interval, ttl: 3 * interval,
+		store: fs, id: hex.EncodeToString(id[:]), interval: interval, ttl: fleetTTLBeats * interval,
 		stop: make(chan struct{}), done: make(chan struct{}),
 	}, nil
 }
@@ -70,13 +76,20 @@ func (f *fleet) run() {
 	}
 }
 
-// beat records that this instance is alive and reads the fleet's size.
+// beat records that this instance is alive and reads the fleet's size:
+// the most instances its last fleetTTLBeats heartbeats counted. A Redis
+// that lost the fleet's set (restarted empty) counts only the instances
+// that beat since, and each beats again within an interval: until then
+// a smaller count would give each fallback too large a share. An
+// instance that stops leaves the size two ttls after its last heartbeat.
 func (f *fleet) beat(ctx context.Context) error {
 	n, err := f.store.heartbeat(ctx, f.id, f.ttl)
 	if err != nil {
 		return err
 	}
-	f.size.Store(min(n, maxFleetSize))
+	copy(f.counts[1:], f.counts[:])
+	f.counts[0] = min(n, maxFleetSize)
+	f.size.Store(slices.Max(f.counts[:]))
 	return nil
 }
 

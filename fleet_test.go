@@ -58,8 +58,9 @@ func TestFleetNeedsARedisStoreAndSaneSettings(t *testing.T) {
 }
 
 // Each heartbeat counts the instances alive; an instance stops counting
-// TTL after its last heartbeat. The heartbeats here are called directly,
-// so the test waits for no goroutine.
+// TTL after its last heartbeat, and leaves the size once three
+// heartbeats have not counted it. The heartbeats here are called
+// directly, so the test waits for no goroutine.
 func TestFleetCountsInstancesAlive(t *testing.T) {
 	ctx := context.Background()
 	mr := miniredis.RunT(t)
@@ -81,10 +82,39 @@ func TestFleetCountsInstancesAlive(t *testing.T) {
 	require.NoError(t, fleet[2].Close(), "Close is idempotent")
 	now = now.Add(3*time.Hour + time.Second)
 	mr.SetTime(now)
-	require.NoError(t, fleet[0].fleet.beat(ctx))
-	require.NoError(t, fleet[1].fleet.beat(ctx))
-	assert.Equal(t, int64(2), fleet[1].Stats().FleetSize)
-	assert.Equal(t, 2, len(mustMembers(t, mr, fleet[0].store.(*RedisStore).fleetKey())))
+	for i := range fleetTTLBeats {
+		require.NoError(t, fleet[0].fleet.beat(ctx))
+		require.NoError(t, fleet[1].fleet.beat(ctx))
+		assert.Equal(t, 2, len(mustMembers(t, mr, fleet[0].store.(*RedisStore).fleetKey())))
+		want := map[bool]int64{true: 2, false: 3}[i == fleetTTLBeats-1]
+		assert.Equal(t, want, fleet[1].Stats().FleetSize, "heartbeat %d after the third stopped", i+1)
+	}
+}
+
+// A Redis restarted empty counts, at first, only the instances that beat
+// since: each instance keeps the size its heartbeats before counted
+// until the others have beaten again, so that no fallback takes the
+// share of a smaller fleet.
+func TestFleetSizeOutlivesALostSet(t *testing.T) {
+	ctx := context.Background()
+	mr := miniredis.RunT(t)
+	mr.SetTime(time.Unix(1_700_000_000, 0))
+	var fleet []*Limiter
+	for range 4 {
+		fleet = append(fleet, newFleetLimiter(t, mr, testPlans))
+	}
+	for range 2 {
+		for _, l := range fleet {
+			require.NoError(t, l.fleet.beat(ctx))
+		}
+	}
+	require.Equal(t, int64(4), fleet[0].fleetSize())
+	mr.FlushAll() // a restart without persistence
+	for i, l := range fleet {
+		require.NoError(t, l.fleet.beat(ctx))
+		assert.Equal(t, int64(4), l.fleetSize(), "instance %d of 4 to beat again", i+1)
+	}
+	assert.Equal(t, 4, len(mustMembers(t, mr, fleet[0].store.(*RedisStore).fleetKey())))
 }
 
 func mustMembers(t *testing.T, mr *miniredis.Miniredis, key string) []string {

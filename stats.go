@@ -65,9 +65,10 @@ type Stats struct {
 	// ScriptLoads is the number of times a RedisStore sent its scripts'
 	// source after Redis answered NOSCRIPT; 0 for other stores.
 	ScriptLoads int64
-	// FleetSize is the number of instances alive that the last heartbeat
-	// counted (WithFleet): the fallback enforces 1/FleetSize of each plan
-	// during an outage. 0 without WithFleet or before the first heartbeat.
+	// FleetSize is the most instances alive that the last three
+	// heartbeats counted (WithFleet): the fallback enforces 1/FleetSize
+	// of each plan during an outage. 0 without WithFleet or before the
+	// first heartbeat.
 	FleetSize int64
 
 	// Reservations counts reservations and their settlements: those of

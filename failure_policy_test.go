@@ -1,0 +1,139 @@
+package tollgate
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/tollgate-go/tollgate/breaker"
+	"github.com/tollgate-go/tollgate/internal/redistest"
+)
+
+// fleetHolds counts the permits a fleet of Limiters holds at once, as its
+// holders see them: one more after a granted Acquire returns, one fewer
+// before its Release. It keeps the most held in each phase of a run,
+// which is at most what the stores held then.
+type fleetHolds struct {
+	held    atomic.Int64
+	phase   atomic.Int64
+	most    [3]atomic.Int64
+	sources [3][SourceFallback + 1]atomic.Int64 // grants by phase and source
+}
+
+// took counts a permit granted by source.
+func (f *fleetHolds) took(src Source) {
+	n := f.held.Add(1)
+	ph := f.phase.Load()
+	f.sources[ph][src].Add(1)
+	for {
+		m := f.most[ph].Load()
+		if n <= m || f.most[ph].CompareAndSwap(m, n) {
+			return
+		}
+	}
+}
+
+// hold runs Acquire(1) → 20 ms → Release on l until stop closes.
+func (f *fleetHolds) hold(t *testing.T, l *Limiter, stop <-chan struct{}) {
+	ctx := context.Background()
+	for {
+		select {
+		case <-stop:
+			return
+		default:
+		}
+		p, err := l.Acquire(ctx, "shared", 1, "inflight")
+		if !assert.NoError(t, err, "Fallback decides while Redis is down") {
+			return
+		}
+		if !p.OK() {
+			time.Sleep(time.Millisecond)
+			continue
+		}
+		f.took(p.Result().Source)
+		// Long enough that permits Redis granted are still held when
+		// the fallback begins to grant.
+		time.Sleep(20 * time.Millisecond)
+		f.held.Add(-1)
+		// Redis gone, or back without the permits it had: the permits are
+		// no longer held either way.
+		if err := p.Release(ctx); err != nil && !errors.Is(err, ErrStoreUnavailable) && !errors.Is(err, ErrPermitLost) {
+			assert.NoError(t, err)
+		}
+	}
+}
+
+// TestAcquireFleetHoldsAboutCapacityThroughAnOutage runs 4 Limiters of a
+// fleet (WithFleet) on one key of a concurrency plan, 16 holders each,
+// kills their Redis (SIGKILL), runs on the fallback, then restarts Redis
+// (empty) and runs on. While Redis is down the fleet holds at most 1.25 ×
+// capacity permits at once: each Limiter's fallback grants its share less
+// the permits it still holds from Redis.
+//
+// Once Redis is back the bound is 2 × capacity: Redis restarted empty
+// knows nothing of the permits the fallbacks still hold, and grants its
+// capacity beside them until they are released. Each Limiter's share is
+// that of the fleet it counted before the restart, not of the few
+// instances the empty Redis has seen beat since.
+func TestAcquireFleetHoldsAboutCapacityThroughAnOutage(t *testing.T) {
+	srv := redistest.StartServer(t)
+	const capacity = 20 // a share of 5 for each of 4
+	plans := []Plan{{Name: "inflight", Capacity: capacity, Concurrency: true}}
+	prefix := redistest.KeyPrefix()
+	var fleet []*Limiter
+	for range 4 {
+		opt := redistest.FailFast(srv.Addr())
+		// A dead Redis refuses at once; a slow one under -race on a busy
+		// machine is not an outage.
+		opt.ReadTimeout, opt.WriteTimeout = time.Second, time.Second
+		c := redistest.NewClient(t, opt)
+		l, err := New(NewRedisStore(c, WithKeyPrefix(prefix)), plans, WithLogger(nil),
+			WithFleet(50*time.Millisecond), WithBreaker(breaker.Settings{Cooldown: 50 * time.Millisecond}),
+			WithPermitLease(300*time.Millisecond))
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = l.Close() })
+		fleet = append(fleet, l)
+	}
+	require.Eventually(t, func() bool {
+		for _, l := range fleet {
+			if l.Stats().FleetSize != 4 {
+				return false
+			}
+		}
+		return true
+	}, 5*time.Second, 10*time.Millisecond, "every Limiter counts the fleet")
+
+	var f fleetHolds
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	for _, l := range fleet {
+		for range 16 {
+			wg.Go(func() { f.hold(t, l, stop) })
+		}
+	}
+	time.Sleep(500 * time.Millisecond)
+	f.phase.Store(1)
+	srv.Kill()
+	time.Sleep(time.Second)
+	f.phase.Store(2)
+	srv.Restart()
+	time.Sleep(time.Second)
+	close(stop)
+	wg.Wait()
+
+	for ph, name := range []string{"redis", "fallback", "redis again"} {
+		t.Logf("%s: most held %d; granted by store %d, by fallback %d", name, f.most[ph].Load(),
+			f.sources[ph][SourceStore].Load(), f.sources[ph][SourceFallback].Load())
+	}
+	assert.LessOrEqual(t, f.most[0].Load(), int64(capacity), "Redis holds the capacity")
+	assert.LessOrEqual(t, f.most[1].Load(), int64(capacity*5/4), "Redis down: the fleet holds about one capacity")
+	assert.LessOrEqual(t, f.most[2].Load(), int64(2*capacity), "Redis back: its capacity and the fallbacks' shares")
+	assert.Positive(t, f.sources[1][SourceFallback].Load(), "the fallback granted permits")
+	assert.Positive(t, f.sources[2][SourceStore].Load(), "Redis granted permits again")
+}
