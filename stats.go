@@ -102,9 +102,8 @@ type Stats struct {
 		// Reclaimed counts the permits, of any instance, whose lease had
 		// ended when this Limiter's Acquire, renewal or release found
 		// them, its own lost ones included: holders that died, or lost
-		// the store, without releasing. Redis deletes a
-		// key once every lease on it has ended, and its permits with it,
-		// uncounted.
+		// the store, without releasing. Redis deletes a key once every
+		// lease on it has ended, and its permits with it, uncounted.
 		Reclaimed uint64
 	}
 }
