@@ -77,13 +77,13 @@ func (f *fleetHolds) hold(t *testing.T, l *Limiter, stop <-chan struct{}) {
 // the permits it still holds from Redis.
 //
 // Once Redis is back the bound is 2 × capacity: Redis restarted empty
-// knows nothing of the permits the fallbacks still hold, and grants its
-// capacity beside them until they are released. Each Limiter's share is
-// that of the fleet it counted before the restart, not of the few
-// instances the empty Redis has seen beat since.
+// knows nothing of the permits the fallbacks still hold until renewals
+// move them in, and the Limiters come back at different times. Each
+// Limiter's share is that of the fleet it counted before the restart, not
+// of the few instances the empty Redis has seen beat since.
 func TestAcquireFleetHoldsAboutCapacityThroughAnOutage(t *testing.T) {
 	srv := redistest.StartServer(t)
-	const capacity = 20 // a share of 5 for each of 4
+	const capacity = 40 // a share of 10 for each of 4
 	plans := []Plan{{Name: "inflight", Capacity: capacity, Concurrency: true}}
 	prefix := redistest.KeyPrefix()
 	var fleet []*Limiter

@@ -69,14 +69,16 @@ func newPermitID() string {
 	return hex.EncodeToString(b[:])
 }
 
-// permitOp is what a store is asked to do with permits it granted on the
+// permitOp is what a store is asked to do with permits on the
 // concurrency plans of key: renew each holder's for lease, or, for a
-// lease of 0, release them.
+// lease of 0, release them; or, to adopt, add each holder's for lease,
+// held elsewhere, whether it holds them or not and whatever its count.
 type permitOp struct {
 	key     string
 	plans   []Plan
 	lease   time.Duration
 	holders []permitHolder
+	adopt   bool
 }
 
 // permitHolder is one holder's part of a permitOp: its id, the permits
@@ -189,7 +191,7 @@ func (p *Permit) Release(ctx context.Context) error {
 	p.l.book.remove(p)
 	ctx, cancel := detach(ctx, releaseTimeout)
 	defer cancel()
-	reply, err := p.grant.store.(permitStore).permits(ctx, p.op(0))
+	reply, err := p.grant.store.(permitStore).permits(ctx, opOf([]*Permit{p}, 0))
 	p.l.stats.permits.reclaimed.Add(uint64(reply.reclaimed))
 	p.releasedAt = reply.now
 	switch {
@@ -202,13 +204,6 @@ func (p *Permit) Release(ctx context.Context) error {
 	}
 	p.l.stats.permits.released.Add(1)
 	return nil
-}
-
-// op returns the permitOp that renews p's permits for lease, or releases
-// them for a lease of 0.
-func (p *Permit) op(lease time.Duration) permitOp {
-	return permitOp{key: p.key, plans: p.plans, lease: lease,
-		holders: []permitHolder{{id: p.grant.id, n: p.n, mask: 1<<len(p.plans) - 1}}}
 }
 
 // markLost records that the store found p's lease ended, and reports

@@ -5,6 +5,8 @@ import (
 	"slices"
 	"sync"
 	"time"
+
+	"github.com/tollgate-go/tollgate/breaker"
 )
 
 // permitBook keeps the permits a Limiter granted and has not released,
@@ -101,6 +103,9 @@ func (b *permitBook) each(timeout, lease time.Duration) {
 	b.mu.Unlock()
 	for _, ps := range keys {
 		for _, g := range byStore(ps) {
+			if lease > 0 && b.adopt(g, timeout, lease) {
+				continue
+			}
 			ctx, cancel := context.WithTimeout(context.Background(), timeout)
 			b.renew(ctx, g, lease)
 			cancel()
@@ -108,18 +113,53 @@ func (b *permitBook) each(timeout, lease time.Duration) {
 	}
 }
 
+// adopt moves the permits ps of one key, which the fallback granted
+// during an outage, into the store once the key's breaker is closed
+// again, so that the store counts them while their holders work: added
+// there for lease, whatever its count, then released in the fallback,
+// and renewed and released in the store from then on. It reports whether
+// it moved them; permits that another store granted, or that the store
+// will not take yet, stay where they are.
+func (b *permitBook) adopt(ps []*Permit, timeout, lease time.Duration) bool {
+	l := b.l
+	if l.health == nil || ps[0].grant.store != l.fallback {
+		return false
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	if l.health.forKey(ctx, ps[0].key, ps[0].plans).State() != breaker.Closed {
+		return false
+	}
+	held := make([]*Permit, 0, len(ps))
+	for _, p := range ps { // a Release waits until they have moved
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		if !p.released && !p.lost {
+			held = append(held, p)
+		}
+	}
+	if len(held) == 0 {
+		return true
+	}
+	o := opOf(held, lease)
+	o.adopt = true
+	if _, err := l.store.(permitStore).permits(ctx, o); err != nil {
+		return false
+	}
+	o.lease, o.adopt = 0, false
+	_, _ = l.fallback.(permitStore).permits(ctx, o) // a store of this process: it cannot fail
+	for _, p := range held {
+		p.grant.store = l.store
+	}
+	l.stats.permits.adopted.Add(uint64(len(held)))
+	return true
+}
+
 // renew renews, or releases for a lease of 0, the permits ps of one key
 // granted by one store, in one call, and stops renewing those the store
 // found lost. A call that fails is tried again at the next interval.
 func (b *permitBook) renew(ctx context.Context, ps []*Permit, lease time.Duration) {
-	o := permitOp{key: ps[0].key, lease: lease, holders: make([]permitHolder, len(ps))}
-	for h, p := range ps {
-		o.holders[h] = permitHolder{id: p.grant.id, n: p.n}
-		for _, pl := range p.plans {
-			i := planIndex(&o.plans, pl)
-			o.holders[h].mask |= 1 << i
-		}
-	}
+	o := opOf(ps, lease)
 	reply, err := ps[0].grant.store.(permitStore).permits(ctx, o)
 	if err != nil {
 		return
@@ -131,6 +171,20 @@ func (b *permitBook) renew(ctx context.Context, ps []*Permit, lease time.Duratio
 			b.l.stats.permits.lost.Add(1)
 		}
 	}
+}
+
+// opOf returns the permitOp that renews the permits ps of one key for
+// lease, or releases them for a lease of 0.
+func opOf(ps []*Permit, lease time.Duration) permitOp {
+	o := permitOp{key: ps[0].key, lease: lease, holders: make([]permitHolder, len(ps))}
+	for h, p := range ps {
+		o.holders[h] = permitHolder{id: p.grant.id, n: p.n}
+		for _, pl := range p.plans {
+			i := planIndex(&o.plans, pl)
+			o.holders[h].mask |= 1 << i
+		}
+	}
+	return o
 }
 
 // planIndex returns the index of the plan of p's name in *plans, which it

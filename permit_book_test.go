@@ -156,3 +156,37 @@ func TestKilledHoldersPermitsComeBackOnRealRedis(t *testing.T) {
 
 // us returns a span of n µs.
 func us(n int64) time.Duration { return time.Duration(n) * time.Microsecond }
+
+// TestFallbackPermitsMoveIntoTheStore has the fallback grant permits while
+// Redis fails, then Redis answer again with none of them (as a Redis
+// restarted empty would): once the key's breaker is closed, the renewals
+// move them into Redis, which then refuses what it would otherwise grant
+// beside them, and their Release frees them there.
+func TestFallbackPermitsMoveIntoTheStore(t *testing.T) {
+	ctx := context.Background()
+	rs, mr, _ := newMiniredisStore(t)
+	l, err := New(rs, permitPlans, WithLogger(nil), WithPermitLease(300*time.Millisecond),
+		WithBreaker(breaker.Settings{Failures: 1, Cooldown: 10 * time.Millisecond}))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = l.Close() })
+	mr.SetError("LOADING Redis is loading the dataset in memory")
+	p, err := l.Acquire(ctx, "k", 2, "inflight")
+	require.NoError(t, err)
+	require.True(t, p.OK())
+	require.Equal(t, SourceFallback, p.Result().Source)
+	mr.SetError("")
+	require.Eventually(t, func() bool {
+		r, err := l.Peek(ctx, "k", "daily") // the probe that closes the breaker
+		return err == nil && r.Source == SourceStore
+	}, 5*time.Second, 5*time.Millisecond)
+	require.Eventually(t, func() bool { return l.Stats().Permits.Adopted == 1 }, 5*time.Second, 5*time.Millisecond)
+	q, err := l.Acquire(ctx, "k", 2, "inflight")
+	require.NoError(t, err)
+	require.Equal(t, SourceStore, q.Result().Source)
+	require.False(t, q.OK(), "Redis counts the 2 permits the fallback granted")
+	require.NoError(t, p.Release(ctx))
+	q, err = l.Acquire(ctx, "k", 3, "inflight")
+	require.NoError(t, err)
+	require.True(t, q.OK(), "released in Redis, where they moved")
+	require.NoError(t, q.Release(ctx))
+}

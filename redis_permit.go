@@ -73,8 +73,11 @@ func (s *RedisStore) releaseLater(ctx context.Context, o op) {
 
 // permits implements permitStore with scripts/permit.lua.
 func (s *RedisStore) permits(ctx context.Context, o permitOp) (permitReply, error) {
-	args := make([]any, 1, 1+3*len(o.holders))
-	args[0] = o.lease.Microseconds()
+	args := make([]any, 2, 2+3*len(o.holders))
+	args[0], args[1] = o.lease.Microseconds(), 0
+	if o.adopt {
+		args[1] = 1
+	}
 	for _, h := range o.holders {
 		args = append(args, h.id, h.n, h.mask)
 	}

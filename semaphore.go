@@ -30,12 +30,13 @@ func (s *semaphore) reclaim(now int64) (n int64) {
 }
 
 // free returns the permits of plan p that no holder holds: all of them
-// for a nil s, a plan without state.
+// for a nil s, a plan without state, and none when adopted permits hold
+// more than the capacity.
 func (s *semaphore) free(p *Plan) int64 {
 	if s == nil {
 		return p.Capacity
 	}
-	return p.Capacity - s.held
+	return max(p.Capacity-s.held, 0)
 }
 
 // add gives holder id n permits, their lease ending at ends.
@@ -69,8 +70,8 @@ func (s *semaphore) endsAt() int64 {
 	return at
 }
 
-// permits implements permitStore: it releases or renews, as permit.lua
-// does, the permits o names.
+// permits implements permitStore: it releases, renews or adopts, as
+// permit.lua does, the permits o names.
 func (m *MemoryStore) permits(_ context.Context, o permitOp) (permitReply, error) {
 	lk, now := m.lock(o.key)
 	defer lk.unlock()
@@ -81,11 +82,19 @@ func (m *MemoryStore) permits(_ context.Context, o permitOp) (permitReply, error
 			reclaimed += sems[i].reclaim(now)
 		}
 	}
+	if o.adopt {
+		if lk.e == nil {
+			lk.insert(m, o.key, len(o.plans), now)
+		}
+		for i := range o.plans {
+			sems[i] = lk.e.storeSemaphore(&o.plans[i])
+		}
+	}
 	live := make([]bool, len(o.holders))
 	for h, x := range o.holders {
 		live[h] = true
 		for i, s := range sems {
-			if x.mask&(1<<i) != 0 {
+			if !o.adopt && x.mask&(1<<i) != 0 {
 				live[h] = live[h] && s != nil && s.holds(x.id, x.n, now)
 			}
 		}

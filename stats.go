@@ -105,12 +105,16 @@ type Stats struct {
 		// the store, without releasing. Redis deletes a key once every
 		// lease on it has ended, and its permits with it, uncounted.
 		Reclaimed uint64
+		// Adopted counts the Permits that the fallback granted during an
+		// outage and that moved into the store once it answered again,
+		// so that it counts them while their holders work.
+		Adopted uint64
 	}
 }
 
 // permitCounters are what Stats.Permits counts.
 type permitCounters struct {
-	granted, refused, released, lost, unreleased, reclaimed atomic.Uint64
+	granted, refused, released, lost, unreleased, reclaimed, adopted atomic.Uint64
 }
 
 // acquired counts the Acquire call that decided r; not one on a key
@@ -134,6 +138,7 @@ func (c *permitCounters) snapshot(s *Stats) {
 	p := &s.Permits
 	p.Granted, p.Refused, p.Released = c.granted.Load(), c.refused.Load(), c.released.Load()
 	p.Lost, p.Unreleased, p.Reclaimed = c.lost.Load(), c.unreleased.Load(), c.reclaimed.Load()
+	p.Adopted = c.adopted.Load()
 }
 
 // reservationCounters are what Stats.Reservations counts. Reservations are

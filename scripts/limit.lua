@@ -297,7 +297,8 @@ for i = 1, plans do
     n = n + 2
   elseif k < 0 then -- a concurrency plan
     local c = inuse[2 * i - 1]
-    out[n + 1], out[n + 2] = ARGV[a] - c, inuse[2 * i]
+    -- An adopted permit (permit.lua) may hold a set above its capacity.
+    out[n + 1], out[n + 2] = math.max(0, ARGV[a] - c), inuse[2 * i]
     if allowed and cost > 0 then
       if foreign and foreign[i] then redisCall('DEL', KEYS[i]) end
       addPermits(KEYS[i], ARGV[a + 3], cost, now + ARGV[a + 1])

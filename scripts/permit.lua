@@ -1,31 +1,41 @@
--- permit.lua: release or renew the permits of holders on the
+-- permit.lua: release, renew or adopt the permits of holders on the
 -- concurrency plans of one key (see semaphore.lua), in one atomic step.
 --
 -- KEYS[i]          the set of concurrency plan i; every key shares one
 --                  hash slot
--- ARGV[1]          the lease in µs to renew for, or 0 to release
--- ARGV[3h-1..3h+1] holder h: its id, its n permits of each plan, and the
+-- ARGV[1]          the lease in µs to renew or adopt for, or 0 to release
+-- ARGV[2]          1 to adopt: to add the holders' permits, held
+--                  elsewhere (a fallback during an outage), whether the
+--                  sets hold them or not and whatever their count; else 0
+-- ARGV[3h..3h+2]   holder h: its id, its n permits of each plan, and the
 --                  sum of 2^(i-1) over the plans i it holds permits of
 --
 -- Reply: {now, the permits whose lease had ended, which it removed
 -- first, as limit.lua does, then per holder 1 if it held all its
--- permits, alive, else 0}. A holder that did not hold all its permits (its lease ended, or
--- they were released before) gets none renewed: what it has left is
--- removed, and nothing is added back. A key of another type holds no
--- permit and is left alone.
+-- permits, alive, or was adopted, else 0}. A holder that did not hold all
+-- its permits (its lease ended, or they were released before) gets none
+-- renewed: what it has left is removed, and nothing is added back. A key
+-- of another type holds no permit: it is left alone, or replaced to
+-- adopt.
 local now = clock()
-local lease = ARGV[1] + 0
+local lease, adopt = ARGV[1] + 0, ARGV[2] == '1'
 local sets = {}
 local out = {now, 0}
 for i = 1, #KEYS do
-  sets[i] = redisCall('TYPE', KEYS[i]).ok == 'zset'
-  if sets[i] then out[2] = out[2] + redisCall('ZREMRANGEBYSCORE', KEYS[i], '-inf', now) end
+  local t = redisCall('TYPE', KEYS[i]).ok
+  sets[i] = t == 'zset'
+  if sets[i] then
+    out[2] = out[2] + redisCall('ZREMRANGEBYSCORE', KEYS[i], '-inf', now)
+  elseif adopt then
+    if t ~= 'none' then redisCall('DEL', KEYS[i]) end
+    sets[i] = true
+  end
 end
-for h = 2, #ARGV, 3 do
+for h = 3, #ARGV, 3 do
   local id, n, mask = ARGV[h], ARGV[h + 1] + 0, ARGV[h + 2] + 0
   local live = true
   for i = 1, #KEYS do
-    if floor(mask / 2 ^ (i - 1)) % 2 == 1 then
+    if not adopt and floor(mask / 2 ^ (i - 1)) % 2 == 1 then
       live = live and sets[i] and holds(KEYS[i], id, n, now)
     end
   end
