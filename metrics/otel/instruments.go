@@ -137,7 +137,7 @@ type instruments struct {
 	transitionsTo [3][]metric.ObserveOption // closed, open, half-open
 	holdEvents    [3][]metric.ObserveOption // held, settled, expired
 	holdKinds     [3][]metric.ObserveOption // refunded, charged, uncharged
-	permitEvents  [6][]metric.ObserveOption // granted, refused, released, lost, unreleased, reclaimed
+	permitEvents  [7][]metric.ObserveOption // granted, refused, released, lost, unreleased, reclaimed, adopted
 }
 
 // Register creates the instruments of lim's metrics on a meter of mp, nil
@@ -191,7 +191,7 @@ func Register(lim *tollgate.Limiter, mp metric.MeterProvider, opts ...Option) (m
 		metric.WithDescription("Instances alive that the last heartbeat counted (WithFleet); 0 without one."))
 	err = errors.Join(err, e)
 	in.permits, e = m.Int64ObservableCounter("tollgate.permits", metric.WithUnit("{permit}"),
-		metric.WithDescription("Acquire calls of concurrency plans and their permits, by event: granted, refused (Acquire calls); released, lost (Permits given back while held, or found with their lease ended); unreleased (releases the store failed); reclaimed (permits of any instance whose lease had ended, removed by this Limiter's calls to the store)."))
+		metric.WithDescription("Acquire calls of concurrency plans and their permits, by event: granted, refused (Acquire calls); released, lost (Permits given back while held, or found with their lease ended); unreleased (releases the store failed); reclaimed (permits of any instance whose lease had ended, removed by this Limiter's calls to the store); adopted (Permits the fallback granted, moved into the store once it answered again)."))
 	err = errors.Join(err, e)
 	in.held, e = m.Int64ObservableGauge("tollgate.permits.held", metric.WithUnit("{permit}"),
 		metric.WithDescription("Permits of a concurrency plan that this Limiter holds now, on every key, by plan; 0 for other plans."))
@@ -218,7 +218,7 @@ func Register(lim *tollgate.Limiter, mp metric.MeterProvider, opts ...Option) (m
 	for i, kind := range []string{"refunded", "charged", "uncharged"} {
 		in.holdKinds[i] = in.opts(attribute.String("kind", kind))
 	}
-	for i, event := range []string{"granted", "refused", "released", "lost", "unreleased", "reclaimed"} {
+	for i, event := range []string{"granted", "refused", "released", "lost", "unreleased", "reclaimed", "adopted"} {
 		in.permitEvents[i] = in.opts(attribute.String("event", event))
 	}
 	return m.RegisterCallback(in.observe, in.decisions, in.duration, in.calls, in.storeErrors,
@@ -322,7 +322,7 @@ func (in *instruments) observe(_ context.Context, o metric.Observer) error {
 	}
 	o.ObserveInt64(in.fleetSize, s.FleetSize, in.base...)
 	ps := s.Permits
-	for i, v := range [6]uint64{ps.Granted, ps.Refused, ps.Released, ps.Lost, ps.Unreleased, ps.Reclaimed} {
+	for i, v := range [7]uint64{ps.Granted, ps.Refused, ps.Released, ps.Lost, ps.Unreleased, ps.Reclaimed, ps.Adopted} {
 		o.ObserveInt64(in.permits, clamp(v), in.permitEvents[i]...)
 	}
 	return nil

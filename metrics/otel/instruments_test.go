@@ -531,7 +531,7 @@ func TestPermits(t *testing.T) {
 	r, lim := newRegisteredPlans(t, tollgate.NewMemoryStore(), permitPlans)
 	ctx := context.Background()
 	events, held := r.permits()
-	assert.Equal(t, map[string]int64{"granted": 0, "refused": 0, "released": 0, "lost": 0, "unreleased": 0, "reclaimed": 0}, events, "before the first Acquire")
+	assert.Equal(t, map[string]int64{"granted": 0, "refused": 0, "released": 0, "lost": 0, "unreleased": 0, "reclaimed": 0, "adopted": 0}, events, "before the first Acquire")
 	assert.Equal(t, map[string]int64{"inflight": 0, "gold": 0}, held, "before the first Acquire")
 
 	acquire := func(n int64) *tollgate.Permit {
@@ -548,7 +548,7 @@ func TestPermits(t *testing.T) {
 	c := acquire(2)
 	require.True(t, c.OK())
 	events, held = r.permits()
-	assert.Equal(t, map[string]int64{"granted": 3, "refused": 1, "released": 2, "lost": 0, "unreleased": 0, "reclaimed": 0}, events, "while c holds both permits")
+	assert.Equal(t, map[string]int64{"granted": 3, "refused": 1, "released": 2, "lost": 0, "unreleased": 0, "reclaimed": 0, "adopted": 0}, events, "while c holds both permits")
 	assert.Equal(t, map[string]int64{"inflight": 2, "gold": 0}, held, "while c holds both permits")
 	require.NoError(t, c.Release(ctx))
 	assert.Equal(t, int64(0), r.value("tollgate.permits.held", attribute.String("plan", "inflight")))
@@ -573,7 +573,7 @@ func TestPermitsLost(t *testing.T) {
 	require.Eventually(t, func() bool { return lim.Stats().Permits.Lost > 0 }, 5*time.Second, 5*time.Millisecond)
 	require.ErrorIs(t, p.Release(ctx), tollgate.ErrPermitLost)
 	events, held := r.permits()
-	assert.Equal(t, map[string]int64{"granted": 1, "refused": 0, "released": 0, "lost": 1, "unreleased": 0, "reclaimed": 2}, events)
+	assert.Equal(t, map[string]int64{"granted": 1, "refused": 0, "released": 0, "lost": 1, "unreleased": 0, "reclaimed": 2, "adopted": 0}, events)
 	assert.Equal(t, map[string]int64{"inflight": 0, "gold": 0}, held)
 }
 

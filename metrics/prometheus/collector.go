@@ -163,7 +163,7 @@ func New(lim *tollgate.Limiter, opts ...Option) *Collector {
 			"Instances alive that the last heartbeat counted (WithFleet); 0 without one.",
 			nil, cl),
 		permits: prometheus.NewDesc("tollgate_permits_total",
-			"Acquire calls of concurrency plans and their permits, by event: granted, refused (Acquire calls); released, lost (Permits given back while held, or found with their lease ended); unreleased (releases the store failed); reclaimed (permits of any instance whose lease had ended, removed by this Limiter's calls to the store).",
+			"Acquire calls of concurrency plans and their permits, by event: granted, refused (Acquire calls); released, lost (Permits given back while held, or found with their lease ended); unreleased (releases the store failed); reclaimed (permits of any instance whose lease had ended, removed by this Limiter's calls to the store); adopted (Permits the fallback granted, moved into the store once it answered again).",
 			[]string{"event"}, cl),
 		held: prometheus.NewDesc("tollgate_permits_held",
 			"Permits of a concurrency plan that this Limiter holds now, on every key, by plan; 0 for other plans.",
@@ -234,6 +234,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	counter(ch, c.permits, ps.Lost, "lost")
 	counter(ch, c.permits, ps.Unreleased, "unreleased")
 	counter(ch, c.permits, ps.Reclaimed, "reclaimed")
+	counter(ch, c.permits, ps.Adopted, "adopted")
 }
 
 func counter(ch chan<- prometheus.Metric, d *prometheus.Desc, v uint64, labels ...string) {

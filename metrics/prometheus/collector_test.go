@@ -99,7 +99,7 @@ var heads = map[string]string{
 # TYPE tollgate_breaker_transitions_total counter`,
 	"tollgate_store_errors_total": `# HELP tollgate_store_errors_total Calls to the Limiter's store that failed, by class; calls its caller ended are not counted.
 # TYPE tollgate_store_errors_total counter`,
-	"tollgate_permits_total": `# HELP tollgate_permits_total Acquire calls of concurrency plans and their permits, by event: granted, refused (Acquire calls); released, lost (Permits given back while held, or found with their lease ended); unreleased (releases the store failed); reclaimed (permits of any instance whose lease had ended, removed by this Limiter's calls to the store).
+	"tollgate_permits_total": `# HELP tollgate_permits_total Acquire calls of concurrency plans and their permits, by event: granted, refused (Acquire calls); released, lost (Permits given back while held, or found with their lease ended); unreleased (releases the store failed); reclaimed (permits of any instance whose lease had ended, removed by this Limiter's calls to the store); adopted (Permits the fallback granted, moved into the store once it answered again).
 # TYPE tollgate_permits_total counter`,
 	"tollgate_permits_held": `# HELP tollgate_permits_held Permits of a concurrency plan that this Limiter holds now, on every key, by plan; 0 for other plans.
 # TYPE tollgate_permits_held gauge`,
@@ -243,6 +243,7 @@ func TestPermits(t *testing.T) {
 	reg, lim := newCollectedPlans(t, tollgate.NewMemoryStore(), permitPlans)
 	ctx := context.Background()
 	assertSeries(t, reg, `
+tollgate_permits_total{event="adopted"} 0
 tollgate_permits_total{event="granted"} 0
 tollgate_permits_total{event="lost"} 0
 tollgate_permits_total{event="reclaimed"} 0
@@ -267,6 +268,7 @@ tollgate_permits_held{plan="inflight"} 0
 	c := acquire(2)
 	require.True(t, c.OK())
 	assertSeries(t, reg, `
+tollgate_permits_total{event="adopted"} 0
 tollgate_permits_total{event="granted"} 3
 tollgate_permits_total{event="lost"} 0
 tollgate_permits_total{event="reclaimed"} 0
@@ -299,6 +301,7 @@ func TestPermitsLost(t *testing.T) {
 	require.Eventually(t, func() bool { return lim.Stats().Permits.Lost > 0 }, 5*time.Second, 5*time.Millisecond)
 	require.ErrorIs(t, p.Release(ctx), tollgate.ErrPermitLost)
 	assertSeries(t, reg, `
+tollgate_permits_total{event="adopted"} 0
 tollgate_permits_total{event="granted"} 1
 tollgate_permits_total{event="lost"} 1
 tollgate_permits_total{event="reclaimed"} 2
