@@ -3,7 +3,7 @@ package tollgate
 // takeChain is decide for a chain with window or concurrency plans, and
 // the Result is built in *r.
 func (m *MemoryStore) takeChain(r *Result, o *op) {
-	key, cost, plans := o.key, o.cost(), o.plans
+	plans := o.plans
 	// Fixed arrays keep a decision on up to four chained plans off the heap.
 	var bbuf [4]TokenBucket
 	var wbuf [4]*window
@@ -17,50 +17,70 @@ func (m *MemoryStore) takeChain(r *Result, o *op) {
 	if suppressed {
 		u = m.random()
 	}
+	d := outcome{plans: plans, buckets: buckets, windows: states, cost: o.cost()}
 
-	lk, now := m.lock(key)
+	lk, now := m.lock(o.key)
 	e := lk.e
-	for i := range plans {
-		switch p := &plans[i]; {
-		case p.isWindow():
-			windows[i] = e.window(p, now)
-		case p.Concurrency:
-			states[i] = e.reclaim(p, now)
-			buckets[i] = TokenBucket{Tokens: states[i].remaining * microTokens, Stamp: now}
-		default:
-			buckets[i] = e.bucket(p, now)
-		}
-	}
-	allowed, wd := chain(plans, buckets, windows, now, cost, u)
-	d := outcome{plans: plans, buckets: buckets, windows: states, now: now, cost: cost, allowed: allowed, wd: wd}
-	taken := allowed && cost > 0
-	if taken || suppressed && cost > 0 {
+	d.now = now
+	e.readChain(&d, windows)
+	d.allowed, d.wd = chain(plans, buckets, windows, now, d.cost, u)
+	taken := d.allowed && d.cost > 0
+	if taken || suppressed && d.cost > 0 {
 		if e == nil {
-			e = lk.insert(m, key, len(plans), now)
+			e = lk.insert(m, o.key, len(plans), now)
 		}
 		e.writeChain(&d, windows)
 		if taken && o.mode == modeAcquire {
 			e.addPermits(o, now)
 		}
 	}
-	for i := range plans {
-		switch p := &plans[i]; {
+	e.describeChain(&d, windows)
+	lk.unlock()
+	r.describe(&d)
+}
+
+// readChain reads, for the decision d at d.now, the window of each window
+// plan into windows, the bucket of each bucket plan into d.buckets, and
+// the free permits of each concurrency plan, as tokens, into d.buckets,
+// with what it reclaimed into d.windows. e may be nil: a key without
+// state.
+func (e *memEntry) readChain(d *outcome, windows []*window) {
+	for i := range d.plans {
+		switch p := &d.plans[i]; {
+		case p.isWindow():
+			windows[i] = e.window(p, d.now)
 		case p.Concurrency:
-			states[i] = permitState(states[i].remaining, states[i].reclaimed, cost, taken)
+			d.windows[i] = e.reclaim(p, d.now)
+			d.buckets[i] = TokenBucket{Tokens: d.windows[i].remaining * microTokens, Stamp: d.now}
+		default:
+			d.buckets[i] = e.bucket(p, d.now)
+		}
+	}
+}
+
+// describeChain sets what the Result of the decision d tells of each
+// plan, under the key's lock: the state of each window and concurrency
+// plan into d.windows, and, when nothing was taken, each bucket as
+// stored, after bringing back a stamp too far ahead. e may be nil.
+func (e *memEntry) describeChain(d *outcome, windows []*window) {
+	now, cost := d.now, d.cost
+	taken := d.allowed && cost > 0
+	for i := range d.plans {
+		switch p := &d.plans[i]; {
+		case p.Concurrency:
+			d.windows[i] = permitState(d.windows[i].remaining, d.windows[i].reclaimed, cost, taken)
 		case p.isWindow():
 			// Windows change in place: they are described under the lock.
-			states[i] = describeWindow(p, windows[i], now, cost, allowed && wd&(1<<i) == 0)
+			d.windows[i] = describeWindow(p, windows[i], now, cost, d.allowed && d.wd&(1<<i) == 0)
 		case !taken:
 			// A denial or a read leaves the buckets as they were, but a
 			// denial brings back a stamp too far ahead.
-			buckets[i] = e.bucket(p, now)
+			d.buckets[i] = e.bucket(p, now)
 			if cost > 0 {
-				e.bringBack(p, buckets[i], now)
+				e.bringBack(p, d.buckets[i], now)
 			}
 		}
 	}
-	lk.unlock()
-	r.describe(&d)
 }
 
 // writeChain writes what the decision o on a chain with windows took:
