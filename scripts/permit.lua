@@ -25,8 +25,11 @@ for h = 2, #ARGV, 3 do
   local id, n, mask = ARGV[h], ARGV[h + 1] + 0, ARGV[h + 2] + 0
   local live = true
   for i = 1, #KEYS do
-    if floor(mask / 2 ^ (i - 1)) % 2 == 1 then
-      live = live and sets[i] and holds(KEYS[i], id, n, now)
+    -- An if, not live = live and sets[i] and ...: gopher-lua, which
+    -- miniredis runs, leaves a local as it was when it assigns it an and
+    -- whose left side is a false table field.
+    if live and floor(mask / 2 ^ (i - 1)) % 2 == 1 and not (sets[i] and holds(KEYS[i], id, n, now)) then
+      live = false
     end
   end
   for i = 1, #KEYS do
