@@ -440,3 +440,33 @@ func FuzzPermitAgreement(f *testing.F) {
 		}
 	})
 }
+
+// TestMemoryPermitsFreeableOnceReleasedOrEnded: a MemoryStore's entry
+// whose permits were all released, or whose leases all ended, may be
+// forgotten for free (fullAt), as Redis deletes the set; not before.
+func TestMemoryPermitsFreeableOnceReleasedOrEnded(t *testing.T) {
+	now := t0
+	m := newClockedMemoryStore(&now)
+	freeable := func() bool {
+		e, unlock := lockedEntry(m, "k")
+		defer unlock()
+		require.NotNil(t, e)
+		return e.fullAt(now) <= now
+	}
+	p := Plan{Name: "inflight", Capacity: 5, Concurrency: true}
+	acquireOn(t, m, "a", 2, time.Second, p)
+	acquireOn(t, m, "b", 1, 3*time.Second, p)
+	assert.False(t, freeable(), "permits are held")
+	require.True(t, permitsOn(t, m, "a", 2, 0, p))
+	assert.False(t, freeable(), "b's permit is held")
+	require.True(t, permitsOn(t, m, "b", 1, 0, p))
+	assert.True(t, freeable(), "every permit released")
+
+	acquireOn(t, m, "c", 2, time.Second, p)
+	now += 500_000
+	require.True(t, permitsOn(t, m, "c", 2, 2*time.Second, p), "renewed before its lease ended")
+	now += 2_000_000 - 1
+	assert.False(t, freeable(), "the renewed lease still runs")
+	now++
+	assert.True(t, freeable(), "every lease ended")
+}
