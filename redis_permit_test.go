@@ -2,6 +2,10 @@ package tollgate
 
 import (
 	"context"
+	"runtime"
+	"strconv"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -131,4 +135,80 @@ func TestPermitSetGoneOnceEveryLeaseEnded(t *testing.T) {
 			goneAfter(500 * time.Millisecond)
 		})
 	}
+}
+
+// TestPermitsInOneBatchSeeEachOther sends 8 Acquires of one permit of a
+// plan of 5 as one batch: each decision sees the permits the ones before
+// it took, so the first 5 are granted, with 4 to 0 left, and the rest
+// refused; the set holds their 5 holders' members.
+func TestPermitsInOneBatchSeeEachOther(t *testing.T) {
+	for name, r := range permitRedises(t) {
+		t.Run(name, func(t *testing.T) {
+			require.NotNil(t, r.s.batch, "the store batches by default")
+			p := Plan{Name: "inflight", Capacity: 5, Concurrency: true}
+			grants := make([]permit, 8)
+			flush := batchOf(t, r.s, len(grants), func(i int) (Result, error) {
+				grants[i] = permit{id: "h" + strconv.Itoa(i), lease: time.Minute, backs: &giveBacks{}}
+				return r.s.decide(context.Background(), op{key: "k", n: 1, mode: modeAcquire, plans: []Plan{p}, grant: &grants[i]})
+			})
+			results, errs := flush()
+			for i, res := range results {
+				require.NoError(t, errs[i])
+				assert.Equal(t, i < 5, res.Allowed, "decision %d", i)
+				assert.Equal(t, i < 5, grants[i].store != nil, "decision %d names its store when granted", i)
+				assert.Equal(t, max(4-int64(i), 0), res.Remaining, "decision %d", i)
+			}
+			members, err := r.s.client.ZRange(context.Background(), r.s.Key("k", p.Name), 0, -1).Result()
+			require.NoError(t, err)
+			assert.ElementsMatch(t, []string{"h0.1", "h1.1", "h2.1", "h3.1", "h4.1"}, members)
+		})
+	}
+}
+
+// TestBatchedAcquiresNeverHoldMoreThanCapacity has 32 goroutines Acquire
+// one or two permits of a plan of 5 on one key and release them, through
+// a RedisStore whose pool is smaller than its callers, so that decisions
+// ride in batches. A holder counts its permits in once Acquire granted
+// them and out before it releases them, which is at most what Redis held
+// at any instant: never more than 5. Every Release succeeds.
+func TestBatchedAcquiresNeverHoldMoreThanCapacity(t *testing.T) {
+	ctx := context.Background()
+	c, h := countedClient(t, &redis.Options{Addr: redistest.Addr(t), PoolSize: 4})
+	s := fewSlots(NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix())))
+	require.NotNil(t, s.batch)
+	l, err := New(s, []Plan{{Name: "inflight", Capacity: 5, Concurrency: true}}, WithLogger(nil),
+		WithFailurePolicy(breaker.FailClosed))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = l.Close() })
+
+	var held, most, acquires, granted atomic.Int64
+	var wg sync.WaitGroup
+	for g := range 32 {
+		wg.Go(func() {
+			for i := range 40 {
+				n := int64(1 + (g+i)%2)
+				p, err := l.Acquire(ctx, "k", n, "inflight")
+				acquires.Add(1)
+				if !assert.NoError(t, err) || !p.OK() {
+					continue
+				}
+				granted.Add(1)
+				now := held.Add(n)
+				for m := most.Load(); now > m && !most.CompareAndSwap(m, now); m = most.Load() {
+				}
+				runtime.Gosched()
+				held.Add(-n)
+				assert.NoError(t, p.Release(ctx))
+			}
+		})
+	}
+	wg.Wait()
+	t.Logf("%d acquires, %d granted, at most %d permits held; %d script calls", acquires.Load(), granted.Load(), most.Load(), h.alone.Load())
+	assert.LessOrEqual(t, most.Load(), int64(5), "more permits held than the plan's capacity")
+	assert.Positive(t, granted.Load())
+	assert.Less(t, h.alone.Load(), acquires.Load()+granted.Load(), "some Acquires rode in batches")
+	st := l.Stats().Permits
+	assert.Equal(t, uint64(granted.Load()), st.Released)
+	assert.Zero(t, st.Lost)
+	assert.False(t, permitRedis{s: s}.exists(t, s.Key("k", "inflight")), "every permit released")
 }
