@@ -212,3 +212,35 @@ func TestBatchedAcquiresNeverHoldMoreThanCapacity(t *testing.T) {
 	assert.Zero(t, st.Lost)
 	assert.False(t, permitRedis{s: s}.exists(t, s.Key("k", "inflight")), "every permit released")
 }
+
+// TestPermitsOverALoweredCapacity: a key holds 5 permits of a plan whose
+// capacity is then 3 (SetPlans, or instances with other plans): an
+// Acquire is refused, with no permit free, not an error, alone or in a
+// batch, in Redis as in a MemoryStore.
+func TestPermitsOverALoweredCapacity(t *testing.T) {
+	was := Plan{Name: "inflight", Capacity: 5, Concurrency: true}
+	now := Plan{Name: "inflight", Capacity: 3, Concurrency: true}
+	m := NewMemoryStore()
+	acquireOn(t, m, "a", 5, time.Minute, was)
+	want, err := m.decide(context.Background(), op{key: "k", n: 1, mode: modeAcquire, plans: []Plan{now}, grant: &permit{id: "b"}})
+	require.NoError(t, err)
+	assert.False(t, want.Allowed)
+	assert.Zero(t, want.Remaining, "no permit free")
+	for name, r := range permitRedises(t) {
+		t.Run(name, func(t *testing.T) {
+			acquireOn(t, r.s, "a", 5, time.Minute, was)
+			acquire := func(i int) (Result, error) {
+				g := &permit{id: "b" + strconv.Itoa(i), lease: time.Minute, backs: &giveBacks{}}
+				return r.s.decide(context.Background(), op{key: "k", n: 1, mode: modeAcquire, plans: []Plan{now}, grant: g})
+			}
+			alone, err := acquire(0)
+			require.NoError(t, err)
+			assert.Equal(t, want, alone)
+			results, errs := batchOf(t, r.s, 2, acquire)()
+			for i := range results {
+				require.NoError(t, errs[i], "batched decision %d", i)
+				assert.Equal(t, want, results[i], "batched decision %d", i)
+			}
+		})
+	}
+}

@@ -30,12 +30,13 @@ func (s *semaphore) reclaim(now int64) (n int64) {
 }
 
 // free returns the permits of plan p that no holder holds: all of them
-// for a nil s, a plan without state.
+// for a nil s, a plan without state, and none when its holders hold more
+// than its capacity, which was lowered while they held them.
 func (s *semaphore) free(p *Plan) int64 {
 	if s == nil {
 		return p.Capacity
 	}
-	return p.Capacity - s.held
+	return max(p.Capacity-s.held, 0)
 }
 
 // add gives holder id n permits, their lease ending at ends.
