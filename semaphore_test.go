@@ -15,6 +15,8 @@ import (
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/tollgate-go/tollgate/breaker"
 )
 
 // The plans of the permit agreement tests: two concurrency plans and a
@@ -473,4 +475,144 @@ func TestMemoryPermitsFreeableOnceReleasedOrEnded(t *testing.T) {
 	assert.False(t, freeable(), "the renewed lease still runs")
 	now++
 	assert.True(t, freeable(), "every lease ended")
+}
+
+// kindRig runs the same steps on plans of one name that change kind, on
+// a MemoryStore and on miniredis at one instant, and demands the same
+// answers.
+type kindRig struct {
+	t  *testing.T
+	ms *MemoryStore
+	rs *RedisStore
+	mr *miniredis.Miniredis
+}
+
+func newKindRig(t *testing.T) *kindRig {
+	rs, mr, _ := newMiniredisStore(t)
+	now := t0
+	return &kindRig{t: t, ms: newClockedMemoryStore(&now), rs: rs, mr: mr}
+}
+
+// take has both stores Take cost of plans.
+func (k *kindRig) take(cost int64, plans ...Plan) Result {
+	k.t.Helper()
+	r, err := k.rs.Take(context.Background(), "k", cost, plans)
+	require.NoError(k.t, err)
+	m, err := k.ms.Take(context.Background(), "k", cost, plans)
+	require.NoError(k.t, err)
+	assert.Equal(k.t, m, r, "Lua and MemoryStore disagree")
+	return r
+}
+
+// acquire has both stores decide an Acquire of n permits of plans for
+// holder id.
+func (k *kindRig) acquire(id string, n int64, plans ...Plan) Result {
+	k.t.Helper()
+	do := func(s decider) Result {
+		g := &permit{id: id, lease: time.Minute, backs: &giveBacks{}}
+		r, err := s.decide(context.Background(), op{key: "k", n: n, mode: modeAcquire, plans: plans, grant: g})
+		require.NoError(k.t, err)
+		return r
+	}
+	r, m := do(k.rs), do(k.ms)
+	assert.Equal(k.t, m, r, "Lua and MemoryStore disagree")
+	return r
+}
+
+// permits has both stores renew, or release for a lease of 0, holder
+// id's n permits of p, and returns whether they were live.
+func (k *kindRig) permits(id string, n int64, lease time.Duration, p Plan) bool {
+	k.t.Helper()
+	r, m := permitsOn(k.t, k.rs, id, n, lease, p), permitsOn(k.t, k.ms, id, n, lease, p)
+	assert.Equal(k.t, m, r, "Lua and MemoryStore disagree")
+	return r
+}
+
+// is requires the state of plan name in Redis to be of type typ.
+func (k *kindRig) is(name, typ string) {
+	k.t.Helper()
+	require.Equal(k.t, typ, k.mr.Type(k.rs.Key("k", name)))
+}
+
+// TestPlanChangesKindToAndFromConcurrency: a plan name that held a
+// bucket, then permits, then a window, then permits again (SetPlans, or
+// instances with other plans): each kind reads the other's state as
+// holding nothing of its own (no tokens taken, no permits held), a
+// decision that writes replaces it, and one that is refused leaves it
+// alone; both stores agree at every step.
+func TestPlanChangesKindToAndFromConcurrency(t *testing.T) {
+	bucket := Plan{Name: "x", Capacity: 4, Rate: 0.001}
+	sem := Plan{Name: "x", Capacity: 3, Concurrency: true}
+	window := Plan{Name: "x", Capacity: 4, Window: time.Minute, Slots: 4}
+	empty := Plan{Name: "y", Capacity: 1, Rate: 0.001}
+	k := newKindRig(t)
+
+	require.EqualValues(t, 1, k.take(3, bucket).Remaining)
+	k.is("x", "string")
+	r := k.acquire("a", 2, sem)
+	require.True(t, r.Allowed, "a bucket holds no permits")
+	require.EqualValues(t, 1, r.Remaining, "3 free, 2 taken: the bucket's 1 token is no permit count")
+	k.is("x", "zset")
+
+	require.EqualValues(t, 3, k.take(1, bucket).Remaining, "the permits are no tokens taken: a full bucket")
+	k.is("x", "string")
+	require.False(t, k.permits("a", 2, time.Minute, sem), "the bucket replaced a's permits")
+	require.False(t, k.permits("a", 2, 0, sem))
+	k.is("x", "string")
+	require.EqualValues(t, 3, k.take(0, bucket).Remaining, "a renewal and a release leave the bucket alone")
+
+	require.True(t, k.take(1, empty).Allowed)
+	r = k.acquire("b", 1, sem, empty)
+	require.False(t, r.Allowed, "y has no token left")
+	k.is("x", "string")
+	require.EqualValues(t, 3, k.take(0, bucket).Remaining, "a refused Acquire leaves the bucket alone")
+
+	r = k.acquire("c", 3, sem)
+	require.True(t, r.Allowed)
+	require.Zero(t, r.Remaining)
+	require.True(t, k.permits("c", 3, time.Minute, sem), "renewed")
+	k.is("x", "zset")
+
+	require.EqualValues(t, 2, k.take(2, window).Remaining, "the permits are nothing admitted in a window")
+	k.is("x", "hash")
+	require.False(t, k.permits("c", 3, time.Minute, sem), "the window replaced c's permits")
+	k.is("x", "hash")
+	r = k.acquire("d", 3, sem)
+	require.True(t, r.Allowed, "a window holds no permits")
+	k.is("x", "zset")
+	require.True(t, k.permits("d", 3, 0, sem))
+	require.False(t, k.mr.Exists(k.rs.Key("k", "x")), "d released, nothing is left")
+}
+
+// TestSetPlansChangesKindToAndFromConcurrency: through a Limiter, a
+// bucket plan that SetPlans makes a concurrency plan, and back, reads
+// the other kind's state as holding nothing of its own, in both stores;
+// the permit held across the change back is lost.
+func TestSetPlansChangesKindToAndFromConcurrency(t *testing.T) {
+	ctx := context.Background()
+	bucket := []Plan{{Name: "x", Capacity: 4, Rate: 0.001}}
+	sem := []Plan{{Name: "x", Capacity: 3, Concurrency: true}}
+	rs, _, _ := newMiniredisStore(t)
+	now := t0 // miniredis's TIME too
+	var results [2][]Result
+	for i, s := range []Store{newClockedMemoryStore(&now), rs} {
+		l, err := New(s, bucket, WithLogger(nil), WithFailurePolicy(breaker.FailClosed))
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = l.Close() })
+		r, err := l.AllowN(ctx, "k", 3)
+		require.NoError(t, err)
+		results[i] = append(results[i], r)
+		require.NoError(t, l.SetPlans(sem))
+		p, err := l.Acquire(ctx, "k", 3, "x")
+		require.NoError(t, err)
+		require.True(t, p.OK(), "a bucket holds no permits")
+		results[i] = append(results[i], p.Result())
+		require.NoError(t, l.SetPlans(bucket))
+		r, err = l.Allow(ctx, "k")
+		require.NoError(t, err)
+		require.EqualValues(t, 3, r.Remaining, "permits are no tokens taken")
+		results[i] = append(results[i], r)
+		require.ErrorIs(t, p.Release(ctx), ErrPermitLost, "the bucket replaced its permits")
+	}
+	assert.Equal(t, results[0], results[1], "Lua and MemoryStore disagree")
 }
