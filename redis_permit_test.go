@@ -103,8 +103,9 @@ func TestPermitSetGoneOnceAllReleased(t *testing.T) {
 
 // TestPermitSetGoneOnceEveryLeaseEnded: permits never released leave
 // their set in Redis until the last lease ends, and nothing once it
-// ended: permits that were only acquired, and permits one of which was
-// renewed for less than its lease had left. On miniredis the clock is
+// ended: permits that were only acquired; permits one of which was
+// renewed for less than its lease had left; and a permit left after the
+// one with the longest lease was released. On miniredis the clock is
 // exact: the set is there a µs before the last lease ends, and gone 2 ms
 // after it.
 func TestPermitSetGoneOnceEveryLeaseEnded(t *testing.T) {
@@ -133,6 +134,11 @@ func TestPermitSetGoneOnceEveryLeaseEnded(t *testing.T) {
 			acquireOn(t, r.s, "d", 1, 2*time.Second, p)
 			require.True(t, permitsOn(t, r.s, "d", 1, 500*time.Millisecond, p), "renewed before its lease ended")
 			goneAfter(500 * time.Millisecond)
+
+			acquireOn(t, r.s, "e", 2, time.Minute, p)
+			acquireOn(t, r.s, "f", 1, 300*time.Millisecond, p)
+			require.True(t, permitsOn(t, r.s, "e", 2, 0, p), "released")
+			goneAfter(300 * time.Millisecond)
 		})
 	}
 }

@@ -12,7 +12,8 @@
 -- permits, alive, else 0}. A holder that did not hold all its permits (its lease ended, or
 -- they were released before) gets none renewed: what it has left is
 -- removed, and nothing is added back. A key of another type holds no
--- permit and is left alone.
+-- permit and is left alone. Each set then expires 2 ms after its latest
+-- score, as semaphore.lua says, once a release as after a renewal.
 local now = clock()
 local lease = ARGV[1] + 0
 local sets = {}
@@ -43,9 +44,9 @@ for h = 2, #ARGV, 3 do
   end
   out[#out + 1] = live and 1 or 0
 end
-if lease > 0 then
-  for i = 1, #KEYS do
-    if sets[i] then expireAfterLast(KEYS[i], now) end
-  end
+-- A release too: the permits it removed may have had the latest score,
+-- and the set must not outlive the permits left.
+for i = 1, #KEYS do
+  if sets[i] then expireAfterLast(KEYS[i], now) end
 end
 return out
