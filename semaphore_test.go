@@ -88,6 +88,7 @@ func (r *permitRig) advance(d int64) {
 		r.mr.FastForward(time.Duration(d) * time.Microsecond)
 	}
 	r.note("advance %d", d)
+	r.check()
 }
 
 // note records step s, and counts it.
@@ -306,7 +307,7 @@ func (r *permitRig) check() {
 	for _, p := range []Plan{semInflight, semPool} {
 		want := map[string]permitLease{}
 		members := map[string]float64{}
-		live := 0
+		live, last := 0, int64(0)
 		for id, h := range r.sems[p.Name] {
 			want[id] = h
 			for j := int64(1); j <= h.n; j++ {
@@ -315,6 +316,7 @@ func (r *permitRig) check() {
 			if h.ends > r.now {
 				live++
 			}
+			last = max(last, h.ends)
 		}
 		var got map[string]permitLease
 		var held int64
@@ -327,6 +329,9 @@ func (r *permitRig) check() {
 			assert.Zero(r.t, live, "plan %s: Redis deleted a set that holds live permits, %s", p.Name, r.where())
 			continue
 		}
+		// A set expires 2 ms after its latest score, which only a release
+		// or a renewal lowers, and each sets its expiry again.
+		assert.False(r.t, r.ttl && r.now >= last+2000, "plan %s: Redis kept a set 2 ms past its last lease, %s", p.Name, r.where())
 		inRedis := map[string]float64{}
 		zs, err := r.mr.ZMembers(r.setKey(&p))
 		require.NoError(r.t, err)

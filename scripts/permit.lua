@@ -13,7 +13,7 @@
 -- they were released before) gets none renewed: what it has left is
 -- removed, and nothing is added back. A key of another type holds no
 -- permit and is left alone. Each set then expires 2 ms after its latest
--- score, as semaphore.lua says, once a release as after a renewal.
+-- score, as semaphore.lua says: after a release as after a renewal.
 local now = clock()
 local lease = ARGV[1] + 0
 local sets = {}
