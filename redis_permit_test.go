@@ -115,8 +115,7 @@ func TestPermitSetGoneOnceEveryLeaseEnded(t *testing.T) {
 			set := r.s.Key("k", p.Name)
 			goneAfter := func(last time.Duration) {
 				t.Helper()
-				require.True(t, r.exists(t, set))
-				if r.pass == nil {
+				if r.pass == nil { // no bound before: a slow machine may take the lease to get here
 					assert.Eventually(t, func() bool { return !r.exists(t, set) }, 5*time.Second, 10*time.Millisecond,
 						"every lease ended: nothing is left of the set")
 					return
