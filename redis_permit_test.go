@@ -7,11 +7,15 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"runtime"
 	"slices"
+	"strconv"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/alicebob/miniredis/v2"
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -184,4 +188,236 @@ func TestAcquireAcrossProcessesOnRealRedis(t *testing.T) {
 	assert.Zero(t, held, "every permit was released")
 	assert.Equal(t, capacity, most, "the load must fill the key")
 	assert.Positive(t, refusals, "the load must push past the capacity")
+}
+
+// permitRedis is a RedisStore under test, and how time passes for it.
+type permitRedis struct {
+	s *RedisStore
+	// pass lets d go by on miniredis, TIME and TTLs alike; nil on real
+	// Redis, whose clock runs by itself.
+	pass func(d time.Duration)
+}
+
+// exists reports whether Redis holds key.
+func (r permitRedis) exists(t *testing.T, key string) bool {
+	n, err := r.s.client.Exists(context.Background(), key).Result()
+	require.NoError(t, err)
+	return n == 1
+}
+
+// permitRedises returns a RedisStore on miniredis, and on real Redis when
+// there is one, by name.
+func permitRedises(t *testing.T) map[string]permitRedis {
+	t.Helper()
+	mr := miniredis.RunT(t)
+	now := t0
+	mr.SetTime(time.UnixMicro(now))
+	c := redistest.NewClient(t, &redis.Options{Addr: mr.Addr()})
+	out := map[string]permitRedis{"miniredis": {s: NewRedisStore(c), pass: func(d time.Duration) {
+		now += d.Microseconds()
+		mr.SetTime(time.UnixMicro(now))
+		mr.FastForward(d)
+	}}}
+	if redistest.Available() {
+		c := redistest.NewClient(t, &redis.Options{Addr: redistest.Addr(t)})
+		out["redis"] = permitRedis{s: NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix()))}
+	}
+	return out
+}
+
+// acquireOn has s decide an Acquire of n permits of plans for holder id
+// with a lease, and requires it granted.
+func acquireOn(t *testing.T, s decider, id string, n int64, lease time.Duration, plans ...Plan) {
+	t.Helper()
+	g := &permit{id: id, lease: lease, backs: &giveBacks{}}
+	r, err := s.decide(context.Background(), op{key: "k", n: n, mode: modeAcquire, plans: plans, grant: g})
+	require.NoError(t, err)
+	require.True(t, r.Allowed, "%s acquires %d", id, n)
+}
+
+// permitsOn has s renew holder id's n permits of plan p for lease, or
+// release them for 0, and returns whether they were live.
+func permitsOn(t *testing.T, s permitStore, id string, n int64, lease time.Duration, p Plan) bool {
+	t.Helper()
+	reply, err := s.permits(context.Background(), permitOp{key: "k", plans: []Plan{p}, lease: lease,
+		holders: []permitHolder{{id: id, n: n, mask: 1}}})
+	require.NoError(t, err)
+	return reply.live[0]
+}
+
+// TestPermitSetGoneOnceAllReleased: permits acquired through a Limiter,
+// chained with a bucket, leave their set in Redis until the last of them
+// is released, and nothing once it is.
+func TestPermitSetGoneOnceAllReleased(t *testing.T) {
+	ctx := context.Background()
+	for name, r := range permitRedises(t) {
+		t.Run(name, func(t *testing.T) {
+			l, err := New(r.s, permitPlans, WithLogger(nil), WithFailurePolicy(breaker.FailClosed))
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = l.Close() })
+			set := r.s.Key("k", "inflight")
+			var held []*Permit
+			for _, n := range []int64{1, 2} {
+				p, err := l.Acquire(ctx, "k", n, "inflight", "daily")
+				require.NoError(t, err)
+				require.True(t, p.OK())
+				held = append(held, p)
+			}
+			for _, p := range held {
+				assert.True(t, r.exists(t, set), "permits are held: their set is there")
+				require.NoError(t, p.Release(ctx))
+			}
+			assert.False(t, r.exists(t, set), "every permit released: nothing is left of the set")
+			assert.True(t, r.exists(t, r.s.Key("k", "daily")), "the bucket stays until it is full again")
+		})
+	}
+}
+
+// TestPermitSetGoneOnceEveryLeaseEnded: permits never released leave
+// their set in Redis until the last lease ends, and nothing once it
+// ended: permits that were only acquired; permits one of which was
+// renewed for less than its lease had left; and a permit left after the
+// one with the longest lease was released. On miniredis the clock is
+// exact: the set is there a µs before the last lease ends, and gone 2 ms
+// after it.
+func TestPermitSetGoneOnceEveryLeaseEnded(t *testing.T) {
+	for name, r := range permitRedises(t) {
+		t.Run(name, func(t *testing.T) {
+			p := Plan{Name: "inflight", Capacity: 5, Concurrency: true}
+			set := r.s.Key("k", p.Name)
+			goneAfter := func(last time.Duration) {
+				t.Helper()
+				if r.pass == nil { // no bound before: a slow machine may take the lease to get here
+					assert.Eventually(t, func() bool { return !r.exists(t, set) }, 5*time.Second, 10*time.Millisecond,
+						"every lease ended: nothing is left of the set")
+					return
+				}
+				r.pass(last - time.Microsecond)
+				require.True(t, r.exists(t, set), "a lease still runs: the set is there")
+				r.pass(time.Microsecond + 2*time.Millisecond)
+				assert.False(t, r.exists(t, set), "every lease ended: nothing is left of the set")
+			}
+			acquireOn(t, r.s, "a", 2, 100*time.Millisecond, p)
+			acquireOn(t, r.s, "b", 1, 300*time.Millisecond, p)
+			goneAfter(300 * time.Millisecond)
+
+			acquireOn(t, r.s, "c", 2, 100*time.Millisecond, p)
+			acquireOn(t, r.s, "d", 1, 2*time.Second, p)
+			require.True(t, permitsOn(t, r.s, "d", 1, 500*time.Millisecond, p), "renewed before its lease ended")
+			goneAfter(500 * time.Millisecond)
+
+			acquireOn(t, r.s, "e", 2, time.Minute, p)
+			acquireOn(t, r.s, "f", 1, 300*time.Millisecond, p)
+			require.True(t, permitsOn(t, r.s, "e", 2, 0, p), "released")
+			goneAfter(300 * time.Millisecond)
+		})
+	}
+}
+
+// TestPermitsInOneBatchSeeEachOther sends 8 Acquires of one permit of a
+// plan of 5 as one batch: each decision sees the permits the ones before
+// it took, so the first 5 are granted, with 4 to 0 left, and the rest
+// refused; the set holds their 5 holders' members.
+func TestPermitsInOneBatchSeeEachOther(t *testing.T) {
+	for name, r := range permitRedises(t) {
+		t.Run(name, func(t *testing.T) {
+			require.NotNil(t, r.s.batch, "the store batches by default")
+			p := Plan{Name: "inflight", Capacity: 5, Concurrency: true}
+			grants := make([]permit, 8)
+			flush := batchOf(t, r.s, len(grants), func(i int) (Result, error) {
+				grants[i] = permit{id: "h" + strconv.Itoa(i), lease: time.Minute, backs: &giveBacks{}}
+				return r.s.decide(context.Background(), op{key: "k", n: 1, mode: modeAcquire, plans: []Plan{p}, grant: &grants[i]})
+			})
+			results, errs := flush()
+			for i, res := range results {
+				require.NoError(t, errs[i])
+				assert.Equal(t, i < 5, res.Allowed, "decision %d", i)
+				assert.Equal(t, i < 5, grants[i].store != nil, "decision %d names its store when granted", i)
+				assert.Equal(t, max(4-int64(i), 0), res.Remaining, "decision %d", i)
+			}
+			members, err := r.s.client.ZRange(context.Background(), r.s.Key("k", p.Name), 0, -1).Result()
+			require.NoError(t, err)
+			assert.ElementsMatch(t, []string{"h0.1", "h1.1", "h2.1", "h3.1", "h4.1"}, members)
+		})
+	}
+}
+
+// TestBatchedAcquiresNeverHoldMoreThanCapacity has 32 goroutines Acquire
+// one or two permits of a plan of 5 on one key and release them, through
+// a RedisStore whose pool is smaller than its callers, so that decisions
+// ride in batches. A holder counts its permits in once Acquire granted
+// them and out before it releases them, which is at most what Redis held
+// at any instant: never more than 5. Every Release succeeds.
+func TestBatchedAcquiresNeverHoldMoreThanCapacity(t *testing.T) {
+	ctx := context.Background()
+	c, h := countedClient(t, &redis.Options{Addr: redistest.Addr(t), PoolSize: 4})
+	s := fewSlots(NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix())))
+	require.NotNil(t, s.batch)
+	l, err := New(s, []Plan{{Name: "inflight", Capacity: 5, Concurrency: true}}, WithLogger(nil),
+		WithFailurePolicy(breaker.FailClosed))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = l.Close() })
+
+	var held, most, acquires, granted atomic.Int64
+	var wg sync.WaitGroup
+	for g := range 32 {
+		wg.Go(func() {
+			for i := range 40 {
+				n := int64(1 + (g+i)%2)
+				p, err := l.Acquire(ctx, "k", n, "inflight")
+				acquires.Add(1)
+				if !assert.NoError(t, err) || !p.OK() {
+					continue
+				}
+				granted.Add(1)
+				now := held.Add(n)
+				for m := most.Load(); now > m && !most.CompareAndSwap(m, now); m = most.Load() {
+				}
+				runtime.Gosched()
+				held.Add(-n)
+				assert.NoError(t, p.Release(ctx))
+			}
+		})
+	}
+	wg.Wait()
+	t.Logf("%d acquires, %d granted, at most %d permits held; %d script calls", acquires.Load(), granted.Load(), most.Load(), h.alone.Load())
+	assert.LessOrEqual(t, most.Load(), int64(5), "more permits held than the plan's capacity")
+	assert.Positive(t, granted.Load())
+	assert.Less(t, h.alone.Load(), acquires.Load()+granted.Load(), "some Acquires rode in batches")
+	st := l.Stats().Permits
+	assert.Equal(t, uint64(granted.Load()), st.Released)
+	assert.Zero(t, st.Lost)
+	assert.False(t, permitRedis{s: s}.exists(t, s.Key("k", "inflight")), "every permit released")
+}
+
+// TestPermitsOverALoweredCapacity: a key holds 5 permits of a plan whose
+// capacity is then 3 (SetPlans, or instances with other plans): an
+// Acquire is refused, with no permit free, not an error, alone or in a
+// batch, in Redis as in a MemoryStore.
+func TestPermitsOverALoweredCapacity(t *testing.T) {
+	was := Plan{Name: "inflight", Capacity: 5, Concurrency: true}
+	now := Plan{Name: "inflight", Capacity: 3, Concurrency: true}
+	m := NewMemoryStore()
+	acquireOn(t, m, "a", 5, time.Minute, was)
+	want, err := m.decide(context.Background(), op{key: "k", n: 1, mode: modeAcquire, plans: []Plan{now}, grant: &permit{id: "b"}})
+	require.NoError(t, err)
+	assert.False(t, want.Allowed)
+	assert.Zero(t, want.Remaining, "no permit free")
+	for name, r := range permitRedises(t) {
+		t.Run(name, func(t *testing.T) {
+			acquireOn(t, r.s, "a", 5, time.Minute, was)
+			acquire := func(i int) (Result, error) {
+				g := &permit{id: "b" + strconv.Itoa(i), lease: time.Minute, backs: &giveBacks{}}
+				return r.s.decide(context.Background(), op{key: "k", n: 1, mode: modeAcquire, plans: []Plan{now}, grant: g})
+			}
+			alone, err := acquire(0)
+			require.NoError(t, err)
+			assert.Equal(t, want, alone)
+			results, errs := batchOf(t, r.s, 2, acquire)()
+			for i := range results {
+				require.NoError(t, errs[i], "batched decision %d", i)
+				assert.Equal(t, want, results[i], "batched decision %d", i)
+			}
+		})
+	}
 }

@@ -30,8 +30,9 @@ func (s *semaphore) reclaim(now int64) (n int64) {
 }
 
 // free returns the permits of plan p that no holder holds: all of them
-// for a nil s, a plan without state, and none when adopted permits hold
-// more than the capacity.
+// for a nil s, a plan without state, and none when its holders hold more
+// than its capacity: adopted permits, or a capacity lowered while they
+// held them.
 func (s *semaphore) free(p *Plan) int64 {
 	if s == nil {
 		return p.Capacity

@@ -56,7 +56,8 @@
 --              reset: when nothing admitted counts any more, after the
 --              decision (now if nothing does);
 --   a concurrency plan: free, the permits not held at now before the
---              decision, and reclaimed, the permits whose lease had
+--              decision (0 when more are held than the capacity, which
+--              was lowered), and reclaimed, the permits whose lease had
 --              ended, which it removed}
 --
 -- Bucket: a string of tokens and stamp (see bucket.lua), written only
@@ -297,8 +298,9 @@ for i = 1, plans do
     n = n + 2
   elseif k < 0 then -- a concurrency plan
     local c = inuse[2 * i - 1]
-    -- An adopted permit (permit.lua) may hold a set above its capacity.
-    out[n + 1], out[n + 2] = math.max(0, ARGV[a] - c), inuse[2 * i]
+    -- An adopted permit (permit.lua), or a capacity lowered while its
+    -- holders held them, may hold a set above its capacity.
+    out[n + 1], out[n + 2] = math.max(ARGV[a] - c, 0), inuse[2 * i]
     if allowed and cost > 0 then
       if foreign and foreign[i] then redisCall('DEL', KEYS[i]) end
       addPermits(KEYS[i], ARGV[a + 3], cost, now + ARGV[a + 1])

@@ -16,7 +16,8 @@
 -- its permits (its lease ended, or they were released before) gets none
 -- renewed: what it has left is removed, and nothing is added back. A key
 -- of another type holds no permit: it is left alone, or replaced to
--- adopt.
+-- adopt. Each set then expires 2 ms after its latest score, as
+-- semaphore.lua says: after a release as after a renewal.
 local now = clock()
 local lease, adopt = ARGV[1] + 0, ARGV[2] == '1'
 local sets = {}
@@ -35,8 +36,11 @@ for h = 3, #ARGV, 3 do
   local id, n, mask = ARGV[h], ARGV[h + 1] + 0, ARGV[h + 2] + 0
   local live = true
   for i = 1, #KEYS do
-    if not adopt and floor(mask / 2 ^ (i - 1)) % 2 == 1 then
-      live = live and sets[i] and holds(KEYS[i], id, n, now)
+    -- An if, not live = live and sets[i] and ...: gopher-lua, which
+    -- miniredis runs, leaves a local as it was when it assigns it an and
+    -- whose left side is a false table field.
+    if not adopt and live and floor(mask / 2 ^ (i - 1)) % 2 == 1 and not (sets[i] and holds(KEYS[i], id, n, now)) then
+      live = false
     end
   end
   for i = 1, #KEYS do
@@ -50,9 +54,9 @@ for h = 3, #ARGV, 3 do
   end
   out[#out + 1] = live and 1 or 0
 end
-if lease > 0 then
-  for i = 1, #KEYS do
-    if sets[i] then expireAfterLast(KEYS[i], now) end
-  end
+-- A release too: the permits it removed may have had the latest score,
+-- and the set must not outlive the permits left.
+for i = 1, #KEYS do
+  if sets[i] then expireAfterLast(KEYS[i], now) end
 end
 return out
