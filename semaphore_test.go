@@ -225,10 +225,11 @@ func (r *permitRig) storedBucket() TokenBucket {
 }
 
 // permits has both stores renew, for lease µs, or release, for 0, the
-// permits of holders ids, as a Permit or a Limiter's renewals ask, and
-// checks the answers.
-func (r *permitRig) permits(lease int64, ids []string) {
-	o := permitOp{key: semKey, lease: time.Duration(lease) * time.Microsecond}
+// permits of holders ids, as a Permit or a Limiter's renewals ask, or
+// adopt them for lease, as a Limiter's renewals move permits its fallback
+// granted, and checks the answers.
+func (r *permitRig) permits(lease int64, ids []string, adopt bool) {
+	o := permitOp{key: semKey, lease: time.Duration(lease) * time.Microsecond, adopt: adopt}
 	for _, id := range ids {
 		h := permitHolder{id: id, n: r.ns[id]}
 		for _, p := range r.plansOf(id) {
@@ -236,7 +237,7 @@ func (r *permitRig) permits(lease int64, ids []string) {
 		}
 		o.holders = append(o.holders, h)
 	}
-	r.note("permits lease=%d holders %+v on %s", lease, o.holders, planNames(o.plans))
+	r.note("permits lease=%d adopt=%v holders %+v on %s", lease, adopt, o.holders, planNames(o.plans))
 	sets := r.inRedis(o.plans)
 	replyR, err := r.rs.permits(r.ctx, o)
 	require.NoError(r.t, err, r.where())
@@ -249,7 +250,7 @@ func (r *permitRig) permits(lease int64, ids []string) {
 	for h, x := range o.holders {
 		live[h] = true
 		for i, p := range o.plans {
-			if x.mask&(1<<i) != 0 {
+			if !adopt && x.mask&(1<<i) != 0 {
 				held, ok := r.sems[p.Name][x.id]
 				live[h] = live[h] && ok && held.n == x.n
 			}
@@ -258,6 +259,9 @@ func (r *permitRig) permits(lease int64, ids []string) {
 			switch {
 			case x.mask&(1<<i) == 0:
 			case live[h] && lease > 0:
+				if r.sems[p.Name] == nil {
+					r.sems[p.Name] = map[string]permitLease{}
+				}
 				r.sems[p.Name][x.id] = permitLease{n: x.n, ends: r.now + lease}
 			default:
 				delete(r.sems[p.Name], x.id)
@@ -368,24 +372,24 @@ func (r *permitRig) checkBucket(e *memEntry) {
 // (back too, unless the rig's TTLs follow the clock).
 func (r *permitRig) randomStep(rng *rand.Rand) {
 	leases := []int64{30_000, 200_000, 1_000_000, 3_000_000}
-	switch k := rng.IntN(20); {
+	switch k := rng.IntN(21); {
 	case k < 8 || len(r.ids) == 0:
 		plans := semChains[rng.IntN(len(semChains))]
 		r.acquire(1+rng.Int64N(4), leases[rng.IntN(len(leases))], plans)
 	case k < 12:
-		r.permits(0, []string{r.pickID(rng)})
-	case k < 15:
+		r.permits(0, []string{r.pickID(rng)}, false)
+	case k < 16:
 		ids := []string{r.pickID(rng)}
 		for range rng.IntN(3) {
 			if id := r.pickID(rng); !slices.Contains(ids, id) {
 				ids = append(ids, id)
 			}
 		}
-		r.permits(leases[rng.IntN(len(leases))], ids)
-	case k < 16:
+		r.permits(leases[rng.IntN(len(leases))], ids, k == 15)
+	case k < 17:
 		// Exactly at the last lease's end, which has then ended, or past it.
 		r.advance(r.lastEnd() - r.now + []int64{0, 1, rng.Int64N(5000)}[rng.IntN(3)])
-	case !r.ttl && k < 17:
+	case !r.ttl && k < 18:
 		r.advance(-[]int64{1, rng.Int64N(500_000), rng.Int64N(4_000_000)}[rng.IntN(3)])
 	default:
 		r.advance([]int64{0, 1, 999, rng.Int64N(300_000), rng.Int64N(3_000_000)}[rng.IntN(5)])
