@@ -177,6 +177,9 @@ func (l *Limiter) degrade(ctx context.Context, r *Result, o *op, cause error) er
 	share.plans = shareOf(o.plans, l.fleetSize(), o.n)
 	if o.mode == modeAcquire {
 		share.plans = l.lessHeld(share.plans, o.key)
+		// Under an id of its own: a release of the store's call, whose
+		// reply was lost, may still come, and must not free these.
+		o.grant.id = newPermitID()
 	}
 	var err error
 	if *r, err = l.fallbackDecider.decide(ctx, share); err != nil {

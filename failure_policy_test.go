@@ -3,11 +3,15 @@ package tollgate
 import (
 	"context"
 	"errors"
+	"net"
+	"os"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/alicebob/miniredis/v2"
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -136,4 +140,76 @@ func TestAcquireFleetHoldsAboutCapacityThroughAnOutage(t *testing.T) {
 	assert.LessOrEqual(t, f.most[2].Load(), int64(2*capacity), "Redis back: its capacity and the fallbacks' shares")
 	assert.Positive(t, f.sources[1][SourceFallback].Load(), "the fallback granted permits")
 	assert.Positive(t, f.sources[2][SourceStore].Load(), "Redis granted permits again")
+}
+
+// lostReplies is a go-redis hook that loses the reply of the next
+// acquire's script call, after Redis ran it, and fails release calls
+// while failRelease is set.
+type lostReplies struct{ acquire, failRelease atomic.Bool }
+
+func (*lostReplies) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (*lostReplies) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+func (h *lostReplies) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		a := cmd.Args()
+		if cmd.Name() != "evalsha" {
+			return next(ctx, cmd)
+		}
+		argv := a[3+a[2].(int):]
+		lost := &net.OpError{Op: "read", Net: "tcp", Err: os.ErrDeadlineExceeded}
+		release := argv[0] == int64(0) && argv[1] == 0 // permit.lua: no lease, no adoption
+		switch {
+		case release && h.failRelease.Load():
+			cmd.SetErr(lost)
+			return lost
+		case !release && len(argv) == 6 && h.acquire.CompareAndSwap(true, false): // limit.lua, one plan
+			_ = next(ctx, cmd)
+			cmd.SetErr(lost)
+			return lost
+		}
+		return next(ctx, cmd)
+	}
+}
+
+// TestFallbackGrantOutlivesTheLostReplysRelease loses the reply of an
+// Acquire that Redis ran: its permits are released by its holder id in
+// the background, while the fallback grants the caller's under an id of
+// its own, which the renewals then move into Redis. The background
+// release, landing after that, frees the lost call's permits only: the
+// caller keeps its slot.
+func TestFallbackGrantOutlivesTheLostReplysRelease(t *testing.T) {
+	ctx := context.Background()
+	mr := miniredis.RunT(t)
+	mr.SetTime(time.UnixMicro(t0))
+	c := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	t.Cleanup(func() { _ = c.Close() })
+	h := &lostReplies{}
+	c.AddHook(h)
+	plan := Plan{Name: "c", Capacity: 1, Concurrency: true}
+	l, err := New(NewRedisStore(c, WithoutBatching()), []Plan{plan}, WithLogger(nil),
+		WithPermitLease(300*time.Millisecond), WithBreaker(breaker.Settings{Failures: 1, Cooldown: 10 * time.Millisecond}))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = l.Close() })
+	h.acquire.Store(true)
+	h.failRelease.Store(true)
+	p, err := l.Acquire(ctx, "k", 1, "c")
+	require.NoError(t, err)
+	require.True(t, p.OK())
+	require.Equal(t, SourceFallback, p.Result().Source)
+	require.Eventually(t, func() bool {
+		r, err := l.Acquire(ctx, "other", 1, "c") // the probe that closes the breaker
+		if err == nil && r.OK() {
+			_ = r.Release(ctx)
+		}
+		return err == nil && r.Result().Source == SourceStore
+	}, 5*time.Second, 5*time.Millisecond)
+	require.Eventually(t, func() bool { return l.Stats().Permits.Adopted == 1 }, 5*time.Second, 5*time.Millisecond)
+	h.failRelease.Store(false)          // the background release lands now
+	time.Sleep(1500 * time.Millisecond) // p's holder still works
+	q, err := l.Acquire(ctx, "k", 1, "c")
+	require.NoError(t, err)
+	require.False(t, q.OK(), "capacity 1: the caller's permit is still held")
+	require.NoError(t, p.Release(ctx))
 }

@@ -335,17 +335,21 @@ func (l *Limiter) AllowPlans(ctx context.Context, key string, cost int64, plans 
 }
 
 // Close stops what the Limiter runs in the background: the heartbeat of
-// WithFleet, and the sweeper of leases (Plan.Lease), whose unused tokens
-// it gives back to Redis. It then waits for the lease takes and Reserve
-// calls under way, and for every give-back under way (a lease's rest, a
-// hold whose caller left or whose reply was lost), each tried for at most
-// 5 s from its start. A take ends within the lease TTL and a second, a
-// Reserve within 2 s or its caller's deadline if later: with Redis down,
-// Close returns within the longest of those and 5 s more. The Limiter still
-// decides after Close, without leases, its fallback with the fleet's size
-// last seen. Close is idempotent and returns nil; a Limiter without
-// WithFleet or leased plans needs no Close, and gives back what it holds
-// all the same.
+// WithFleet, the sweeper of leases (Plan.Lease), whose unused tokens it
+// gives back to Redis, and the renewals of permits (Acquire), whose
+// permits still held it releases, within 2 s in all: their Release then
+// returns ErrNotHeld. It then waits for the lease takes and Reserve calls
+// under way, and for every give-back under way (a lease's rest, a hold
+// whose caller left or whose reply was lost, an acquire whose reply was
+// lost), each tried for at most 5 s from its start. A take ends within the
+// lease TTL and a second, a Reserve within 2 s or its caller's deadline if
+// later: with Redis down, Close returns within the longest of those and
+// 5 s more. The Limiter still decides after Close, without leases, its
+// fallback with the fleet's size last seen; a permit acquired after Close
+// is renewed until the next Close. Close is idempotent, safe to call
+// concurrently, and returns nil; a Limiter without WithFleet, leased plans
+// or permits held needs no Close, and gives back what it holds all the
+// same.
 func (l *Limiter) Close() error {
 	if l.fleet != nil {
 		l.fleet.close()

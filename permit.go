@@ -178,11 +178,11 @@ func (p *Permit) Release(ctx context.Context) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	switch {
+	case p.released:
+		return ErrNotHeld
 	case p.lost:
 		p.released = true
 		return ErrPermitLost
-	case p.released:
-		return ErrNotHeld
 	}
 	p.released = true
 	if p.grant.store == nil {

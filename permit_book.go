@@ -9,20 +9,24 @@ import (
 	"github.com/tollgate-go/tollgate/breaker"
 )
 
+// renewWorkers bounds the keys whose permits a renewal pass renews at
+// once: a key whose store hangs holds up one of them, not the pass.
+const renewWorkers = 16
+
 // permitBook keeps the permits a Limiter granted and has not released,
 // by key, and renews their leases: every third of the lease, one call
-// per key and store for all the permits held there. It starts its
-// goroutine at the first permit, and close stops it. It is safe for
-// concurrent use.
+// per key and store for all the permits held there, renewWorkers keys at
+// once. It starts its goroutine at the first permit, and close stops it
+// until the next. It is safe for concurrent use. Locks: a Permit's mu
+// before the book's.
 type permitBook struct {
 	l     *Limiter
 	lease time.Duration
 
-	mu      sync.Mutex
-	byKey   map[string][]*Permit
-	started bool
-	stop    chan struct{}
-	done    chan struct{}
+	mu    sync.Mutex
+	byKey map[string][]*Permit
+	stop  chan struct{} // closed to stop the goroutine that renews; nil while none runs
+	done  chan struct{} // closed when it has stopped
 }
 
 // add keeps p, granted, to renew it.
@@ -33,10 +37,9 @@ func (b *permitBook) add(p *Permit) {
 		b.byKey = make(map[string][]*Permit)
 	}
 	b.byKey[p.key] = append(b.byKey[p.key], p)
-	if !b.started {
-		b.started = true
+	if b.stop == nil {
 		b.stop, b.done = make(chan struct{}), make(chan struct{})
-		go b.run()
+		go b.run(b.stop, b.done)
 	}
 }
 
@@ -60,9 +63,9 @@ func (b *permitBook) remove(p *Permit) {
 	b.byKey[p.key] = ps
 }
 
-// held returns how many permits of plan name on key this Limiter holds
-// from store s.
-func (b *permitBook) held(key, name string, s Store) int64 {
+// heldFrom returns how many permits of plan name on key this Limiter
+// holds from store s.
+func (b *permitBook) heldFrom(key, name string, s Store) int64 {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	var n int64
@@ -76,41 +79,60 @@ func (b *permitBook) held(key, name string, s Store) int64 {
 	return n
 }
 
-// run renews every interval until close.
-func (b *permitBook) run() {
-	defer close(b.done)
+// run renews every interval until stop is closed, then closes done.
+func (b *permitBook) run(stop, done chan struct{}) {
+	defer close(done)
 	interval := b.lease / 3
 	t := time.NewTicker(interval)
 	defer t.Stop()
 	for {
 		select {
-		case <-b.stop:
+		case <-stop:
 			return
 		case <-t.C:
-			b.each(interval, b.lease)
+			b.pass(b.held(), interval, b.lease)
 		}
 	}
 }
 
-// each renews the permits of every key for lease, or releases them for a
-// lease of 0, each call bounded by timeout.
-func (b *permitBook) each(timeout, lease time.Duration) {
+// held returns the permits the book holds, by key.
+func (b *permitBook) held() [][]*Permit {
 	b.mu.Lock()
+	defer b.mu.Unlock()
 	keys := make([][]*Permit, 0, len(b.byKey))
 	for _, ps := range b.byKey {
-		keys = append(keys, append([]*Permit(nil), ps...))
+		keys = append(keys, slices.Clone(ps))
 	}
-	b.mu.Unlock()
+	return keys
+}
+
+// pass renews the permits keys holds, by key, for lease, or releases them
+// for a lease of 0, renewWorkers keys at once, all within timeout: a call
+// that fails is tried again at the next pass.
+func (b *permitBook) pass(keys [][]*Permit, timeout, lease time.Duration) {
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	work := make(chan []*Permit)
+	var wg sync.WaitGroup
+	for range min(renewWorkers, len(keys)) {
+		wg.Go(func() {
+			for g := range work {
+				if lease == 0 || !b.adopt(ctx, g, lease) {
+					b.renew(ctx, g, lease)
+				}
+			}
+		})
+	}
 	for _, ps := range keys {
 		for _, g := range byStore(ps) {
-			if lease > 0 && b.adopt(g, timeout, lease) {
-				continue
+			select {
+			case work <- g:
+			case <-ctx.Done():
 			}
-			ctx, cancel := context.WithTimeout(context.Background(), timeout)
-			b.renew(ctx, g, lease)
-			cancel()
 		}
 	}
+	close(work)
+	wg.Wait()
 }
 
 // adopt moves the permits ps of one key, which the fallback granted
@@ -120,13 +142,11 @@ func (b *permitBook) each(timeout, lease time.Duration) {
 // and renewed and released in the store from then on. It reports whether
 // it moved them; permits that another store granted, or that the store
 // will not take yet, stay where they are.
-func (b *permitBook) adopt(ps []*Permit, timeout, lease time.Duration) bool {
+func (b *permitBook) adopt(ctx context.Context, ps []*Permit, lease time.Duration) bool {
 	l := b.l
 	if l.health == nil || ps[0].grant.store != l.fallback {
 		return false
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), timeout)
-	defer cancel()
 	if l.health.forKey(ctx, ps[0].key, ps[0].plans).State() != breaker.Closed {
 		return false
 	}
@@ -148,9 +168,11 @@ func (b *permitBook) adopt(ps []*Permit, timeout, lease time.Duration) bool {
 	}
 	o.lease, o.adopt = 0, false
 	_, _ = l.fallback.(permitStore).permits(ctx, o) // a store of this process: it cannot fail
+	b.mu.Lock()                                     // held reads a permit's store under the book's lock
 	for _, p := range held {
 		p.grant.store = l.store
 	}
+	b.mu.Unlock()
 	l.stats.permits.adopted.Add(uint64(len(held)))
 	return true
 }
@@ -216,36 +238,32 @@ func byStore(ps []*Permit) [][]*Permit {
 	return groups
 }
 
-// close stops the renewals and releases the permits still held, each
-// call bounded by releaseTimeout; later calls return at once.
+// close stops the renewals and releases the permits still held, within
+// releaseTimeout in all. A permit granted after it is renewed again,
+// until the next close.
 func (b *permitBook) close() {
 	b.mu.Lock()
-	started := b.started
-	b.started = true // no goroutine starts after close
-	stop := b.stop
-	b.mu.Unlock()
-	if started && stop != nil {
-		select {
-		case <-stop:
-			return
-		default:
-			close(stop)
-			<-b.done
-		}
-	}
-	b.mu.Lock()
+	keys := make([][]*Permit, 0, len(b.byKey))
 	for _, ps := range b.byKey {
-		for _, p := range ps {
-			p.mu.Lock()
-			p.released = true
-			p.mu.Unlock()
-		}
+		keys = append(keys, ps) // the book's no more: remove finds none of them
 	}
+	stop, done := b.stop, b.done
+	b.stop, b.done, b.byKey = nil, nil, nil
 	b.mu.Unlock()
-	b.each(releaseTimeout, 0)
-	b.mu.Lock()
-	b.byKey = nil
-	b.mu.Unlock()
+	if stop != nil {
+		close(stop)
+		<-done
+	}
+	for i, ps := range keys {
+		keys[i] = slices.DeleteFunc(ps, func(p *Permit) bool {
+			p.mu.Lock()
+			defer p.mu.Unlock()
+			was := p.released
+			p.released = true
+			return was // released meanwhile by its holder
+		})
+	}
+	b.pass(keys, releaseTimeout, 0)
 }
 
 // lessHeld returns plans, the fallback's share of an Acquire's plans on
@@ -256,7 +274,7 @@ func (l *Limiter) lessHeld(plans []Plan, key string) []Plan {
 	out := slices.Clone(plans)
 	for i := range out {
 		if out[i].Concurrency {
-			out[i].Capacity -= l.book.held(key, out[i].Name, l.store)
+			out[i].Capacity = max(out[i].Capacity-l.book.heldFrom(key, out[i].Name, l.store), 0)
 		}
 	}
 	return out

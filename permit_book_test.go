@@ -9,6 +9,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"os/exec"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -189,4 +190,127 @@ func TestFallbackPermitsMoveIntoTheStore(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, q.OK(), "released in Redis, where they moved")
 	require.NoError(t, q.Release(ctx))
+}
+
+// TestCloseWhileHoldersRelease has Close run while every holder
+// releases: neither waits on the other's lock, and both end.
+func TestCloseWhileHoldersRelease(t *testing.T) {
+	ctx := context.Background()
+	for range 10 {
+		l, err := New(NewMemoryStore(), []Plan{{Name: "c", Capacity: maxPermits, Concurrency: true}}, WithLogger(nil))
+		require.NoError(t, err)
+		var ps []*Permit
+		for i := range 1000 {
+			p, err := l.Acquire(ctx, fmt.Sprint("k", i%7), 1, "c")
+			require.NoError(t, err)
+			ps = append(ps, p)
+		}
+		start := make(chan struct{})
+		var wg sync.WaitGroup
+		for _, p := range ps {
+			wg.Go(func() { <-start; _ = p.Release(ctx) })
+		}
+		wg.Go(func() { <-start; _ = l.Close() })
+		close(start)
+		ended := make(chan struct{})
+		go func() { wg.Wait(); close(ended) }()
+		select {
+		case <-ended:
+		case <-time.After(10 * time.Second):
+			t.Fatal("Close and Release wait on each other")
+		}
+	}
+}
+
+// TestCloseConcurrently has several Closes at once stop one renewal
+// goroutine: none panics, and all return.
+func TestCloseConcurrently(t *testing.T) {
+	ctx := context.Background()
+	for range 500 {
+		l, err := New(NewMemoryStore(), []Plan{{Name: "c", Capacity: 3, Concurrency: true}}, WithLogger(nil))
+		require.NoError(t, err)
+		_, err = l.Acquire(ctx, "k", 1, "c") // starts the renewals
+		require.NoError(t, err)
+		start := make(chan struct{})
+		var wg sync.WaitGroup
+		for range 8 {
+			wg.Go(func() { <-start; _ = l.Close() })
+		}
+		close(start)
+		wg.Wait()
+	}
+}
+
+// TestPermitAcquiredAfterCloseIsRenewed: the Limiter still decides after
+// Close, and a permit it grants then is renewed while its holder works,
+// until the next Close.
+func TestPermitAcquiredAfterCloseIsRenewed(t *testing.T) {
+	ctx := context.Background()
+	l, err := New(NewMemoryStore(), []Plan{{Name: "c", Capacity: 1, Concurrency: true}}, WithLogger(nil),
+		WithPermitLease(300*time.Millisecond))
+	require.NoError(t, err)
+	require.NoError(t, l.Close())
+	p, err := l.Acquire(ctx, "k", 1, "c")
+	require.NoError(t, err)
+	require.True(t, p.OK())
+	time.Sleep(time.Second) // its holder works
+	q, err := l.Acquire(ctx, "k", 1, "c")
+	require.NoError(t, err)
+	require.False(t, q.OK(), "renewed after Close: still held")
+	require.NoError(t, l.Close())
+	require.ErrorIs(t, p.Release(ctx), ErrNotHeld, "Close released it")
+}
+
+// hungStore stands for a store whose node hangs (a Cluster master behind
+// a black hole): each of its permits calls lasts until its context ends.
+type hungStore struct{}
+
+func (hungStore) Take(context.Context, string, int64, []Plan) (Result, error) { return Result{}, nil }
+func (hungStore) Reset(context.Context, string, []Plan) error                 { return nil }
+func (hungStore) permits(ctx context.Context, _ permitOp) (permitReply, error) {
+	<-ctx.Done()
+	return permitReply{}, ctx.Err()
+}
+
+// TestHungKeysDoNotStallOtherRenewals has the renewals of three keys hang
+// on every pass: the permit of a healthy key is renewed all the same, and
+// outlives its lease while its holder works.
+func TestHungKeysDoNotStallOtherRenewals(t *testing.T) {
+	ctx := context.Background()
+	plan := Plan{Name: "c", Capacity: 1, Concurrency: true}
+	l, err := New(NewMemoryStore(), []Plan{plan}, WithLogger(nil), WithPermitLease(300*time.Millisecond))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = l.Close() })
+	for i := range 3 {
+		l.book.add(&Permit{l: l, key: fmt.Sprint("hung", i), n: 1, plans: []Plan{plan}, result: Result{Allowed: true},
+			grant: permit{id: newPermitID(), lease: l.permitLease, store: hungStore{}}})
+	}
+	p, err := l.Acquire(ctx, "healthy", 1, "c")
+	require.NoError(t, err)
+	require.True(t, p.OK())
+	time.Sleep(2 * time.Second) // its holder works
+	q, err := l.Acquire(ctx, "healthy", 1, "c")
+	require.NoError(t, err)
+	require.False(t, q.OK(), "renewed while the hung keys' renewals waited")
+	require.NoError(t, p.Release(ctx))
+}
+
+// TestAdoptionWhileTheFallbackCounts moves a permit the fallback granted
+// into the store while Acquires that fall back count the permits held
+// from the store (lessHeld): under the race detector, the move and the
+// count share a lock.
+func TestAdoptionWhileTheFallbackCounts(t *testing.T) {
+	rs, _, _ := newMiniredisStore(t)
+	plan := Plan{Name: "c", Capacity: 10, Concurrency: true}
+	l, err := New(rs, []Plan{plan}, WithLogger(nil), WithPermitLease(30*time.Millisecond))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = l.Close() })
+	l.book.add(&Permit{l: l, key: "k", n: 1, plans: []Plan{plan}, result: Result{Allowed: true},
+		grant: permit{id: newPermitID(), lease: l.permitLease, store: l.fallback, backs: &l.backs}})
+	for l.Stats().Permits.Adopted == 0 {
+		_ = l.lessHeld([]Plan{plan}, "k") // as an Acquire that falls back does
+		time.Sleep(time.Millisecond)
+	}
+	require.Equal(t, []Plan{{Name: "c", Capacity: 9, Concurrency: true}}, l.lessHeld([]Plan{plan}, "k"),
+		"held from the store once adopted")
 }

@@ -104,7 +104,7 @@ type Plan struct {
 	// Redis.
 	Lease int64
 	// Concurrency makes the plan a concurrency limit: at most Capacity
-	// permits of a key are held at once, 1 to 100,000, whoever holds
+	// permits of a key are held at once, 1 to 10,000, whoever holds
 	// them. Permits are taken with Limiter.Acquire and given back with
 	// Permit.Release; a permit whose holder stops renewing it expires
 	// after its lease (WithPermitLease). Rate, Window, Slots, Suppress,
@@ -185,8 +185,9 @@ func (p Plan) validateWindow() error {
 }
 
 // maxPermits is the largest Capacity of a concurrency plan: each permit
-// is a member of a sorted set in Redis.
-const maxPermits = 100_000
+// is a member of a sorted set in Redis, which a renewal checks and
+// rescores one by one, inside one script call.
+const maxPermits = 10_000
 
 // validateConcurrency checks the fields of a concurrency plan.
 func (p Plan) validateConcurrency() error {
