@@ -119,8 +119,9 @@ type permitReply struct {
 //
 // While the store fails, the failure policy decides: Fallback grants
 // permits in the fallback store, from this instance's share of each plan
-// (WithFleet) less the permits of the store it still holds; FailOpen
-// grants a Permit that holds nothing; FailClosed returns
+// (WithFleet) less the permits of the store it still holds, and moves
+// them into the store once it answers again, so that it counts them;
+// FailOpen grants a Permit that holds nothing; FailClosed returns
 // ErrStoreUnavailable. A call whose reply was lost is released by its
 // holder id in the background; if it reaches the store after that, its
 // permits live until their lease ends.
