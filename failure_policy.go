@@ -176,6 +176,9 @@ func (l *Limiter) degrade(ctx context.Context, r *Result, o *op, cause error) er
 	share := *o
 	share.plans = shareOf(o.plans, l.fleetSize(), o.n)
 	if o.mode == modeAcquire {
+		// Counted and decided while no permit moves into the store.
+		l.book.fallback.Lock()
+		defer l.book.fallback.Unlock()
 		share.plans = l.lessHeld(share.plans, o.key)
 		// Under an id of its own: a release of the store's call, whose
 		// reply was lost, may still come, and must not free these.

@@ -176,25 +176,18 @@ func (p *Permit) Release(ctx context.Context) error {
 	if !p.result.Allowed {
 		return ErrNotHeld
 	}
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	switch {
-	case p.released:
-		return ErrNotHeld
-	case p.lost:
-		p.released = true
-		return ErrPermitLost
-	}
-	p.released = true
-	if p.grant.store == nil {
-		return nil
+	store, err := p.take()
+	if err != nil || store == nil {
+		return err
 	}
 	p.l.book.remove(p)
 	ctx, cancel := detach(ctx, releaseTimeout)
 	defer cancel()
-	reply, err := p.grant.store.(permitStore).permits(ctx, opOf([]*Permit{p}, 0))
+	reply, err := store.(permitStore).permits(ctx, opOf([]*Permit{p}, 0))
 	p.l.stats.permits.reclaimed.Add(uint64(reply.reclaimed))
+	p.mu.Lock()
 	p.releasedAt = reply.now
+	p.mu.Unlock()
 	switch {
 	case err != nil:
 		p.l.stats.permits.unreleased.Add(1)
@@ -205,6 +198,24 @@ func (p *Permit) Release(ctx context.Context) error {
 	}
 	p.l.stats.permits.released.Add(1)
 	return nil
+}
+
+// take marks p released, once, and returns the store that granted it
+// (nil for none), or why there is nothing to release: ErrNotHeld after a
+// release, ErrPermitLost once the store found its lease ended. The store
+// call is made after, without p's lock: a Close waits for no release.
+func (p *Permit) take() (Store, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	switch {
+	case p.released:
+		return nil, ErrNotHeld
+	case p.lost:
+		p.released = true
+		return nil, ErrPermitLost
+	}
+	p.released = true
+	return p.grant.store, nil
 }
 
 // markLost records that the store found p's lease ended, and reports

@@ -9,19 +9,19 @@ import (
 	"github.com/tollgate-go/tollgate/breaker"
 )
 
-// renewWorkers bounds the keys whose permits a renewal pass renews at
-// once: a key whose store hangs holds up one of them, not the pass.
-const renewWorkers = 16
-
 // permitBook keeps the permits a Limiter granted and has not released,
 // by key, and renews their leases: every third of the lease, one call
-// per key and store for all the permits held there, renewWorkers keys at
-// once. It starts its goroutine at the first permit, and close stops it
-// until the next. It is safe for concurrent use. Locks: a Permit's mu
-// before the book's.
+// per key and store for all the permits held there, the calls to a store
+// that can fail each on a goroutine of its own, so that a key whose node
+// hangs holds up no other. It starts its goroutine at the first permit,
+// and stops it when it holds none, or at close. It is safe for concurrent
+// use. Locks, in order: closing, a Permit's mu, fallback, mu.
 type permitBook struct {
 	l     *Limiter
 	lease time.Duration
+
+	closing  sync.Mutex // one close at a time, so that each returns once all is released
+	fallback sync.Mutex // a fallback's Acquire, and a move of the fallback's permits into the store
 
 	mu    sync.Mutex
 	byKey map[string][]*Permit
@@ -79,7 +79,8 @@ func (b *permitBook) heldFrom(key, name string, s Store) int64 {
 	return n
 }
 
-// run renews every interval until stop is closed, then closes done.
+// run renews every interval until stop is closed, or the book holds no
+// permit, then closes done.
 func (b *permitBook) run(stop, done chan struct{}) {
 	defer close(done)
 	interval := b.lease / 3
@@ -90,15 +91,22 @@ func (b *permitBook) run(stop, done chan struct{}) {
 		case <-stop:
 			return
 		case <-t.C:
-			b.pass(b.held(), interval, b.lease)
+			b.pass(b.held(stop), interval, b.lease)
+			if b.idle(stop) {
+				return
+			}
 		}
 	}
 }
 
-// held returns the permits the book holds, by key.
-func (b *permitBook) held() [][]*Permit {
+// held returns the permits the book holds, by key; none for the goroutine
+// whose stop is given once close has stopped it.
+func (b *permitBook) held(stop chan struct{}) [][]*Permit {
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	if b.stop != stop {
+		return nil
+	}
 	keys := make([][]*Permit, 0, len(b.byKey))
 	for _, ps := range b.byKey {
 		keys = append(keys, slices.Clone(ps))
@@ -106,50 +114,59 @@ func (b *permitBook) held() [][]*Permit {
 	return keys
 }
 
+// idle reports whether the goroutine whose stop is given may end: the
+// book holds no permit, and the next add starts another.
+func (b *permitBook) idle(stop chan struct{}) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.stop != stop || len(b.byKey) > 0 {
+		return false
+	}
+	b.stop, b.done = nil, nil
+	return true
+}
+
 // pass renews the permits keys holds, by key, for lease, or releases them
-// for a lease of 0, renewWorkers keys at once, all within timeout: a call
-// that fails is tried again at the next pass.
+// for a lease of 0, all within timeout: a call that fails is tried again
+// at the next pass. A store of this process is called inline, since it
+// cannot hang; the calls to a store that can fail, and the moves of the
+// fallback's permits into it, each on a goroutine of its own.
 func (b *permitBook) pass(keys [][]*Permit, timeout, lease time.Duration) {
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
-	work := make(chan []*Permit)
 	var wg sync.WaitGroup
-	for range min(renewWorkers, len(keys)) {
-		wg.Go(func() {
-			for g := range work {
-				if lease == 0 || !b.adopt(ctx, g, lease) {
-					b.renew(ctx, g, lease)
-				}
-			}
-		})
-	}
 	for _, ps := range keys {
 		for _, g := range byStore(ps) {
-			select {
-			case work <- g:
-			case <-ctx.Done():
+			if !isLocal(g[0].grant.store) {
+				wg.Go(func() { b.renew(ctx, g, lease) })
+				continue
+			}
+			b.renew(ctx, g, lease)
+			if lease > 0 && b.movable(ctx, g) {
+				wg.Go(func() { b.adopt(ctx, g, lease) })
 			}
 		}
 	}
-	close(work)
 	wg.Wait()
 }
 
-// adopt moves the permits ps of one key, which the fallback granted
-// during an outage, into the store once the key's breaker is closed
-// again, so that the store counts them while their holders work: added
-// there for lease, whatever its count, then released in the fallback,
-// and renewed and released in the store from then on. It reports whether
-// it moved them; permits that another store granted, or that the store
-// will not take yet, stay where they are.
-func (b *permitBook) adopt(ctx context.Context, ps []*Permit, lease time.Duration) bool {
+// movable reports whether the permits ps of one key are the fallback's,
+// granted during an outage, and the store may take them: the key's
+// breaker is closed again.
+func (b *permitBook) movable(ctx context.Context, ps []*Permit) bool {
 	l := b.l
-	if l.health == nil || ps[0].grant.store != l.fallback {
-		return false
-	}
-	if l.health.forKey(ctx, ps[0].key, ps[0].plans).State() != breaker.Closed {
-		return false
-	}
+	return l.health != nil && ps[0].grant.store == l.fallback &&
+		l.health.forKey(ctx, ps[0].key, ps[0].plans).State() == breaker.Closed
+}
+
+// adopt moves the permits ps of one key, which the fallback granted and
+// has just renewed, into the store, so that it counts them while their
+// holders work: added there for lease, whatever its count, then released
+// in the fallback, and renewed and released in the store from then on.
+// Permits released or lost meanwhile stay where they are; so do all of
+// them if the store fails, until the next pass.
+func (b *permitBook) adopt(ctx context.Context, ps []*Permit, lease time.Duration) {
+	l := b.l
 	held := make([]*Permit, 0, len(ps))
 	for _, p := range ps { // a Release waits until they have moved
 		p.mu.Lock()
@@ -159,38 +176,47 @@ func (b *permitBook) adopt(ctx context.Context, ps []*Permit, lease time.Duratio
 		}
 	}
 	if len(held) == 0 {
-		return true
+		return
 	}
 	o := opOf(held, lease)
 	o.adopt = true
 	if _, err := l.store.(permitStore).permits(ctx, o); err != nil {
-		return false
+		return
 	}
 	o.lease, o.adopt = 0, false
+	b.fallback.Lock() // a fallback's Acquire sees them in one store or the other
+	defer b.fallback.Unlock()
 	_, _ = l.fallback.(permitStore).permits(ctx, o) // a store of this process: it cannot fail
-	b.mu.Lock()                                     // held reads a permit's store under the book's lock
+	b.mu.Lock()                                     // heldFrom reads a permit's store under the book's lock
 	for _, p := range held {
 		p.grant.store = l.store
 	}
 	b.mu.Unlock()
 	l.stats.permits.adopted.Add(uint64(len(held)))
-	return true
 }
 
 // renew renews, or releases for a lease of 0, the permits ps of one key
 // granted by one store, in one call, and stops renewing those the store
 // found lost. A call that fails is tried again at the next interval.
 func (b *permitBook) renew(ctx context.Context, ps []*Permit, lease time.Duration) {
-	o := opOf(ps, lease)
-	reply, err := ps[0].grant.store.(permitStore).permits(ctx, o)
+	st := &b.l.stats.permits
+	reply, err := ps[0].grant.store.(permitStore).permits(ctx, opOf(ps, lease))
 	if err != nil {
+		if lease == 0 {
+			st.unreleased.Add(uint64(len(ps)))
+		}
 		return
 	}
-	b.l.stats.permits.reclaimed.Add(uint64(reply.reclaimed))
+	st.reclaimed.Add(uint64(reply.reclaimed))
 	for h, p := range ps {
-		if !reply.live[h] && p.markLost() {
+		switch {
+		case lease == 0 && reply.live[h]:
+			st.released.Add(1)
+		case lease == 0:
+			st.lost.Add(1)
+		case !reply.live[h] && p.markLost():
 			b.remove(p)
-			b.l.stats.permits.lost.Add(1)
+			st.lost.Add(1)
 		}
 	}
 }
@@ -242,6 +268,8 @@ func byStore(ps []*Permit) [][]*Permit {
 // releaseTimeout in all. A permit granted after it is renewed again,
 // until the next close.
 func (b *permitBook) close() {
+	b.closing.Lock()
+	defer b.closing.Unlock()
 	b.mu.Lock()
 	keys := make([][]*Permit, 0, len(b.byKey))
 	for _, ps := range b.byKey {

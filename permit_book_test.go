@@ -272,7 +272,7 @@ func (hungStore) permits(ctx context.Context, _ permitOp) (permitReply, error) {
 	return permitReply{}, ctx.Err()
 }
 
-// TestHungKeysDoNotStallOtherRenewals has the renewals of three keys hang
+// TestHungKeysDoNotStallOtherRenewals has the renewals of 200 keys hang
 // on every pass: the permit of a healthy key is renewed all the same, and
 // outlives its lease while its holder works.
 func TestHungKeysDoNotStallOtherRenewals(t *testing.T) {
@@ -281,7 +281,7 @@ func TestHungKeysDoNotStallOtherRenewals(t *testing.T) {
 	l, err := New(NewMemoryStore(), []Plan{plan}, WithLogger(nil), WithPermitLease(300*time.Millisecond))
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = l.Close() })
-	for i := range 3 {
+	for i := range 200 { // more than any pool of workers would have
 		l.book.add(&Permit{l: l, key: fmt.Sprint("hung", i), n: 1, plans: []Plan{plan}, result: Result{Allowed: true},
 			grant: permit{id: newPermitID(), lease: l.permitLease, store: hungStore{}}})
 	}
@@ -305,12 +305,56 @@ func TestAdoptionWhileTheFallbackCounts(t *testing.T) {
 	l, err := New(rs, []Plan{plan}, WithLogger(nil), WithPermitLease(30*time.Millisecond))
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = l.Close() })
-	l.book.add(&Permit{l: l, key: "k", n: 1, plans: []Plan{plan}, result: Result{Allowed: true},
-		grant: permit{id: newPermitID(), lease: l.permitLease, store: l.fallback, backs: &l.backs}})
+	p := &Permit{l: l, key: "k", n: 1, plans: []Plan{plan}, result: Result{Allowed: true},
+		grant: permit{id: newPermitID(), lease: l.permitLease, backs: &l.backs}}
+	_, err = l.fallback.(decider).decide(context.Background(), op{key: "k", n: 1, mode: modeAcquire, plans: p.plans, grant: &p.grant})
+	require.NoError(t, err)
+	require.Same(t, l.fallback, p.grant.store)
+	l.book.add(p)
 	for l.Stats().Permits.Adopted == 0 {
 		_ = l.lessHeld([]Plan{plan}, "k") // as an Acquire that falls back does
 		time.Sleep(time.Millisecond)
 	}
 	require.Equal(t, []Plan{{Name: "c", Capacity: 9, Concurrency: true}}, l.lessHeld([]Plan{plan}, "k"),
 		"held from the store once adopted")
+}
+
+// TestRenewalsStopWhenNothingIsHeld: the goroutine that renews ends once
+// every permit is released, so that a Limiter never closed holds none,
+// and the next Acquire starts it again.
+func TestRenewalsStopWhenNothingIsHeld(t *testing.T) {
+	ctx := context.Background()
+	l, err := New(NewMemoryStore(), []Plan{{Name: "c", Capacity: 1, Concurrency: true}}, WithLogger(nil),
+		WithPermitLease(minPermitLease))
+	require.NoError(t, err)
+	renewing := func() bool {
+		l.book.mu.Lock()
+		defer l.book.mu.Unlock()
+		return l.book.stop != nil
+	}
+	for range 2 {
+		p, err := l.Acquire(ctx, "k", 1, "c")
+		require.NoError(t, err)
+		require.True(t, renewing())
+		require.NoError(t, p.Release(ctx))
+		require.Eventually(t, func() bool { return !renewing() }, 5*time.Second, time.Millisecond)
+	}
+}
+
+// TestAdoptionLeavesWhatTheFallbackLost: a permit the fallback no longer
+// holds (its lease ended there) is not moved into the store; its Release
+// says it was lost.
+func TestAdoptionLeavesWhatTheFallbackLost(t *testing.T) {
+	ctx := context.Background()
+	rs, _, _ := newMiniredisStore(t)
+	plan := Plan{Name: "c", Capacity: 10, Concurrency: true}
+	l, err := New(rs, []Plan{plan}, WithLogger(nil), WithPermitLease(30*time.Millisecond))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = l.Close() })
+	p := &Permit{l: l, key: "k", n: 1, plans: []Plan{plan}, result: Result{Allowed: true},
+		grant: permit{id: newPermitID(), lease: l.permitLease, store: l.fallback, backs: &l.backs}}
+	l.book.add(p) // the fallback holds nothing of it
+	require.Eventually(t, func() bool { return l.Stats().Permits.Lost == 1 }, 5*time.Second, time.Millisecond)
+	require.Zero(t, l.Stats().Permits.Adopted)
+	require.ErrorIs(t, p.Release(ctx), ErrPermitLost)
 }

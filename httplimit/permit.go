@@ -16,7 +16,12 @@ import (
 // named, in one Acquire, with WithCost's cost as n, and holds the permits
 // until its handler returns: normally, by a panic, which goes on up once
 // they are released, or after its client hung up, which does not stop a
-// release. No free permit is 429 Too Many Requests without Retry-After,
+// release. The permit ends when the handler the middleware wraps returns:
+// work that outlives it (a handler behind http.TimeoutHandler, which
+// returns at its timeout while the inner handler runs on, or a hijacked
+// connection served by a goroutine of its own) runs without one, so wrap
+// such work in the middleware from the inside, or acquire in it. No free
+// permit is 429 Too Many Requests without Retry-After,
 // since a permit comes back when a request ends, on no schedule; a
 // denial by another plan of the chain keeps its Retry-After.
 type Acquirer interface {
