@@ -91,7 +91,7 @@ func (b *permitBook) run(stop, done chan struct{}) {
 		case <-stop:
 			return
 		case <-t.C:
-			b.pass(b.held(stop), interval, b.lease)
+			b.pass(b.held(stop), stop, interval, b.lease)
 			if b.idle(stop) {
 				return
 			}
@@ -127,13 +127,20 @@ func (b *permitBook) idle(stop chan struct{}) bool {
 }
 
 // pass renews the permits keys holds, by key, for lease, or releases them
-// for a lease of 0, all within timeout: a call that fails is tried again
-// at the next pass. A store of this process is called inline, since it
+// for a lease of 0, all within timeout, or until stop is closed: a call
+// that fails is tried again at the next pass. A store of this process is called inline, since it
 // cannot hang; the calls to a store that can fail, and the moves of the
 // fallback's permits into it, each on a goroutine of its own.
-func (b *permitBook) pass(keys [][]*Permit, timeout, lease time.Duration) {
+func (b *permitBook) pass(keys [][]*Permit, stop chan struct{}, timeout, lease time.Duration) {
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
+	go func() { // close waits for no call of this pass
+		select {
+		case <-stop:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
 	var wg sync.WaitGroup
 	for _, ps := range keys {
 		for _, g := range byStore(ps) {
@@ -163,36 +170,72 @@ func (b *permitBook) movable(ctx context.Context, ps []*Permit) bool {
 // has just renewed, into the store, so that it counts them while their
 // holders work: added there for lease, whatever its count, then released
 // in the fallback, and renewed and released in the store from then on.
-// Permits released or lost meanwhile stay where they are; so do all of
-// them if the store fails, until the next pass.
+// No Release waits for the store's call: a permit released or lost while
+// it ran stays the fallback's, and its copy is released in the store. If
+// the store fails, all stay until the next pass, and a copy the call may
+// have added ends with its lease.
 func (b *permitBook) adopt(ctx context.Context, ps []*Permit, lease time.Duration) {
 	l := b.l
-	held := make([]*Permit, 0, len(ps))
-	for _, p := range ps { // a Release waits until they have moved
-		p.mu.Lock()
-		defer p.mu.Unlock()
-		if !p.released && !p.lost {
-			held = append(held, p)
-		}
-	}
+	held, _ := stillHeld(ps, false)
 	if len(held) == 0 {
 		return
 	}
 	o := opOf(held, lease)
 	o.adopt = true
 	if _, err := l.store.(permitStore).permits(ctx, o); err != nil {
-		return
+		return // a copy the call may have added ends with its lease
 	}
-	o.lease, o.adopt = 0, false
-	b.fallback.Lock() // a fallback's Acquire sees them in one store or the other
+	// Released or lost meanwhile: the copy added is released in the store.
+	moved, gone := stillHeld(held, true)
+	if len(moved) > 0 {
+		b.move(ctx, moved)
+	}
+	unlock(moved)
+	if len(gone) > 0 {
+		_, _ = l.store.(permitStore).permits(ctx, opOf(gone, 0))
+	}
+}
+
+// move releases the permits ps, locked, in the fallback, and makes the
+// store theirs, while a fallback's Acquire waits: it sees them in one
+// store or the other.
+func (b *permitBook) move(ctx context.Context, ps []*Permit) {
+	l := b.l
+	b.fallback.Lock()
 	defer b.fallback.Unlock()
-	_, _ = l.fallback.(permitStore).permits(ctx, o) // a store of this process: it cannot fail
-	b.mu.Lock()                                     // heldFrom reads a permit's store under the book's lock
-	for _, p := range held {
+	_, _ = l.fallback.(permitStore).permits(ctx, opOf(ps, 0)) // a store of this process: it cannot fail
+	b.mu.Lock()                                               // heldFrom reads a permit's store under the book's lock
+	for _, p := range ps {
 		p.grant.store = l.store
 	}
 	b.mu.Unlock()
-	l.stats.permits.adopted.Add(uint64(len(held)))
+	l.stats.permits.adopted.Add(uint64(len(ps)))
+}
+
+// stillHeld splits ps into those neither released nor lost, and the
+// others, in order. With keep, it leaves the first locked, so that no
+// Release reads their store until unlock.
+func stillHeld(ps []*Permit, keep bool) (held, gone []*Permit) {
+	for _, p := range ps {
+		p.mu.Lock()
+		if p.released || p.lost {
+			p.mu.Unlock()
+			gone = append(gone, p)
+			continue
+		}
+		held = append(held, p)
+		if !keep {
+			p.mu.Unlock()
+		}
+	}
+	return held, gone
+}
+
+// unlock unlocks the permits ps.
+func unlock(ps []*Permit) {
+	for _, p := range ps {
+		p.mu.Unlock()
+	}
 }
 
 // renew renews, or releases for a lease of 0, the permits ps of one key
@@ -286,12 +329,14 @@ func (b *permitBook) close() {
 		keys[i] = slices.DeleteFunc(ps, func(p *Permit) bool {
 			p.mu.Lock()
 			defer p.mu.Unlock()
-			was := p.released
+			if p.released || p.lost { // released meanwhile by its holder, or found lost
+				return true
+			}
 			p.released = true
-			return was // released meanwhile by its holder
+			return false
 		})
 	}
-	b.pass(keys, releaseTimeout, 0)
+	b.pass(keys, nil, releaseTimeout, 0)
 }
 
 // lessHeld returns plans, the fallback's share of an Acquire's plans on

@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -357,4 +358,78 @@ func TestAdoptionLeavesWhatTheFallbackLost(t *testing.T) {
 	require.Eventually(t, func() bool { return l.Stats().Permits.Lost == 1 }, 5*time.Second, time.Millisecond)
 	require.Zero(t, l.Stats().Permits.Adopted)
 	require.ErrorIs(t, p.Release(ctx), ErrPermitLost)
+}
+
+// gateStore is a store whose first renewal waits for gate, after closing
+// entered, and which then finds every holder lost.
+type gateStore struct {
+	entered, gate chan struct{}
+	calls         *atomic.Int32
+}
+
+func (gateStore) Take(context.Context, string, int64, []Plan) (Result, error) { return Result{}, nil }
+func (gateStore) Reset(context.Context, string, []Plan) error                 { return nil }
+func (s gateStore) permits(_ context.Context, o permitOp) (permitReply, error) {
+	if o.lease > 0 && s.calls.Add(1) == 1 {
+		close(s.entered)
+		<-s.gate
+	}
+	return permitReply{live: make([]bool, len(o.holders))}, nil
+}
+
+// TestCloseCountsALostPermitOnce has a renewal find a permit lost while
+// Close releases the book: it is counted lost once, and its Release says
+// so.
+func TestCloseCountsALostPermitOnce(t *testing.T) {
+	plan := Plan{Name: "c", Capacity: 1, Concurrency: true}
+	l, err := New(NewMemoryStore(), []Plan{plan}, WithLogger(nil), WithPermitLease(300*time.Millisecond))
+	require.NoError(t, err)
+	s := gateStore{entered: make(chan struct{}), gate: make(chan struct{}), calls: new(atomic.Int32)}
+	p := &Permit{l: l, key: "k", n: 1, plans: []Plan{plan}, result: Result{Allowed: true},
+		grant: permit{id: newPermitID(), lease: l.permitLease, store: s}}
+	l.book.add(p)
+	<-s.entered // a renewal is under way
+	closed := make(chan struct{})
+	go func() { _ = l.Close(); close(closed) }()
+	require.Eventually(t, func() bool {
+		l.book.mu.Lock()
+		defer l.book.mu.Unlock()
+		return l.book.stop == nil
+	}, 5*time.Second, time.Millisecond)
+	close(s.gate) // the renewal finds it lost
+	<-closed
+	require.EqualValues(t, 1, l.Stats().Permits.Lost)
+	require.ErrorIs(t, p.Release(context.Background()), ErrPermitLost)
+}
+
+// TestReleaseWaitsForNoMove has a move of the fallback's permit into the
+// store hang: the permit's Release does not wait for it.
+func TestReleaseWaitsForNoMove(t *testing.T) {
+	plan := Plan{Name: "c", Capacity: 10, Concurrency: true}
+	l, err := New(hungStore{}, []Plan{plan}, WithLogger(nil), WithPermitLease(9*time.Second))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = l.Close() })
+	p := &Permit{l: l, key: "k", n: 1, plans: []Plan{plan}, result: Result{Allowed: true},
+		grant: permit{id: newPermitID(), lease: l.permitLease, backs: &l.backs}}
+	_, err = l.fallback.(decider).decide(context.Background(), op{key: "k", n: 1, mode: modeAcquire, plans: p.plans, grant: &p.grant})
+	require.NoError(t, err)
+	l.book.add(p)
+	time.Sleep(3200 * time.Millisecond) // the first pass's move hangs on the store
+	start := time.Now()
+	require.NoError(t, p.Release(context.Background()))
+	require.Less(t, time.Since(start), releaseTimeout, "a release waits for no move")
+}
+
+// TestCloseWaitsForNoHungPass has a renewal pass hang on a store: Close
+// cuts it short, and ends within its own release bound, not the pass's.
+func TestCloseWaitsForNoHungPass(t *testing.T) {
+	plan := Plan{Name: "c", Capacity: 1, Concurrency: true}
+	l, err := New(NewMemoryStore(), []Plan{plan}, WithLogger(nil), WithPermitLease(9*time.Second))
+	require.NoError(t, err)
+	l.book.add(&Permit{l: l, key: "k", n: 1, plans: []Plan{plan}, result: Result{Allowed: true},
+		grant: permit{id: newPermitID(), lease: l.permitLease, store: hungStore{}}})
+	time.Sleep(3100 * time.Millisecond) // a pass, of 3 s, hangs on the store
+	start := time.Now()
+	require.NoError(t, l.Close())
+	require.Less(t, time.Since(start), releaseTimeout+time.Second, "the hung pass is cut short")
 }
