@@ -128,9 +128,10 @@ func (b *permitBook) idle(stop chan struct{}) bool {
 
 // pass renews the permits keys holds, by key, for lease, or releases them
 // for a lease of 0, all within timeout, or until stop is closed: a call
-// that fails is tried again at the next pass. A store of this process is called inline, since it
-// cannot hang; the calls to a store that can fail, and the moves of the
-// fallback's permits into it, each on a goroutine of its own.
+// that fails is tried again at the next pass. A store of this process is
+// called inline, since it cannot hang; the calls to a store that can
+// fail, and the moves of the fallback's permits into it, each on a
+// goroutine of its own.
 func (b *permitBook) pass(keys [][]*Permit, stop chan struct{}, timeout, lease time.Duration) {
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
