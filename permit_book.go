@@ -353,21 +353,3 @@ func (l *Limiter) lessHeld(plans []Plan, key string) []Plan {
 	}
 	return out
 }
-
-// heldOf returns how many permits of plan name the book holds, on every
-// key.
-func (b *permitBook) heldOf(name string) int64 {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	var n int64
-	for _, ps := range b.byKey {
-		for _, p := range ps {
-			for i := range p.plans {
-				if p.plans[i].Name == name {
-					n += p.n
-				}
-			}
-		}
-	}
-	return n
-}

@@ -112,62 +112,6 @@ type Stats struct {
 	}
 }
 
-// permitCounters are what Stats.Permits counts.
-type permitCounters struct {
-	granted, refused, released, lost, unreleased, reclaimed, adopted atomic.Uint64
-}
-
-// acquired counts the Acquire call that decided r; not one on a key
-// exempt from every plan, as PlanStats does not.
-func (c *permitCounters) acquired(r *Result) {
-	switch {
-	case r.Source == SourceExempt:
-		return
-	case r.Allowed:
-		c.granted.Add(1)
-	default:
-		c.refused.Add(1)
-	}
-	if r.reclaimed > 0 {
-		c.reclaimed.Add(uint64(r.reclaimed))
-	}
-}
-
-// snapshot reads the counters into s.
-func (c *permitCounters) snapshot(s *Stats) {
-	p := &s.Permits
-	p.Granted, p.Refused, p.Released = c.granted.Load(), c.refused.Load(), c.released.Load()
-	p.Lost, p.Unreleased, p.Reclaimed = c.lost.Load(), c.unreleased.Load(), c.reclaimed.Load()
-	p.Adopted = c.adopted.Load()
-}
-
-// reservationCounters are what Stats.Reservations counts. Reservations are
-// rare next to decisions: one copy of each counter serves.
-type reservationCounters struct {
-	held, settled, expired, refunded, charged, uncharged atomic.Uint64
-}
-
-// count counts a settlement that found its hold as status says.
-func (c *reservationCounters) count(st *Settlement, status settleStatus) {
-	if status == holdSettled {
-		return
-	}
-	c.settled.Add(1)
-	if status != holdLive {
-		c.expired.Add(1)
-	}
-	c.refunded.Add(uint64(st.Refunded))
-	c.charged.Add(uint64(st.Charged))
-	c.uncharged.Add(uint64(st.Uncharged))
-}
-
-// snapshot reads the counters into s.
-func (c *reservationCounters) snapshot(s *Stats) {
-	r := &s.Reservations
-	r.Held, r.Settled, r.Expired = c.held.Load(), c.settled.Load(), c.expired.Load()
-	r.Refunded, r.Charged, r.Uncharged = c.refunded.Load(), c.charged.Load(), c.uncharged.Load()
-}
-
 // PlanStats counts the decisions that took tokens, by the plan that bound
 // them (see Result). Peeks are not counted.
 type PlanStats struct {
@@ -450,8 +394,6 @@ func (l *Limiter) Stats() Stats {
 	}
 	l.stats.reservations.snapshot(&s)
 	l.stats.permits.snapshot(&s)
-	for i := range s.Plans {
-		s.Plans[i].PermitsHeld = l.book.heldOf(s.Plans[i].Plan)
-	}
+	l.book.snapshot(&s)
 	return s
 }
