@@ -224,8 +224,20 @@ func (r *Result) describe(o *outcome) {
 		r.Suppressed = r.Suppressed || st.drawn
 		r.Suppression = max(r.Suppression, st.suppression)
 	}
+	b := r.chain[binding(r.chain, allowed, enforced, full)]
+	r.Allowed = allowed
+	r.Plan, r.Limit, r.Remaining, r.RetryAfter, r.ResetAfter = b.Plan, b.Limit, b.Remaining, b.RetryAfter, b.ResetAfter
+	r.Rate, r.Window, r.shadow = b.Rate, b.Window, b.Shadow
+}
+
+// binding returns the index of the plan that binds a decision on a chain
+// whose plans' results are chain (see Result): the enforced plan with the
+// fewest tokens left if allowed, else with the longest wait, where bit i
+// of full says that concurrency plan i had too few free permits; a
+// shadowed plan only when every plan is (enforced is false).
+func binding(chain []PlanResult, allowed, enforced bool, full uint64) int {
 	bind := -1
-	for i, pr := range r.chain {
+	for i, pr := range chain {
 		if enforced && pr.Shadow {
 			continue
 		}
@@ -233,7 +245,7 @@ func (r *Result) describe(o *outcome) {
 			bind = i
 			continue
 		}
-		b := &r.chain[bind]
+		b := &chain[bind]
 		// A full concurrency plan refuses with no wait to tell: it binds
 		// over plans that would not refuse, and a plan's wait over it.
 		refuses := pr.RetryAfter > b.RetryAfter || pr.RetryAfter == b.RetryAfter && full>>i&1 > full>>bind&1
@@ -241,10 +253,7 @@ func (r *Result) describe(o *outcome) {
 			bind = i
 		}
 	}
-	b := r.chain[bind]
-	r.Allowed = allowed
-	r.Plan, r.Limit, r.Remaining, r.RetryAfter, r.ResetAfter = b.Plan, b.Limit, b.Remaining, b.RetryAfter, b.ResetAfter
-	r.Rate, r.Window, r.shadow = b.Rate, b.Window, b.Shadow
+	return bind
 }
 
 // stateOf returns what a Result reports of plan i of o, allowed or not:
