@@ -264,62 +264,74 @@ func newServer(caller string, l tollgate.RateLimiter, key KeyFunc, opts []Option
 	for _, o := range opts {
 		o(s)
 	}
-	fail := func(format string, args ...any) {
-		panic("grpclimit: " + caller + ": " + fmt.Sprintf(format, args...))
-	}
-	// checkPlans checks the names of c, and finds whether one is a
-	// concurrency plan.
-	checkPlans := func(what string, c *chain) {
-		for i, name := range c.names {
-			if slices.Contains(c.names[:i], name) {
-				fail("%splan %q named twice", what, name)
-			}
-			if s.planner != nil {
-				plan, ok := s.planner.Plan(name)
-				if !ok {
-					fail("%sunknown plan %q", what, name)
-				}
-				c.permits = c.permits || plan.Concurrency
-			}
-		}
-		if c.permits && s.acquirer == nil {
-			fail("%sa concurrency plan needs a RateLimiter that is an Acquirer", what)
-		}
-	}
-	checkPlans("", &s.plans)
+	m := misuse(caller)
+	s.checkPlans(m, "", &s.plans)
 	for method, c := range s.methodPlans {
 		if !strings.HasPrefix(method, "/") || strings.Count(method, "/") != 2 {
-			fail("WithMethodPlans: %q is neither \"/package.Service/Method\" nor \"/package.Service/\"", method)
+			m.fail("WithMethodPlans: %q is neither \"/package.Service/Method\" nor \"/package.Service/\"", method)
 		}
 		if len(c.names) == 0 {
-			fail("WithMethodPlans: no plans for %q; exempt a method with WithSkip", method)
+			m.fail("WithMethodPlans: no plans for %q; exempt a method with WithSkip", method)
 		}
-		checkPlans("WithMethodPlans: "+method+": ", &c)
+		s.checkPlans(m, "WithMethodPlans: "+method+": ", &c)
 		s.methodPlans[method] = c
 	}
 	if len(s.methodPlans) == 0 {
 		s.methodPlans = nil
 	}
 	if s.metadata < MetadataIETF || s.metadata > MetadataNone {
-		fail("unknown MetadataMode %d", s.metadata)
+		m.fail("unknown MetadataMode %d", s.metadata)
 	}
+	s.checkMessages(m)
+	return s
+}
+
+// misuse is the constructor a wiring mistake is reported from.
+type misuse string
+
+// fail panics with the mistake, named after the constructor.
+func (m misuse) fail(format string, args ...any) {
+	panic("grpclimit: " + string(m) + ": " + fmt.Sprintf(format, args...))
+}
+
+// checkPlans checks the names of c, what says where they were given, and
+// finds whether one is a concurrency plan.
+func (s *server) checkPlans(m misuse, what string, c *chain) {
+	for i, name := range c.names {
+		if slices.Contains(c.names[:i], name) {
+			m.fail("%splan %q named twice", what, name)
+		}
+		if s.planner != nil {
+			plan, ok := s.planner.Plan(name)
+			if !ok {
+				m.fail("%sunknown plan %q", what, name)
+			}
+			c.permits = c.permits || plan.Concurrency
+		}
+	}
+	if c.permits && s.acquirer == nil {
+		m.fail("%sa concurrency plan needs a RateLimiter that is an Acquirer", what)
+	}
+}
+
+// checkMessages checks the options of WithStreamMessages.
+func (s *server) checkMessages(m misuse) {
 	switch s.msgMode {
 	case 0:
 	case Pace:
 		if s.waiter == nil {
-			fail("WithStreamMessages(Pace): the RateLimiter has no Wait method")
+			m.fail("WithStreamMessages(Pace): the RateLimiter has no Wait method")
 		}
 		fallthrough
 	case Reject:
 		msgs := chain{names: s.msgPlans}
-		checkPlans("WithStreamMessages: ", &msgs)
+		s.checkPlans(m, "WithStreamMessages: ", &msgs)
 		if msgs.permits || len(msgs.names) == 0 && s.holdsPermits() {
-			fail("WithStreamMessages: a message holds no permit: name its plans, and no concurrency plan")
+			m.fail("WithStreamMessages: a message holds no permit: name its plans, and no concurrency plan")
 		}
 	default:
-		fail("unknown MessageMode %d", s.msgMode)
+		m.fail("unknown MessageMode %d", s.msgMode)
 	}
-	return s
 }
 
 // plansFor returns the plans of a method.
