@@ -43,8 +43,10 @@
 // tollgate.permits counts the Acquire calls of concurrency plans and their
 // Permits by event, as in tollgate.Stats.Permits: granted and refused
 // Acquire calls, Permits released while held, Permits lost (their lease
-// had ended), and reclaimed permits, those of any instance whose lease had
-// ended when this Limiter's Acquire, renewal or release found them.
+// had ended), releases the store failed (unreleased), reclaimed permits,
+// those of any instance whose lease had ended when this Limiter's
+// Acquire, renewal or release found them, and adopted Permits, which the
+// fallback granted and which moved into the store once it answered again.
 // tollgate.permits.held is the permits of a plan that the Limiter holds
 // now, on every key (tollgate.PlanStats.PermitsHeld). Every event, and
 // every plan, has its data point from the first collection; a plan that
@@ -153,6 +155,17 @@ func Register(lim *tollgate.Limiter, mp metric.MeterProvider, opts ...Option) (m
 	}
 	m, c := meter(mp, opts)
 	in := &instruments{lim: lim, attrs: c.attrs}
+	if err := in.create(m); err != nil {
+		return nil, err
+	}
+	in.prepare()
+	return m.RegisterCallback(in.observe, in.decisions, in.duration, in.calls, in.storeErrors,
+		in.fallback, in.breaker, in.transitions, in.scriptLoads, in.holds, in.holdTokens, in.shadow, in.fleetSize,
+		in.permits, in.held)
+}
+
+// create creates the instruments on m.
+func (in *instruments) create(m metric.Meter) error {
 	var err, e error
 	in.decisions, e = m.Int64ObservableCounter("tollgate.decisions", metric.WithUnit("{decision}"),
 		metric.WithDescription("Decisions that took tokens, by binding plan, decision (allowed, denied) and source (store, fallback, fail-open, cache, lease)."))
@@ -196,13 +209,16 @@ func Register(lim *tollgate.Limiter, mp metric.MeterProvider, opts ...Option) (m
 	in.held, e = m.Int64ObservableGauge("tollgate.permits.held", metric.WithUnit("{permit}"),
 		metric.WithDescription("Permits of a concurrency plan that this Limiter holds now, on every key, by plan; 0 for other plans."))
 	err = errors.Join(err, e)
-	if err != nil {
-		return nil, err
-	}
+	return err
+}
 
-	in.base = []metric.ObserveOption{metric.WithAttributeSet(attribute.NewSet(c.attrs...))}
+// prepare builds the attribute sets of the data points, once: the base
+// set, each plan's known so far, and each event's, kind's, class's and
+// state's.
+func (in *instruments) prepare() {
+	in.base = []metric.ObserveOption{metric.WithAttributeSet(attribute.NewSet(in.attrs...))}
 	in.plans = make(map[string]planPoints)
-	for _, p := range lim.Stats().Plans { // SetPlans may add others later
+	for _, p := range in.lim.Stats().Plans { // SetPlans may add others later
 		in.plans[p.Plan] = in.planOpts(p)
 	}
 	in.classes = make(map[string][]metric.ObserveOption, len(commonErrorClasses))
@@ -221,9 +237,6 @@ func Register(lim *tollgate.Limiter, mp metric.MeterProvider, opts ...Option) (m
 	for i, event := range []string{"granted", "refused", "released", "lost", "unreleased", "reclaimed", "adopted"} {
 		in.permitEvents[i] = in.opts(attribute.String("event", event))
 	}
-	return m.RegisterCallback(in.observe, in.decisions, in.duration, in.calls, in.storeErrors,
-		in.fallback, in.breaker, in.transitions, in.scriptLoads, in.holds, in.holdTokens, in.shadow, in.fleetSize,
-		in.permits, in.held)
 }
 
 // meter returns the meter of mp, nil meaning otel.GetMeterProvider(), and

@@ -46,9 +46,11 @@
 // tollgate_permits_total counts the Acquire calls of concurrency plans
 // and their Permits by event, as in tollgate.Stats.Permits: granted and
 // refused Acquire calls, Permits released while held, Permits lost (their
-// lease had ended), releases the store failed (unreleased), and reclaimed permits, those of any instance whose
-// lease had ended when this Limiter's Acquire, renewal or release found
-// them. Every event has its series from the first scrape.
+// lease had ended), releases the store failed (unreleased), reclaimed
+// permits, those of any instance whose lease had ended when this
+// Limiter's Acquire, renewal or release found them, and adopted Permits,
+// which the fallback granted and which moved into the store once it
+// answered again. Every event has its series from the first scrape.
 // tollgate_permits_held is the permits of a plan that the Limiter holds
 // now, on every key (tollgate.PlanStats.PermitsHeld). As with
 // tollgate_shadow_denials_total, every plan has a series from the first
