@@ -33,12 +33,7 @@ func (s *RedisStore) acquire(ctx context.Context, o op) (Result, error) {
 // dst, in the wide layout: a concurrency plan's numbers are its capacity,
 // the lease in µs, -1, and the holder's id.
 func (s *RedisStore) appendPermitArgs(dst []any, o *op) []any {
-	dst = append(dst, o.n)
-	if suppressedIn(o.plans) {
-		dst = append(dst, s.random())
-	} else {
-		dst = append(dst, 0)
-	}
+	dst = append(dst, o.n, s.draw(o.plans))
 	for i := range o.plans {
 		if p := &o.plans[i]; p.Concurrency {
 			dst = append(dst, p.Capacity, o.grant.lease.Microseconds(), -1, o.grant.id)

@@ -204,15 +204,20 @@ func (s *RedisStore) appendArgs(dst []any, cost int64, plans []Plan) []any {
 		}
 		return dst
 	}
-	if suppressedIn(plans) {
-		dst = append(dst, s.random())
-	} else {
-		dst = append(dst, 0)
-	}
+	dst = append(dst, s.draw(plans))
 	for i := range plans {
 		dst = s.planArgs.appendTo(dst, &plans[i], 4)
 	}
 	return dst
+}
+
+// draw returns the wide layout's random number for plans: drawn if a plan
+// is suppressed, else 0.
+func (s *RedisStore) draw(plans []Plan) any {
+	if suppressedIn(plans) {
+		return s.random()
+	}
+	return 0
 }
 
 // planArgCache keeps the ARGV numbers of the plans a store has seen,
