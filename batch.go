@@ -9,12 +9,15 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// maxBatch is the most decisions one script call decides, and minSlots
-// the fewest script calls a batcher lets be under way at once: one that
-// Redis runs while the next one travels.
+// maxBatch is the most decisions one script call decides; minCalls and
+// maxCalls the fewest and the most script calls a batcher lets be under
+// way at once. Two let Redis run one call while the next one travels;
+// more than 16 only queue in Redis, which runs one call at a time, where
+// they would have ridden a batch.
 const (
 	maxBatch = 32
-	minSlots = 2
+	minCalls = 2
+	maxCalls = 16
 )
 
 // batchCalls has s decide concurrent requests in batches, unless its
@@ -32,12 +35,13 @@ func (s *RedisStore) batchCalls() {
 // callSlots returns how many script calls a batcher on client may keep
 // under way at once: the client's pool size, so that a decision never
 // waits for a batch where a call of its own would have found a free
-// connection at once, at least minSlots.
+// connection at once, from minCalls to maxCalls.
 func callSlots(client redis.UniversalClient) int {
+	pool := 10 * runtime.GOMAXPROCS(0) // go-redis's default pool size
 	if c, ok := client.(interface{ Options() *redis.Options }); ok && c.Options().PoolSize > 0 {
-		return max(c.Options().PoolSize, minSlots)
+		pool = c.Options().PoolSize
 	}
-	return 10 * runtime.GOMAXPROCS(0) // go-redis's default pool size
+	return min(max(pool, minCalls), maxCalls)
 }
 
 // batcher gathers the decisions of one RedisStore into batches. A decision
@@ -48,7 +52,7 @@ func callSlots(client redis.UniversalClient) int {
 // call. No goroutine is started: the waiting callers send the batches.
 //
 // The limit follows the load: a call that ends while decisions wait
-// lowers it by one, towards minSlots, and gives its slot up rather than
+// lowers it by one, towards minCalls, and gives its slot up rather than
 // pass it on while more calls than the limit are under way, so that
 // under a load Redis cannot keep up with the waiting decisions ride in
 // few, large batches; a call that ends while none wait raises it by one,
@@ -62,7 +66,7 @@ type batcher struct {
 	mu       sync.Mutex
 	pending  []*scriptCall // waiting for a call slot, oldest first
 	inFlight int           // script calls under way; at least 1 while any wait
-	limit    int           // calls a decision may find under way and go alone, minSlots to slots
+	limit    int           // calls a decision may find under way and go alone, minCalls to slots
 }
 
 // eval runs the limit script for the decision c and returns its reply:
@@ -122,7 +126,7 @@ func (b *batcher) passSlot() {
 		b.inFlight--
 		return
 	}
-	b.limit = max(b.limit-1, minSlots)
+	b.limit = max(b.limit-1, minCalls)
 	if b.inFlight > b.limit { // the waiting decisions ride the calls under way
 		b.inFlight--
 		return

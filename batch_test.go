@@ -66,12 +66,12 @@ func batchOf(t *testing.T, s *RedisStore, n int, decide func(i int) (Result, err
 	}
 }
 
-// fewSlots gives s, if it batches, minSlots call slots, so that a test's
+// fewSlots gives s, if it batches, minCalls call slots, so that a test's
 // few callers wait and ride in batches as many callers would on a pool
 // of connections; it returns s.
 func fewSlots(s *RedisStore) *RedisStore {
 	if s.batch != nil {
-		s.batch.slots, s.batch.limit = minSlots, minSlots
+		s.batch.slots, s.batch.limit = minCalls, minCalls
 	}
 	return s
 }
@@ -164,15 +164,31 @@ func TestBatchLightLoadGoesAlone(t *testing.T) {
 	assert.Equal(t, int64(400), h.alone.Load(), "one script call per decision")
 }
 
-// TestBatchHeavyLoadRidesInBatches runs 64 callers on a client with a pool
-// of 20 connections, on miniredis, which runs a script call far slower
-// than its callers ask: decisions wait, and ride in batches of several.
+// TestBatchHeavyLoadRidesInBatches runs 64 callers on miniredis, which
+// runs a script call far slower than its callers ask: decisions wait, and
+// ride in batches of several. With a pool of 160 connections, a 16-core
+// host's default, as many calls as callers could be under way, and none
+// would wait, but more than maxCalls calls are never under way at once.
 func TestBatchHeavyLoadRidesInBatches(t *testing.T) {
-	c, h := countedClient(t, &redis.Options{Addr: miniredis.RunT(t).Addr(), PoolSize: 20})
-	s := NewRedisStore(c)
-	takeFromEach(t, s, 64, 20)
-	t.Logf("1280 decisions in %d script calls", h.alone.Load())
-	assert.Less(t, h.alone.Load(), int64(1280/4), "decisions ride in batches of 4 or more on average")
+	for _, pool := range []int{20, 160} {
+		t.Run(strconv.Itoa(pool), func(t *testing.T) {
+			c, h := countedClient(t, &redis.Options{Addr: miniredis.RunT(t).Addr(), PoolSize: pool})
+			s := NewRedisStore(c)
+			takeFromEach(t, s, 64, 20)
+			t.Logf("1280 decisions in %d script calls", h.alone.Load())
+			assert.Less(t, h.alone.Load(), int64(1280/4), "decisions ride in batches of 4 or more on average")
+		})
+	}
+}
+
+// TestBatchCallSlotsFollowThePool checks the most calls a batcher keeps
+// under way: the client's pool size, from minCalls to maxCalls.
+func TestBatchCallSlotsFollowThePool(t *testing.T) {
+	for pool, want := range map[int]int{1: minCalls, 4: 4, 16: 16, 20: maxCalls, 160: maxCalls} {
+		s := NewRedisStore(redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", PoolSize: pool}))
+		assert.Equal(t, want, s.batch.slots, "pool %d", pool)
+		assert.Equal(t, want, s.batch.limit, "pool %d", pool)
+	}
 }
 
 // takeFromEach has callers goroutines each take one token, on gold, from
@@ -194,27 +210,27 @@ func takeFromEach(t *testing.T, s *RedisStore, callers, each int) {
 // TestBatchLimitFollowsTheLoad steps the batcher's call slots by hand:
 // calls that end while a decision waits lower the limit, one each, and
 // give their slots up until no more calls than the limit are under way;
-// at minSlots, the slot passes to the waiting decision. Calls that end
+// at minCalls, the slot passes to the waiting decision. Calls that end
 // while none wait raise the limit again.
 func TestBatchLimitFollowsTheLoad(t *testing.T) {
 	b := &batcher{slots: 20, limit: 20, inFlight: 20}
 	w := &scriptCall{done: make(chan struct{}, 1)}
 	b.pending = []*scriptCall{w}
-	for want := 19; want >= minSlots; want-- {
+	for want := 19; want >= minCalls; want-- {
 		b.release()
 		assert.Equal(t, want, b.limit)
 		assert.Equal(t, want, b.inFlight, "the slot is given up")
 		require.Len(t, b.pending, 1)
 	}
 	b.release()
-	assert.Equal(t, minSlots, b.limit)
-	assert.Equal(t, minSlots, b.inFlight, "the slot passes on")
+	assert.Equal(t, minCalls, b.limit)
+	assert.Equal(t, minCalls, b.inFlight, "the slot passes on")
 	assert.Empty(t, b.pending)
 	assert.True(t, w.lead)
 	assert.Len(t, w.done, 1, "the waiting caller is woken to send")
 	b.release()
 	b.release()
-	assert.Equal(t, minSlots+2, b.limit)
+	assert.Equal(t, minCalls+2, b.limit)
 	assert.Zero(t, b.inFlight)
 }
 

@@ -43,6 +43,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime/pprof"
 	"slices"
 	"strconv"
 	"strings"
@@ -177,7 +178,12 @@ func main() {
 	pool := flag.Int("pool", 0, "every client's PoolSize; 0 is go-redis's default, 10 per GOMAXPROCS, as README's client has")
 	baseName := flag.String("base", "redis_rate", "the contender each round's ratio is to")
 	floorN := flag.Int("floor", 0, "calls of the floor scripts (floor.go), 32 keys each, from one serial client, for their Redis CPU per key (and, with -instr, instructions); 0 skips them")
+	cpuProfile := flag.String("cpuprofile", "", "write this process's CPU profile (load generator, client and library together) to this file")
 	flag.Parse()
+	if *cpuProfile != "" {
+		stop := startProfile(*cpuProfile)
+		defer stop()
+	}
 
 	opt, err := redis.ParseURL(*url)
 	if err != nil {
@@ -242,7 +248,7 @@ func main() {
 		memory(*memKeys, intList(*memKeyLens), *memDefaults)
 	}
 	if *instr > 0 {
-		instructions(active, keys, *instr)
+		instructions(active, keys, *instr, *pool)
 		if *floorN > 0 {
 			floorInstructions(keys, *instr)
 		}
@@ -449,10 +455,11 @@ func freshRedis(wrapper ...string) (*redis.Client, *os.Process, func()) {
 
 // instructions counts the instructions redis-server runs per decision, in
 // callgrind, for each contender on a fresh server of its own: n decisions
-// on keys from 64 callers, after n/4 that load the scripts and create the
+// on keys from 64 callers, on clients of the given pool size (as -pool;
+// 0 is go-redis's default), after n/4 that load the scripts and create the
 // keys. Unlike time, the count does not depend on what else the machine
 // runs, so it shows a change to the scripts that timing noise would hide.
-func instructions(active []contender, keys []string, n int) {
+func instructions(active []contender, keys []string, n, pool int) {
 	fmt.Printf("\n%-22s %s\n", "contender", "redis-server instructions per decision (callgrind, 64 callers)")
 	for _, ct := range active {
 		dir, err := os.MkdirTemp("", "tollgate-callgrind")
@@ -461,7 +468,7 @@ func instructions(active []contender, keys []string, n int) {
 		}
 		out := filepath.Join(dir, "cg")
 		c, server, stop := freshRedis("valgrind", "--tool=callgrind", "--callgrind-out-file="+out)
-		decide, cleanup := ct.setup(&redis.Options{Addr: c.Options().Addr, PoolSize: 128}, "i:")
+		decide, cleanup := ct.setup(&redis.Options{Addr: c.Options().Addr, PoolSize: pool}, "i:")
 		decideN(decide, keys, 64, n/4)
 		control := func(flag string) {
 			if err := exec.Command("callgrind_control", flag, strconv.Itoa(server.Pid)).Run(); err != nil {
@@ -549,4 +556,20 @@ func envOr(name, def string) string {
 		return v
 	}
 	return def
+}
+
+// startProfile starts a CPU profile written to path and returns what
+// stops it.
+func startProfile(path string) func() {
+	f, err := os.Create(path)
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		log.Fatal(err)
+	}
+	return func() {
+		pprof.StopCPUProfile()
+		_ = f.Close()
+	}
 }
