@@ -237,11 +237,11 @@ func WithFleet(interval time.Duration) Option {
 // WithoutBatching makes a RedisStore send every decision in a script
 // call of its own. By default, on a standalone Redis or Sentinel, a
 // decision that finds a call slot free (fewer calls under way than the
-// client's pool size) is sent at once, alone; decisions that arrive while
-// every slot is taken wait, and the next call decides up to 32 of them,
-// each independently, all or nothing, as a call of its own would, all at
-// one read of Redis TIME, when the batch began. Each caller's context
-// bounds its own wait; a batch is bounded by the latest deadline among its
+// client's pool size, and at most 16) is sent at once, alone; decisions
+// that arrive while every slot is taken wait, and the next call decides
+// up to 32 of them, each independently, all or nothing, as a call of its
+// own would, all at one read of Redis TIME, when the batch began. Each
+// caller's context bounds its own wait; a batch is bounded by the latest deadline among its
 // callers, so that one caller's cancellation or deadline fails no other
 // decision. A ClusterClient or Ring never batches: the keys of different
 // callers lie in different slots, which one script call cannot span. It
