@@ -87,6 +87,7 @@ type Limiter struct {
 	outage      outage
 	lastSuccess atomic.Int64 // the last store call that succeeded, on the Limiter's clock
 	backs       giveBacks    // the give-backs under way, which Close waits for
+	resets      resetMarks   // the Resets of keys, which void the refunds of reservations taken before them
 	book        permitBook   // the permits granted and not released, which it renews
 }
 
@@ -227,7 +228,8 @@ func (l *Limiter) PeekN(ctx context.Context, key string, n int64, plans ...strin
 // Reset makes the buckets of key for the named plans full again, in the
 // store and in the fallback store, and forgets the key's remembered
 // denials and leases (Plan.Lease), whose rest it does not give back: the
-// bucket is full without it. With no plan named, it resets every plan of
+// bucket is full without it. For the same reason the reservations of key
+// taken before it are refunded nothing when they settle. With no plan named, it resets every plan of
 // the Limiter. Other instances' denial caches see the Reset once the
 // RetryAfter they remember has passed, and their leases serve their rest
 // until they end.
@@ -243,6 +245,9 @@ func (l *Limiter) Reset(ctx context.Context, key string, names ...string) error 
 			return err
 		}
 	}
+	// Counted once the stores may have reset: a reservation whose mark
+	// was read before then is refunded nothing.
+	defer l.resets.reset(key)
 	if l.fallback != nil {
 		if err := l.fallback.Reset(ctx, key, plans); err != nil {
 			return fmt.Errorf("%w: %w", ErrStoreUnavailable, err)

@@ -27,6 +27,7 @@ type Reservation struct {
 	result Result
 	hold   hold
 	as     string // the key a plan resolver was given for it (ResolveAs); "" for key
+	resets uint64 // the Limiter's count of key's Resets before the hold was taken (resetMarks)
 
 	mu      sync.Mutex
 	settled bool
@@ -125,7 +126,7 @@ func (r *Reservation) request() *request {
 // newReservation returns a reservation of n tokens of key, for decide to
 // fill in.
 func (l *Limiter) newReservation(key string, n int64) *Reservation {
-	return &Reservation{l: l, key: key, n: n, hold: hold{ttl: l.holdTTL, backs: &l.backs}}
+	return &Reservation{l: l, key: key, n: n, resets: l.resets.of(key), hold: hold{ttl: l.holdTTL, backs: &l.backs}}
 }
 
 // held counts r, decided, if it was granted, and notes the plans it took
@@ -195,7 +196,9 @@ func (r *Reservation) Result() Result {
 // now answers another tier), so a refund refills at today's rate; a plan
 // whose name is gone, or that the resolver now exempts or fails on, is
 // settled as it was reserved, and one whose name is a window now is left
-// alone.
+// alone. A reservation of a key that this Limiter reset (Limiter.Reset)
+// since it was taken is refunded nothing: the buckets Reset filled hold
+// its tokens already.
 func (r *Reservation) Settle(ctx context.Context, actual int64) (Settlement, error) {
 	return r.settle(ctx, actual, false)
 }
@@ -245,6 +248,9 @@ const (
 func (l *Limiter) settle(ctx context.Context, r *Reservation, actual int64, giveBack bool) (st Settlement, err error) {
 	if r.hold.store == nil { // granted by FailOpen, or exempt (ErrExempt): nothing was held
 		return Settlement{Result: r.result}, nil
+	}
+	if l.resets.of(r.key) != r.resets { // Reset filled the buckets without the rest
+		actual = max(actual, r.n)
 	}
 	h := r.hold
 	o := settleOp{key: r.key, hold: &h, n: r.n, used: actual}

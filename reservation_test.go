@@ -934,3 +934,35 @@ func TestSettleLeavesAWindowOfTheNameAlone(t *testing.T) {
 		assert.Equal(t, 5, admitted, "the window of 10 a minute admitted more within its minute")
 	}, WithDenialCache(0))
 }
+
+// TestResetVoidsTheRefundsOfEarlierReservations: Reset fills the bucket
+// without a reservation's tokens, so its refund would fill it a second
+// time. Of a plan of 1,000, a reservation of 1,000, a Reset, 1,000
+// admitted, then a Cancel: before, the Cancel refunded 1,000 and 1,000
+// more passed at the same instant, 2,000 in all; a refund onto another
+// key is kept.
+func TestResetVoidsTheRefundsOfEarlierReservations(t *testing.T) {
+	ctx := context.Background()
+	eachStore(t, []Plan{llm}, func(t *testing.T, l clockedLimiter) {
+		r, err := l.Reserve(ctx, "k", 1000)
+		require.NoError(t, err)
+		require.True(t, r.OK())
+		other, err := l.Reserve(ctx, "other", 1000)
+		require.NoError(t, err)
+		require.NoError(t, l.Reset(ctx, "k"))
+		a, err := l.AllowN(ctx, "k", 1000)
+		require.NoError(t, err)
+		require.True(t, a.Allowed, "Reset filled the bucket")
+
+		st, err := r.Cancel(ctx)
+		require.NoError(t, err)
+		assert.Zero(t, st.Refunded, "the bucket Reset filled held these tokens already")
+		b, err := l.AllowN(ctx, "k", 1)
+		require.NoError(t, err)
+		assert.False(t, b.Allowed, "1,000 admitted since the Reset, of a capacity of 1,000")
+
+		st, err = other.Cancel(ctx)
+		require.NoError(t, err)
+		assert.Equal(t, int64(1000), st.Refunded, "another key's reservation is refunded")
+	})
+}
