@@ -39,6 +39,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sync/atomic"
 	"time"
 
@@ -229,8 +230,10 @@ func (l *Limiter) PeekN(ctx context.Context, key string, n int64, plans ...strin
 // store and in the fallback store, and forgets the key's remembered
 // denials and leases (Plan.Lease), whose rest it does not give back: the
 // bucket is full without it. For the same reason the reservations of key
-// taken before it are refunded nothing when they settle. With no plan named, it resets every plan of
-// the Limiter. Other instances' denial caches see the Reset once the
+// taken before it are refunded nothing when they settle. With no plan
+// named, it resets every plan of the Limiter but its concurrency plans,
+// whose permits are their holders' until released: naming one is
+// ErrInvalidPlan. Other instances' denial caches see the Reset once the
 // RetryAfter they remember has passed, and their leases serve their rest
 // until they end.
 func (l *Limiter) Reset(ctx context.Context, key string, names ...string) error {
@@ -244,6 +247,11 @@ func (l *Limiter) Reset(ctx context.Context, key string, names ...string) error 
 		if plans, _, err = t.resolve(names); err != nil {
 			return err
 		}
+		if permitsIn(plans) {
+			return fmt.Errorf("%w: %w", ErrInvalidPlan, errNoPermitPlan)
+		}
+	} else if permitsIn(plans) {
+		plans = slices.DeleteFunc(slices.Clone(plans), func(p Plan) bool { return p.Concurrency })
 	}
 	// Counted once the stores may have reset: a reservation whose mark
 	// was read before then is refunded nothing.

@@ -282,3 +282,27 @@ func TestPlanCannotChangeKindOfPermits(t *testing.T) {
 	_, err = flip.Allow(ctx, "k", "inflight")
 	require.ErrorIs(t, err, ErrInvalidPlan)
 }
+
+// TestResetLeavesPermitsToTheirHolders: Reset refills the key's rate
+// plans, and frees no permit whose holder still works. Before, a Reset
+// of every plan deleted the permits: 3 held, then 3 more granted, 6 at
+// once of 3.
+func TestResetLeavesPermitsToTheirHolders(t *testing.T) {
+	ctx := context.Background()
+	for name, l := range permitStores(t, false) {
+		t.Run(name, func(t *testing.T) {
+			a, err := l.Acquire(ctx, "k", 3, "inflight", "daily")
+			require.NoError(t, err)
+			require.True(t, a.OK())
+			require.NoError(t, l.Reset(ctx, "k"))
+			b, err := l.Acquire(ctx, "k", 1, "inflight")
+			require.NoError(t, err)
+			require.False(t, b.OK(), "the 3 permits are still held")
+			r, err := l.AllowN(ctx, "k", 5, "daily")
+			require.NoError(t, err)
+			require.True(t, r.Allowed, "the bucket was reset")
+			require.ErrorIs(t, l.Reset(ctx, "k", "inflight"), ErrInvalidPlan)
+			require.NoError(t, a.Release(ctx), "the permits were never lost")
+		})
+	}
+}
