@@ -255,7 +255,7 @@ func (l *Limiter) Reset(ctx context.Context, key string, names ...string) error 
 	}
 	// Counted once the stores may have reset: a reservation whose mark
 	// was read before then is refunded nothing.
-	defer l.resets.reset(key)
+	defer func() { l.resets.reset(key, time.Now(), l.holdTTL) }()
 	if l.fallback != nil {
 		if err := l.fallback.Reset(ctx, key, plans); err != nil {
 			return fmt.Errorf("%w: %w", ErrStoreUnavailable, err)

@@ -27,7 +27,7 @@ type Reservation struct {
 	result Result
 	hold   hold
 	as     string // the key a plan resolver was given for it (ResolveAs); "" for key
-	resets uint64 // the Limiter's count of key's Resets before the hold was taken (resetMarks)
+	resets uint64 // the Limiter's count of Resets before the hold was taken (resetMarks.taken)
 
 	mu      sync.Mutex
 	settled bool
@@ -126,7 +126,7 @@ func (r *Reservation) request() *request {
 // newReservation returns a reservation of n tokens of key, for decide to
 // fill in.
 func (l *Limiter) newReservation(key string, n int64) *Reservation {
-	return &Reservation{l: l, key: key, n: n, resets: l.resets.of(key), hold: hold{ttl: l.holdTTL, backs: &l.backs}}
+	return &Reservation{l: l, key: key, n: n, resets: l.resets.taken(), hold: hold{ttl: l.holdTTL, backs: &l.backs}}
 }
 
 // held counts r, decided, if it was granted, and notes the plans it took
@@ -249,7 +249,7 @@ func (l *Limiter) settle(ctx context.Context, r *Reservation, actual int64, give
 	if r.hold.store == nil { // granted by FailOpen, or exempt (ErrExempt): nothing was held
 		return Settlement{Result: r.result}, nil
 	}
-	if l.resets.of(r.key) != r.resets { // Reset filled the buckets without the rest
+	if l.resets.since(r.key, r.resets) { // Reset filled the buckets without the rest
 		actual = max(actual, r.n)
 	}
 	h := r.hold

@@ -1,38 +1,74 @@
 package tollgate
 
-import "sync/atomic"
+import (
+	"sync"
+	"sync/atomic"
+	"time"
+)
 
-// resetMarks counts a Limiter's Resets by key, so that a settlement can
-// tell whether its key was reset since its reservation was taken: a
-// refund would give back tokens to a bucket that Reset filled without
-// them, and overfill it once tokens were taken after the Reset. Keys
-// share resetStripes counters by a hash of the key: a Reset of one key
-// also voids the refunds of reservations of the keys that share its
-// counter, which under-admits and never over-admits. The zero value is
-// ready; it is safe for concurrent use.
+// resetMarks remembers which keys a Limiter reset, in order with the
+// reservations it took, for as long as a hold may be settled, so that a
+// settlement can tell whether its key was reset since its reservation was
+// taken: a refund would give back tokens to a bucket that Reset filled
+// without them, and overfill it once tokens were taken after the Reset.
+// Its memory is bounded: with more than maxResetMarks keys reset within a
+// hold's TTL, it forgets them all and voids the refunds of every
+// reservation taken before, which under-admits and never over-admits. The
+// zero value is ready; it is safe for concurrent use.
 type resetMarks struct {
-	stripes [resetStripes]atomic.Uint64
+	seq atomic.Uint64 // counts Resets; a reservation notes it when taken
+
+	mu     sync.Mutex
+	keys   map[string]resetMark // each key's latest Reset, while a hold taken before it may be settled
+	forgot uint64               // seq when keys was last cleared
 }
 
-// resetStripes is how many counters the keys share.
-const resetStripes = 64
-
-// of returns the count of key's Resets: a later reading that differs
-// follows a Reset of key, or of a key that shares its counter.
-func (m *resetMarks) of(key string) uint64 {
-	return m.stripe(key).Load()
+// resetMark is a key's latest Reset: seq after it, and when it was counted.
+type resetMark struct {
+	seq uint64
+	at  time.Time
 }
 
-// reset counts a Reset of key.
-func (m *resetMarks) reset(key string) {
-	m.stripe(key).Add(1)
-}
+// maxResetMarks is how many keys' Resets resetMarks keeps before it
+// forgets the older ones.
+const maxResetMarks = 1 << 16
 
-// stripe returns key's counter, chosen by key's 64-bit FNV-1a hash.
-func (m *resetMarks) stripe(key string) *atomic.Uint64 {
-	h := uint64(14695981039346656037)
-	for i := 0; i < len(key); i++ {
-		h = (h ^ uint64(key[i])) * 1099511628211
+// taken returns the mark a reservation notes when it is taken.
+func (m *resetMarks) taken() uint64 { return m.seq.Load() }
+
+// reset counts a Reset of key at now; Resets older than keep, the longest
+// a hold may be settled, are forgotten when room is needed.
+func (m *resetMarks) reset(key string, now time.Time, keep time.Duration) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if len(m.keys) >= maxResetMarks {
+		m.prune(now.Add(-keep))
 	}
-	return &m.stripes[h%resetStripes]
+	if m.keys == nil {
+		m.keys = make(map[string]resetMark)
+	}
+	m.keys[key] = resetMark{seq: m.seq.Add(1), at: now}
+}
+
+// prune forgets the Resets counted before since. If more than half of
+// maxResetMarks remain, it forgets them all, so that it scans the keys
+// once per maxResetMarks/2 Resets at most.
+func (m *resetMarks) prune(since time.Time) {
+	for k, r := range m.keys {
+		if r.at.Before(since) {
+			delete(m.keys, k)
+		}
+	}
+	if len(m.keys) > maxResetMarks/2 {
+		m.keys, m.forgot = nil, m.seq.Load()
+	}
+}
+
+// since reports whether key was reset after a reservation that noted
+// mark was taken, or may have been: a Reset that was forgotten counts.
+func (m *resetMarks) since(key string, mark uint64) bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	r, ok := m.keys[key]
+	return mark < m.forgot || ok && r.seq > mark
 }
