@@ -20,12 +20,13 @@ const (
 	maxCalls = 16
 )
 
-// batchCalls has s decide concurrent requests in batches, unless its
-// client spreads keys over slots that one script call cannot span: a
-// ClusterClient or Ring.
+// batchCalls has s decide concurrent requests in batches if its client
+// talks to one server, as a *redis.Client (standalone or Sentinel), or a
+// client that embeds one, does. Any other may spread keys over slots that
+// one script call cannot span: a ClusterClient, a Ring, or a client that
+// hides one, such as an auto-pipeliner of a ClusterClient.
 func (s *RedisStore) batchCalls() {
-	switch s.client.(type) {
-	case *redis.ClusterClient, *redis.Ring:
+	if _, ok := s.client.(interface{ Options() *redis.Options }); !ok {
 		return
 	}
 	slots := callSlots(s.client)

@@ -309,7 +309,44 @@ func TestBatchingOnClusterSendsEachDecision(t *testing.T) {
 	plain := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
 	t.Cleanup(func() { _ = plain.Close() })
 	assert.NotNil(t, NewRedisStore(plain).batch)
+	assert.NotNil(t, NewRedisStore(embeddedClient{plain}).batch, "a client that embeds a *redis.Client names its one server")
 	assert.Nil(t, NewRedisStore(plain, WithoutBatching()).batch)
+}
+
+// embeddedClient and embeddedCluster are clients of a program's own that
+// embed go-redis's, as instrumented wrappers do.
+type (
+	embeddedClient  struct{ *redis.Client }
+	embeddedCluster struct{ *redis.ClusterClient }
+)
+
+// TestBatchingNeverSpansSlotsOfAClusterBehindAnotherClient decides under
+// load through clients that hide a Cluster from a type switch: go-redis's
+// auto-pipeliner of a ClusterClient, and a wrapper that embeds one. A
+// batch would put keys of many slots in one script call, which Redis
+// refuses with CROSSSLOT: every decision must be a call of its own.
+func TestBatchingNeverSpansSlotsOfAClusterBehindAnotherClient(t *testing.T) {
+	cluster := redistest.StartCluster(t, 1, 0).Client(t, &redis.ClusterOptions{PoolSize: 4})
+	ap, err := cluster.AutoPipeline()
+	require.NoError(t, err)
+	for name, c := range map[string]redis.UniversalClient{"auto-pipeliner": ap, "wrapper": embeddedCluster{cluster}} {
+		t.Run(name, func(t *testing.T) {
+			s := NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix()))
+			var failed atomic.Int64
+			var wg sync.WaitGroup
+			for g := range 32 {
+				wg.Go(func() {
+					for i := range 20 {
+						if _, err := s.Take(context.Background(), "k"+strconv.Itoa(g*20+i), 1, []Plan{gold}); err != nil {
+							failed.Add(1)
+						}
+					}
+				})
+			}
+			wg.Wait()
+			assert.Zero(t, failed.Load(), "decisions failed of 640")
+		})
+	}
 }
 
 // evalCalls returns the EVALSHA and EVAL calls a Redis has answered.

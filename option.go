@@ -243,9 +243,11 @@ func WithFleet(interval time.Duration) Option {
 // own would, all at one read of Redis TIME, when the batch began. Each
 // caller's context bounds its own wait; a batch is bounded by the latest deadline among its
 // callers, so that one caller's cancellation or deadline fails no other
-// decision. A ClusterClient or Ring never batches: the keys of different
-// callers lie in different slots, which one script call cannot span. It
-// is an option of NewRedisStore.
+// decision. Only a *redis.Client, or a client that embeds one, batches: a
+// ClusterClient or Ring never does, nor does a client whose servers the
+// store cannot tell, such as an auto-pipeliner, which may be a Cluster's:
+// the keys of different callers lie in different slots, which one script
+// call cannot span. It is an option of NewRedisStore.
 func WithoutBatching() Option {
 	return Option{name: "WithoutBatching", taker: takerRedisStore, apply: func(c *config) { c.unbatched = true }}
 }

@@ -49,7 +49,7 @@ type RedisStore struct {
 	permitScript *redisscript.Script
 	random       func() uint64 // draws for suppressed plans; tests replace it
 	planArgs     planArgCache  // each plan's ARGV numbers, boxed
-	batch        *batcher      // nil WithoutBatching, or on a Cluster or Ring (batch.go)
+	batch        *batcher      // nil WithoutBatching, or on a client other than a *redis.Client (batch.go)
 }
 
 // NewRedisStore returns a RedisStore that uses client. A nil client (also
