@@ -12,6 +12,7 @@ import (
 
 	"github.com/tollgate-go/tollgate"
 	"github.com/tollgate-go/tollgate/internal/callerkey"
+	"github.com/tollgate-go/tollgate/internal/isnil"
 )
 
 // ClientOption configures the client interceptors.
@@ -41,7 +42,7 @@ type client struct {
 }
 
 func newClient(caller string, w Waiter, key KeyFunc, opts []ClientOption) *client {
-	if w == nil || key == nil {
+	if isnil.Value(w) || key == nil {
 		panic("grpclimit: " + caller + ": nil Waiter or KeyFunc")
 	}
 	c := &client{w: w, key: key}
@@ -78,7 +79,7 @@ func newClient(caller string, w Waiter, key KeyFunc, opts []ClientOption) *clien
 // ErrorStatus says. The tokens of a call that fails after it was sent are
 // spent.
 //
-// It panics if w or key is nil, if a plan is named twice, or if w
+// It panics if w (also a typed nil) or key is nil, if a plan is named twice, or if w
 // describes its plans and one of the plans is not among them.
 func UnaryClientInterceptor(w Waiter, key KeyFunc, opts ...ClientOption) grpc.UnaryClientInterceptor {
 	c := newClient("UnaryClientInterceptor", w, key, opts)

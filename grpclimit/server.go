@@ -50,6 +50,7 @@ import (
 
 	"github.com/tollgate-go/tollgate"
 	"github.com/tollgate-go/tollgate/internal/callerkey"
+	"github.com/tollgate-go/tollgate/internal/isnil"
 	"github.com/tollgate-go/tollgate/internal/ratefields"
 )
 
@@ -254,7 +255,7 @@ type server struct {
 // the interceptors' constructors have no error result,
 // since they are written inside grpc.NewServer's arguments.
 func newServer(caller string, l tollgate.RateLimiter, key KeyFunc, opts []Option) *server {
-	if l == nil || key == nil {
+	if isnil.Value(l) || key == nil {
 		panic("grpclimit: " + caller + ": nil RateLimiter or KeyFunc")
 	}
 	s := &server{lim: l, key: key, pushback: true, releaseError: logReleaseError}
@@ -365,7 +366,7 @@ func (s *server) plansFor(fullMethod string) chain {
 // Unavailable for a store outage under tollgate.FailClosed, the caller's
 // ended context with its own code. The options change these answers.
 //
-// It panics if l or key is nil, if a plan is named twice, if an option is
+// It panics if l (also a typed nil) or key is nil, if a plan is named twice, if an option is
 // invalid, or if l describes its plans, as *tollgate.Limiter does, and a
 // plan is not among them, or one is a concurrency plan and l is not an
 // Acquirer: these are wiring mistakes, caught when the program starts.

@@ -352,6 +352,8 @@ func TestServerPanicsOnWiringMistakes(t *testing.T) {
 	for name, f := range map[string]func(){
 		"nil limiter":              func() { UnaryServerInterceptor(nil, key) },
 		"nil key":                  func() { StreamServerInterceptor(lim, nil) },
+		"typed nil limiter":        func() { UnaryServerInterceptor((*tollgate.Limiter)(nil), key) },
+		"client typed nil waiter":  func() { UnaryClientInterceptor((*tollgate.Limiter)(nil), key) },
 		"plan twice":               func() { UnaryServerInterceptor(lim, key, WithPlans("gold", "gold")) },
 		"unknown plan":             func() { UnaryServerInterceptor(lim, key, WithPlans("platinum")) },
 		"empty method plans":       func() { UnaryServerInterceptor(lim, key, WithMethodPlans(map[string][]string{emptyCall: {}})) },

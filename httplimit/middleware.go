@@ -22,6 +22,7 @@ import (
 
 	"github.com/tollgate-go/tollgate"
 	"github.com/tollgate-go/tollgate/internal/callerkey"
+	"github.com/tollgate-go/tollgate/internal/isnil"
 )
 
 // Middleware returns net/http middleware that rate limits requests: each
@@ -39,14 +40,15 @@ import (
 // outage, which the tollgate.Fallback and tollgate.FailOpen policies
 // decide without the store. The options change these answers.
 //
-// It panics if l or key is nil, if a plan is named twice, if an option is
+// It panics if l (also a typed nil, such as a *tollgate.Limiter never
+// set) or key is nil, if a plan is named twice, if an option is
 // invalid, or if l describes its plans, as *tollgate.Limiter does, and
 // one of the plans is not among them, or one is a concurrency plan and l
 // is not an Acquirer or WithSettle is given (a reservation holds no
 // permits): these are wiring mistakes, caught when the program starts. Serving never panics. The middleware is
 // safe for concurrent use.
 func Middleware(l tollgate.RateLimiter, key KeyFunc, opts ...Option) func(http.Handler) http.Handler {
-	if l == nil || key == nil {
+	if isnil.Value(l) || key == nil {
 		panic("httplimit: Middleware: nil RateLimiter or KeyFunc")
 	}
 	m := &middleware{

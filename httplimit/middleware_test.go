@@ -335,6 +335,7 @@ func TestMiddlewarePanicsOnMisuse(t *testing.T) {
 	}{
 		{"nil limiter", "httplimit: Middleware: nil RateLimiter or KeyFunc", func() { Middleware(nil, key) }},
 		{"nil key", "httplimit: Middleware: nil RateLimiter or KeyFunc", func() { Middleware(lim, nil) }},
+		{"typed nil limiter", "httplimit: Middleware: nil RateLimiter or KeyFunc", func() { Middleware((*tollgate.Limiter)(nil), key) }},
 		{"unknown plan", `httplimit: Middleware: unknown plan "platinum"`, func() { Middleware(lim, key, WithPlans("gold", "platinum")) }},
 		{"plan twice", `httplimit: Middleware: plan "gold" named twice`, func() { Middleware(lim, key, WithPlans("gold", "gold")) }},
 		{"header mode", "httplimit: Middleware: unknown HeaderMode 7", func() { Middleware(lim, key, WithHeaders(HeaderMode(7))) }},
