@@ -101,13 +101,9 @@ var contenders = []contender{
 		}
 		return tollgateDecider(ap, prefix, tollgate.WithoutBatching()), func() { _ = c.Close() }
 	}},
-	{"tollgate-fullduplex", func(opt *redis.Options, prefix string) (decider, func()) {
+	{"tollgate-fullduplex", func(opt *redis.Options, prefix string) (decider, func()) { // never batches: a store cannot tell what an auto-pipeliner sits on
 		c := redis.NewClient(opt)
 		return tollgateDecider(fullDuplex(c), prefix), func() { _ = c.Close() }
-	}},
-	{"tollgate-unbatched-fd", func(opt *redis.Options, prefix string) (decider, func()) {
-		c := redis.NewClient(opt)
-		return tollgateDecider(fullDuplex(c), prefix, tollgate.WithoutBatching()), func() { _ = c.Close() }
 	}},
 	{"redis_rate", func(opt *redis.Options, prefix string) (decider, func()) {
 		c := redis.NewClient(opt)
