@@ -2,7 +2,9 @@ package tollgate
 
 import (
 	"context"
+	"fmt"
 
+	"github.com/tollgate-go/tollgate/internal/bucketvalue"
 	"github.com/tollgate-go/tollgate/internal/redisscript"
 )
 
@@ -85,4 +87,34 @@ func (d *decisionScripts) runMany(ctx context.Context, client redisscript.Client
 // sent after Redis answered that it lacked them.
 func (d *decisionScripts) loads() int64 {
 	return d.limit.Loads() + d.limitMany.Loads() + d.take.Loads() + d.takeMany.Loads()
+}
+
+// replyInts is redisscript.Ints for a decision's reply, which a lean
+// decision in a batch gives as a redisscript.Record (leanInts).
+func replyInts(dst []int64, reply any, n int) ([]int64, error) {
+	if r, ok := reply.(redisscript.Record); ok && n == 4 {
+		return leanInts(dst, r)
+	}
+	return redisscript.Ints(dst, reply, n)
+}
+
+// leanInts appends to dst the four integers of a lean decision's reply
+// (allowed, now, tokens and stamp, as scripts/take.lua's takeOne replies
+// them) from r, its record in a batch (takeMany): now in 7 bytes shared
+// by the batch, then allowed in a byte and a bucket's bytes, which hold
+// the tokens and stamp. Anything else is ErrBadReply.
+func leanInts(dst []int64, r redisscript.Record) ([]int64, error) {
+	dst, err := redisscript.Ints(dst, r.Shared, 1)
+	if err != nil {
+		return dst, err
+	}
+	if len(r.Own) == 0 || r.Own[0] > 1 {
+		return dst, fmt.Errorf("%w: a lean decision's allowed flag is not 0 or 1", redisscript.ErrBadReply)
+	}
+	b, ok := bucketvalue.Decode(r.Own[1:])
+	if !ok {
+		return dst, fmt.Errorf("%w: a lean decision's bucket is not one", redisscript.ErrBadReply)
+	}
+	now := dst[len(dst)-1]
+	return append(dst[:len(dst)-1], int64(r.Own[0]), now, b.Tokens, b.Stamp), nil
 }

@@ -364,7 +364,7 @@ func TestLeanBatchAgreesWithGeneralBatch(t *testing.T) {
 				require.NoError(t, l.Err, "%v", k)
 				gv, err := redisscript.Ints(nil, g.Reply, 4)
 				require.NoError(t, err)
-				lv, err := redisscript.Ints(nil, l.Reply, 4)
+				lv, err := replyInts(nil, l.Reply, 4)
 				require.NoError(t, err)
 				assert.Equal(t, gv, lv, "%v: reply", k)
 				sameStored(t, env, key("general", i), key("lean", i), k.String())
@@ -394,9 +394,31 @@ func TestLeanFunctionReadsTheClockEachCall(t *testing.T) {
 	calls := []*redisscript.Call{{Keys: []string{key}, Args: []any{0, 4, "2"}}, {Keys: []string{key}, Args: []any{0, 4, "2"}}}
 	d.takeMany.Run(ctx, c, calls)
 	require.NoError(t, calls[0].Err)
-	vals, err := redisscript.Ints(nil, calls[0].Reply, 4)
+	vals, err := replyInts(nil, calls[0].Reply, 4)
 	require.NoError(t, err)
 	assert.Greater(t, vals[1], nows[1], "the batch too")
 	// At most one load: the library may be on a shared server already.
 	assert.LessOrEqual(t, d.take.Loads(), int64(1), "FCALL ran both times")
+}
+
+// TestLeanIntsReadsARecord reads a lean decision's record in a batch as
+// the four integers takeOne replies, and refuses a flag other than 0 or
+// 1, bytes that are not a bucket, and a clock that is not 7 bytes.
+func TestLeanIntsReadsARecord(t *testing.T) {
+	now := string([]byte{0, 0, 0, 0, 0, 1, 2})
+	bucket := bucketvalue.Encode(bucketvalue.Bucket{Tokens: 300, Stamp: 5})
+	vals, err := replyInts(nil, redisscript.Record{Shared: now, Own: "\x01" + bucket}, 4)
+	require.NoError(t, err)
+	assert.Equal(t, []int64{1, 258, 300, 5}, vals)
+	for _, bad := range []redisscript.Record{
+		{Shared: now, Own: "\x02" + bucket},
+		{Shared: now, Own: ""},
+		{Shared: now, Own: "\x00" + bucket[:7]},
+		{Shared: now[:6], Own: "\x00" + bucket},
+	} {
+		_, err := replyInts(nil, bad, 4)
+		assert.ErrorIs(t, err, redisscript.ErrBadReply, "%q", bad)
+	}
+	_, err = replyInts(nil, redisscript.Record{Shared: now, Own: "\x01" + bucket}, 6)
+	assert.ErrorIs(t, err, redisscript.ErrBadReply, "a record answers a lean decision only")
 }

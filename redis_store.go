@@ -321,7 +321,7 @@ var maxWait = 2 * maxRefillPeriod.Microseconds()
 // next decision will.
 func parseReply(buckets []TokenBucket, windows []planState, reply any, plans []Plan, cost int64) (allowed bool, now int64, wd uint64, err error) {
 	var stack [2 + 4*4]int64
-	vals, err := redisscript.Ints(stack[:0], reply, replyLen(plans))
+	vals, err := replyInts(stack[:0], reply, replyLen(plans))
 	if err != nil {
 		return false, 0, 0, err
 	}

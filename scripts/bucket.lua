@@ -48,16 +48,6 @@ local function whole(x)
   return string.format('%d', x)
 end
 
--- width returns how many bytes hold t, 1 to 7.
-local function width(t)
-  if t < 4294967296 then
-    if t < 65536 then return t < 256 and 1 or 2 end
-    return t < 16777216 and 3 or 4
-  end
-  if t < 1099511627776 then return 5 end
-  return t < 281474976710656 and 6 or 7
-end
-
 -- A bucket's layout, by its length in bytes (8 to 14, or 28; nil for
 -- any other): packBucket(layouts[n], ts, t, pv, c) returns the string of
 -- n bytes of a bucket, and unpackBucket(layouts[n], s) the numbers of
@@ -133,7 +123,10 @@ end
 -- plan with a version (nil if none). A window of the name (its plan
 -- changed kind) reads as a bucket at now holding what the window has
 -- left, its capacity (full's, if it has none) less what it counts, at
--- most full, with pv -1: such a bucket inherits nothing (ADR 31).
+-- most full, with pv -1: such a bucket inherits nothing (ADR 31). Last,
+-- it returns the bytes it read if they hold the bucket it returns, a
+-- bucket's bytes (nil if it returns a full bucket or one made from a
+-- window).
 local function readBucket(key, full, now)
   -- GET answers a string, false if the key is missing, or an error
   -- (WRONGTYPE) as a table, whose length, 0, is no bucket's: a bucket
@@ -144,8 +137,8 @@ local function readBucket(key, full, now)
   if layout then
     local ts, t, pv, c = unpackBucket(layout, s)
     if t > max53 or ts > max53 then return full, now, 0 end
-    if #s == 28 then return t, ts, pv, c end
-    return t, ts, 0
+    if #s == 28 then return t, ts, pv, c, s end
+    return t, ts, 0, nil, s
   end
   if type(s) == 'table' then
     local h = redis.pcall('HGETALL', key)
@@ -249,14 +242,31 @@ end
 -- replaces whatever the key held. A bucket with a version outlives its
 -- refill by one more full refill of the larger of full and c at rate, as
 -- bucketVersion.fence computes, so that its version does not leave with
--- it and a reset or an additive change apply again (ADR 30).
+-- it and a reset or an additive change apply again (ADR 30). It returns
+-- the bytes it stored.
 local function writeBucket(key, t, ts, full, rate, now, pv, c)
   local us = (full - t) / rate
   if ts > now then us = us + (ts - now) end
   if pv > 0 then us = us + floor(math.max(full, c * 1000000) / rate) end
-  -- Its digits, formatted here: Redis 7.0 formats a Lua number with
+  -- n is the bucket's length: 28 with a version, else the stamp's 7
+  -- bytes and the fewest that hold t, 1 to 7, chosen here rather than in
+  -- a function of their own, whose call would cost more than the compares.
+  local n = 28
+  if pv <= 0 then
+    if t < 65536 then
+      n = t < 256 and 8 or 9
+    elseif t < 4294967296 then
+      n = t < 16777216 and 10 or 11
+    elseif t < 1099511627776 then
+      n = 12
+    else
+      n = t < 281474976710656 and 13 or 14
+    end
+  end
+  local b = packBucket(layouts[n], ts, t, pv, c)
+  -- PX's digits, formatted here: Redis 7.0 formats a Lua number with
   -- printf's %.17g, at a larger cost, and 7.2.0 to 7.2.4 as '1e+8' (see
   -- whole). %d drops the fraction of a positive number, as floor does.
-  local n = pv > 0 and 28 or 7 + width(t)
-  redisCall('SET', key, packBucket(layouts[n], ts, t, pv, c), 'PX', format('%d', us / 1000 + 2))
+  redisCall('SET', key, b, 'PX', format('%d', us / 1000 + 2))
+  return b
 end

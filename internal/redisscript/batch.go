@@ -29,6 +29,8 @@ type Batch struct {
 // pcall caught it: an error of its class alone, the first capital word of
 // the message as Redis 7 words it, or the one after ': ' as earlier
 // versions and miniredis word it (Sanitize keeps only known classes).
+// errorRecord(err) returns the same class as a Grouped's record: a byte
+// n, then n bytes, '-' and the class.
 const ReplyLua = `local packInts, intsFormat
 local struct = rawget(_G, 'struct')
 if struct then
@@ -48,11 +50,19 @@ else
     return table.concat(out)
   end
 end
-local function callError(err)
+local function errorClass(err)
   if type(err) == 'table' then err = err.err end
   err = tostring(err)
-  return {err = (string.match(err, '^%-?(%u+) ') or string.match(err, ': %-?(%u+) ') or 'ERR')
-    .. ' in a batched call'}
+  local class = string.match(err, '^%-?(%u+) ') or string.match(err, ': %-?(%u+) ') or 'ERR'
+  if #class > 32 then return 'ERR' end
+  return class
+end
+local function callError(err)
+  return {err = errorClass(err) .. ' in a batched call'}
+end
+local function errorRecord(err)
+  local class = errorClass(err)
+  return string.char(1 + #class) .. '-' .. class
 end
 `
 
