@@ -422,3 +422,18 @@ func TestLeanIntsReadsARecord(t *testing.T) {
 	_, err = replyInts(nil, redisscript.Record{Shared: now, Own: "\x01" + bucket}, 6)
 	assert.ErrorIs(t, err, redisscript.ErrBadReply, "a record answers a lean decision only")
 }
+
+// FuzzLeanInts: whatever a record holds, reading it gives four integers
+// or ErrBadReply, and never panics.
+func FuzzLeanInts(f *testing.F) {
+	f.Add(string([]byte{0, 0, 0, 0, 0, 1, 2}), "\x01"+bucketvalue.Encode(bucketvalue.Bucket{Tokens: 300, Stamp: 5}))
+	f.Add("", "")
+	f.Fuzz(func(t *testing.T, shared, own string) {
+		vals, err := replyInts(nil, redisscript.Record{Shared: shared, Own: own}, 4)
+		if err != nil {
+			assert.ErrorIs(t, err, redisscript.ErrBadReply)
+			return
+		}
+		assert.Len(t, vals, 4)
+	})
+}

@@ -109,6 +109,25 @@ func TestDeliverRecords(t *testing.T) {
 	}
 }
 
+// FuzzDeliverRecords: whatever string Redis replies, every call gets a
+// Record or an error, and nothing panics.
+func FuzzDeliverRecords(f *testing.F) {
+	f.Add("\x01s\x02ab\x05-BUSY", 2)
+	f.Add("\x01s\x00\x01-", 2)
+	f.Add("\xffs", 1)
+	f.Fuzz(func(t *testing.T, reply string, n int) {
+		calls := make([]*Call, 1+uint(n)%4)
+		for i := range calls {
+			calls[i] = &Call{}
+		}
+		deliverRecords(calls, reply, nil)
+		for _, call := range calls {
+			_, isRecord := call.Reply.(Record)
+			assert.True(t, isRecord != (call.Err != nil), "a Record or an error: %#v, %v", call.Reply, call.Err)
+		}
+	})
+}
+
 // TestGroupedFailureReachesEveryCall: when the call of the function
 // itself fails, every call gets its error.
 func TestGroupedFailureReachesEveryCall(t *testing.T) {
