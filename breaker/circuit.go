@@ -144,6 +144,7 @@ func (c *circuit) step(now int64, in input, p params) reply {
 		}
 		c.hasStep[i] = true
 	}
+	c.bringBack(now, p)
 	s0, g0 := c.state, c.gen
 	var r reply
 
@@ -289,6 +290,18 @@ func (c *circuit) step(now int64, in input, p params) reply {
 		r.from = s0 + 1
 	}
 	return r
+}
+
+// bringBack brings an open time or a lease further ahead of now (µs) than
+// p allows back to the longest p allows, as the script does: a clock that
+// stepped back, or a planted value, then holds the breaker no longer.
+func (c *circuit) bringBack(now int64, p params) {
+	if longest := now + max(p.maxOpenFor, p.openFor); c.state == stateOpen && !c.held && c.openUntil > longest {
+		c.openUntil = longest
+	}
+	for i := range c.leases {
+		c.leases[i].expires = min(c.leases[i].expires, now+p.probeTimeout)
+	}
 }
 
 // States as the script numbers them. They are the values of State, which

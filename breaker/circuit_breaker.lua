@@ -97,6 +97,16 @@ local full = foreign == 1 -- write every field, not just the step's
 local dirty = false
 local ignored = 0
 
+-- An open time or a lease further ahead than the settings allow (Redis's
+-- clock stepped back, or a planted value) is brought back to the longest
+-- they allow, and written back, so that it holds the breaker no longer.
+if s == 1 and fx == 0 and ou > now + math.max(maxopen, openus) then
+  ou, full = now + math.max(maxopen, openus), true
+end
+for i = 1, probes do
+  if le[i] > now + ptimeout then le[i], full = now + ptimeout, true end
+end
+
 local function clear()
   for i = 0, 9 do wb[i], wn[i], wf[i], ww[i] = slot, 0, 0, 0 end
   for i = 1, probes do lt[i], le[i] = '', 0 end

@@ -240,3 +240,34 @@ func FuzzCircuit(f *testing.F) {
 		}
 	})
 }
+
+// TestCircuitBringsBackAFarTime: an open time or a lease further ahead
+// than the settings allow holds the breaker for at most MaxOpenFor or
+// ProbeTimeout, in the script and in Go alike.
+func TestCircuitBringsBackAFarTime(t *testing.T) {
+	p := testParams
+	p.probes = 1
+	now, far := epochUs, epochUs+int64(24*time.Hour/time.Microsecond)
+	farS := strconv.FormatInt(far, 10)
+	for name, tc := range map[string]struct {
+		c     circuit
+		hash  []string
+		state int64
+		wait  int64
+	}{
+		"open":      {circuit{state: stateOpen, gen: 1, openUntil: far}, []string{"s", "1", "g", "1", "ou", farS}, stateOpen, p.maxOpenFor},
+		"half-open": {circuit{state: stateHalfOpen, gen: 2, leases: []lease{{token: 77, expires: far}}}, []string{"s", "2", "g", "2", "l1", "77", "e1", farS}, stateHalfOpen, p.probeTimeout},
+	} {
+		t.Run(name, func(t *testing.T) {
+			sr := newScriptRunner(t)
+			sr.mr.HSet(sr.key, append([]string{"v", "1"}, tc.hash...)...)
+			lua := sr.step(t, now, input{op: opAcquire, token: 5}, p)
+			got := tc.c.step(now, input{op: opAcquire, token: 5}, p)
+			require.Equal(t, lua, got)
+			assert.Equal(t, tc.state, got.state)
+			assert.Equal(t, tc.wait, got.wait)
+			lua = sr.step(t, now+tc.wait, input{op: opAcquire, token: 6}, p)
+			assert.Equal(t, int64(grantProbe), lua.grant, "a probe once the brought-back time is over")
+		})
+	}
+}

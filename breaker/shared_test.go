@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -637,4 +638,36 @@ func TestNewSharedRefusesATypedNilClient(t *testing.T) {
 		_, err := NewShared(client, SharedSettings{})
 		assert.ErrorIs(t, err, ErrInvalidSettings, name)
 	}
+}
+
+// TestSharedFarOpenTimeIsBroughtBack: an open time or a probe lease further
+// ahead than the settings allow (Redis's clock stepped back after a
+// failover, or a planted value) holds the breaker for at most MaxOpenFor or
+// ProbeTimeout, not until Redis's clock catches up.
+func TestSharedFarOpenTimeIsBroughtBack(t *testing.T) {
+	t.Run("clock stepped back", func(t *testing.T) {
+		m := newMini(t)
+		b := m.shared(t, fastSettings)
+		trip(t, b, "k")
+		m.at -= time.Hour // a failover to a server an hour behind
+		m.advance(time.Second)
+		_, err := b.Acquire(ctx, "k")
+		require.ErrorIs(t, err, ErrOpen)
+		m.advance(time.Second)
+		p, err := b.Acquire(ctx, "k")
+		require.NoError(t, err, "open for at most MaxOpenFor after the step")
+		assert.True(t, p.Probe())
+	})
+	t.Run("planted lease", func(t *testing.T) {
+		m := newMini(t)
+		b := m.shared(t, fastSettings)
+		far := strconv.FormatInt(epochUs+int64(365*24*time.Hour/time.Microsecond), 10)
+		m.mr.HSet(b.Key("k"), "v", "1", "s", "2", "g", "2", "l1", "77", "e1", far)
+		_, err := b.Acquire(ctx, "k")
+		require.ErrorIs(t, err, ErrOpen)
+		m.advance(fastSettings.ProbeTimeout)
+		p, err := b.Acquire(ctx, "k")
+		require.NoError(t, err, "the lease lasts at most ProbeTimeout")
+		assert.True(t, p.Probe())
+	})
 }
