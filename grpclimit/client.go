@@ -55,8 +55,12 @@ func newClient(caller string, w Waiter, key KeyFunc, opts []ClientOption) *clien
 			panic(fmt.Sprintf("grpclimit: %s: plan %q named twice", caller, name))
 		}
 		if p != nil {
-			if _, ok := p.Plan(name); !ok {
+			plan, ok := p.Plan(name)
+			if !ok {
 				panic(fmt.Sprintf("grpclimit: %s: unknown plan %q", caller, name))
+			}
+			if plan.Concurrency {
+				panic(fmt.Sprintf("grpclimit: %s: plan %q is a concurrency plan, whose permits a client interceptor cannot hold", caller, name))
 			}
 		}
 	}
@@ -80,7 +84,9 @@ func newClient(caller string, w Waiter, key KeyFunc, opts []ClientOption) *clien
 // spent.
 //
 // It panics if w (also a typed nil) or key is nil, if a plan is named twice, or if w
-// describes its plans and one of the plans is not among them.
+// describes its plans and one of the plans is not among them or is a
+// concurrency plan (tollgate.Plan.Concurrency), whose permits a call that
+// only waits for tokens cannot hold.
 func UnaryClientInterceptor(w Waiter, key KeyFunc, opts ...ClientOption) grpc.UnaryClientInterceptor {
 	c := newClient("UnaryClientInterceptor", w, key, opts)
 	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, callOpts ...grpc.CallOption) error {

@@ -133,3 +133,18 @@ func TestClientKeyAndWaiterErrors(t *testing.T) {
 	assert.Equal(t, codes.ResourceExhausted, status.Code(err))
 	assert.False(t, invoked)
 }
+
+// TestClientConcurrencyPlanPanics: a client interceptor waits for tokens
+// and holds no permit, so a concurrency plan among its plans, which every
+// call would fail on, is a wiring mistake caught at construction.
+func TestClientConcurrencyPlanPanics(t *testing.T) {
+	l, err := tollgate.New(tollgate.NewMemoryStore(), permitPlans)
+	require.NoError(t, err)
+	_, err = l.Wait(context.Background(), "k", 1, "one")
+	require.ErrorIs(t, err, tollgate.ErrInvalidPlan, "what every call would get")
+	assert.PanicsWithValue(t, `grpclimit: UnaryClientInterceptor: plan "one" is a concurrency plan, whose permits a client interceptor cannot hold`,
+		func() { UnaryClientInterceptor(l, Key("k"), WithClientPlans("hourly", "one")) })
+	assert.PanicsWithValue(t, `grpclimit: StreamClientInterceptor: plan "inflight" is a concurrency plan, whose permits a client interceptor cannot hold`,
+		func() { StreamClientInterceptor(l, Key("k"), WithClientPlans("inflight")) })
+	assert.NotPanics(t, func() { UnaryClientInterceptor(l, Key("k"), WithClientPlans("hourly")) })
+}
