@@ -253,6 +253,10 @@ func (l *Limiter) Reset(ctx context.Context, key string, names ...string) error 
 	} else if permitsIn(plans) {
 		plans = slices.DeleteFunc(slices.Clone(plans), func(p Plan) bool { return p.Concurrency })
 	}
+	// No settlement of key runs from the stores' reset to its count.
+	order := l.resets.order(key)
+	order.Lock()
+	defer order.Unlock()
 	// Counted once the stores may have reset: a reservation whose mark
 	// was read before then is refunded nothing.
 	defer func() { l.resets.reset(key, time.Now(), l.holdTTL) }()

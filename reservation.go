@@ -249,12 +249,17 @@ func (l *Limiter) settle(ctx context.Context, r *Reservation, actual int64, give
 	if r.hold.store == nil { // granted by FailOpen, or exempt (ErrExempt): nothing was held
 		return Settlement{Result: r.result}, nil
 	}
-	if l.resets.since(r.key, r.resets) { // Reset filled the buckets without the rest
-		actual = max(actual, r.n)
-	}
 	h := r.hold
 	o := settleOp{key: r.key, hold: &h, n: r.n, used: actual}
 	o.plans, h.skip = l.plansInForce(ctx, r)
+	// Held until the refund reached the store, so that no Reset of the
+	// key comes between the look at its marks and the refund.
+	order := l.resets.order(r.key)
+	order.RLock()
+	defer order.RUnlock()
+	if l.resets.since(r.key, r.resets) { // Reset filled the buckets without the rest
+		o.used = max(actual, r.n)
+	}
 	var status settleStatus
 	if isLocal(h.store) {
 		if h.store == l.fallback { // it decided on this instance's share

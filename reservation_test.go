@@ -966,3 +966,92 @@ func TestResetVoidsTheRefundsOfEarlierReservations(t *testing.T) {
 		assert.Equal(t, int64(1000), st.Refunded, "another key's reservation is refunded")
 	})
 }
+
+// TestResetDuringSettleVoidsItsRefund: a Reset of the key that comes while
+// a reservation settles, after the resolver Settle consults, is counted
+// before Settle looks for Resets; the refund would fill the bucket Reset
+// filled, once 1,000 tokens were taken from it.
+func TestResetDuringSettleVoidsItsRefund(t *testing.T) {
+	ctx := context.Background()
+	var armed atomic.Bool
+	var l *Limiter
+	resolve := func(ctx context.Context, key string, p Plan) (Plan, error) {
+		if armed.CompareAndSwap(true, false) {
+			assert.NoError(t, l.Reset(ctx, "k"))
+			a, err := l.AllowN(ctx, "k", 1000)
+			assert.NoError(t, err)
+			assert.True(t, a.Allowed, "Reset filled the bucket")
+		}
+		return p, nil
+	}
+	eachStore(t, []Plan{llm}, func(t *testing.T, cl clockedLimiter) {
+		l = cl.Limiter
+		r, err := l.Reserve(ctx, "k", 1000)
+		require.NoError(t, err)
+		require.True(t, r.OK())
+		armed.Store(true)
+		st, err := r.Cancel(ctx)
+		require.NoError(t, err)
+		assert.Zero(t, st.Refunded)
+		b, err := l.AllowN(ctx, "k", 1)
+		require.NoError(t, err)
+		assert.False(t, b.Allowed, "1,000 admitted since the Reset, of a capacity of 1,000")
+	}, WithPlanResolver(resolve))
+}
+
+// settleRacer is a go-redis hook that, at the first script call once
+// armed, runs race on a goroutine and lets the call go once race returned
+// or a moment passed, whichever is first.
+type settleRacer struct {
+	armed atomic.Bool
+	race  func()
+}
+
+func (h *settleRacer) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (h *settleRacer) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if isScriptCmd(cmd) && h.armed.CompareAndSwap(true, false) {
+			done := make(chan struct{})
+			go func() { defer close(done); h.race() }()
+			select {
+			case <-done:
+			case <-time.After(100 * time.Millisecond):
+			}
+		}
+		return next(ctx, cmd)
+	}
+}
+
+func (h *settleRacer) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+
+// TestResetWhileSettleIsUnderWayWaits: a Reset of the key asked for while
+// a settlement's refund is on its way to Redis waits for it, so that the
+// refund lands before the Reset, never on the bucket Reset filled.
+func TestResetWhileSettleIsUnderWayWaits(t *testing.T) {
+	ctx := context.Background()
+	rs, _, _ := newMiniredisStore(t)
+	l, err := New(rs, []Plan{llm}, WithLogger(nil))
+	require.NoError(t, err)
+	r, err := l.Reserve(ctx, "k", 1000)
+	require.NoError(t, err)
+	require.True(t, r.OK())
+	reset := make(chan struct{})
+	h := &settleRacer{race: func() {
+		defer close(reset)
+		assert.NoError(t, l.Reset(ctx, "k"))
+		a, err := l.AllowN(ctx, "k", 1000)
+		assert.NoError(t, err)
+		assert.True(t, a.Allowed, "Reset filled the bucket")
+	}}
+	rs.client.(*redis.Client).AddHook(h)
+	h.armed.Store(true)
+	_, err = r.Cancel(ctx)
+	require.NoError(t, err)
+	<-reset
+	b, err := l.AllowN(ctx, "k", 1)
+	require.NoError(t, err)
+	assert.False(t, b.Allowed, "1,000 admitted since the Reset, of a capacity of 1,000")
+}

@@ -21,6 +21,26 @@ type resetMarks struct {
 	mu     sync.Mutex
 	keys   map[string]resetMark // each key's latest Reset, while a hold taken before it may be settled
 	forgot uint64               // seq when keys was last cleared
+
+	// orders puts each key's Resets and settlements in one order (order):
+	// a settlement reads its key's lock from its look at the marks until
+	// its refund reached the store, a Reset writes it from the stores'
+	// reset until it is counted, so that no refund lands on a bucket Reset
+	// filled after the settlement found no Reset.
+	orders [resetOrders]sync.RWMutex
+}
+
+// resetOrders is how many locks resetMarks.order spreads keys over.
+const resetOrders = 64
+
+// order returns the lock that orders key's Resets and settlements: one of
+// resetOrders, by an FNV-1a hash of key.
+func (m *resetMarks) order(key string) *sync.RWMutex {
+	h := uint32(2166136261)
+	for i := 0; i < len(key); i++ {
+		h = (h ^ uint32(key[i])) * 16777619
+	}
+	return &m.orders[h%resetOrders]
 }
 
 // resetMark is a key's latest Reset: seq after it, and when it was counted.
