@@ -1,6 +1,7 @@
 package tollgate
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"slices"
@@ -338,38 +339,48 @@ func TestLeanAgreesWithGeneral(t *testing.T) {
 
 // TestLeanBatchAgreesWithGeneralBatch decides every case in one batch of
 // the general script and in one of the lean function, at the same
-// instant, with the cases' plans in runs and alternating: each call's
-// reply and stored value must be the same.
+// instant, with the cases' plans in runs and alternating, each run of
+// one plan of several costs; and then ordered by cost and plan, so that
+// each run of one plan has one cost, which the lean batch sends once:
+// each call's reply and stored value must be the same.
 func TestLeanBatchAgreesWithGeneralBatch(t *testing.T) {
+	byCostAndPlan := slices.SortedStableFunc(slices.Values(leanCases()), func(a, b leanCase) int {
+		return cmp.Or(cmp.Compare(a.cost, b.cost), cmp.Compare(fmt.Sprint(a.plan), fmt.Sprint(b.plan)))
+	})
 	for name, env := range leanEnvs(t) {
-		t.Run(name, func(t *testing.T) {
-			ctx := context.Background()
-			s := NewRedisStore(env.c, WithKeyPrefix(redistest.KeyPrefix()))
-			cases := leanCases()
-			key := func(side string, i int) string { return s.Key(fmt.Sprint(side, i), "p") }
-			calls := map[string][]*redisscript.Call{}
-			for i, k := range cases {
-				for _, side := range []string{"general", "lean"} {
-					require.NoError(t, k.state.plant(ctx, env.c, key(side, i), t0), "%v", k)
-					calls[side] = append(calls[side], &redisscript.Call{Keys: []string{key(side, i)}, Args: s.args(k.cost, []Plan{k.plan})})
-				}
-			}
-			env.wait()
-			d := env.at(t, t0)
-			d.limitMany.Run(ctx, env.c, calls["general"])
-			d.takeMany.Run(ctx, env.c, calls["lean"])
-			for i, k := range cases {
-				g, l := calls["general"][i], calls["lean"][i]
-				require.NoError(t, g.Err, "%v", k)
-				require.NoError(t, l.Err, "%v", k)
-				gv, err := redisscript.Ints(nil, g.Reply, 4)
-				require.NoError(t, err)
-				lv, err := replyInts(nil, l.Reply, 4)
-				require.NoError(t, err)
-				assert.Equal(t, gv, lv, "%v: reply", k)
-				sameStored(t, env, key("general", i), key("lean", i), k.String())
-			}
-		})
+		for order, cases := range map[string][]leanCase{"listed": leanCases(), "by cost and plan": byCostAndPlan} {
+			t.Run(name+"/"+order, func(t *testing.T) { leanBatchAgrees(t, env, cases) })
+		}
+	}
+}
+
+// leanBatchAgrees is TestLeanBatchAgreesWithGeneralBatch for cases in
+// their order on env.
+func leanBatchAgrees(t *testing.T, env leanEnv, cases []leanCase) {
+	ctx := context.Background()
+	s := NewRedisStore(env.c, WithKeyPrefix(redistest.KeyPrefix()))
+	key := func(side string, i int) string { return s.Key(fmt.Sprint(side, i), "p") }
+	calls := map[string][]*redisscript.Call{}
+	for i, k := range cases {
+		for _, side := range []string{"general", "lean"} {
+			require.NoError(t, k.state.plant(ctx, env.c, key(side, i), t0), "%v", k)
+			calls[side] = append(calls[side], &redisscript.Call{Keys: []string{key(side, i)}, Args: s.args(k.cost, []Plan{k.plan})})
+		}
+	}
+	env.wait()
+	d := env.at(t, t0)
+	d.limitMany.Run(ctx, env.c, calls["general"])
+	d.takeMany.Run(ctx, env.c, calls["lean"])
+	for i, k := range cases {
+		g, l := calls["general"][i], calls["lean"][i]
+		require.NoError(t, g.Err, "%v", k)
+		require.NoError(t, l.Err, "%v", k)
+		gv, err := redisscript.Ints(nil, g.Reply, 4)
+		require.NoError(t, err)
+		lv, err := replyInts(nil, l.Reply, 4)
+		require.NoError(t, err)
+		assert.Equal(t, gv, lv, "%v: reply", k)
+		sameStored(t, env, key("general", i), key("lean", i), k.String())
 	}
 }
 
