@@ -230,7 +230,9 @@ func (l *Limiter) PeekN(ctx context.Context, key string, n int64, plans ...strin
 // store and in the fallback store, and forgets the key's remembered
 // denials and leases (Plan.Lease), whose rest it does not give back: the
 // bucket is full without it. For the same reason the reservations of key
-// taken before it are refunded nothing when they settle. With no plan
+// taken before it are refunded nothing when they settle, and it waits for
+// the settlements of key under way (and of the few keys that share a lock
+// with it) to reach the store. With no plan
 // named, it resets every plan of the Limiter but its concurrency plans,
 // whose permits are their holders' until released: naming one is
 // ErrInvalidPlan. Other instances' denial caches see the Reset once the
