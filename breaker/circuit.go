@@ -131,150 +131,209 @@ type circuit struct {
 // step applies in at now (µs) with settings p, and returns the reply the
 // script would give. The comments of circuit_breaker.lua explain each rule.
 func (c *circuit) step(now int64, in input, p params) reply {
+	t := turn{c: c, now: now, p: p, slot: c.align(now, p)}
+	c.bringBack(now, p)
+	s0, g0 := c.state, c.gen
+	var r reply
+	if in.op == opAcquire || in.op == opRecord {
+		r.ignored = t.record(in)
+	}
+	switch in.op {
+	case opAcquire:
+		t.acquire(in.token, &r)
+	case opForceOpen:
+		t.open()
+		c.held, c.openUntil = true, 0
+	case opForceClosed:
+		t.closeIt()
+	case opReset:
+		t.closeIt()
+		c.trips, c.failedProbes = 0, 0
+	}
+	c.reply(&r, now, p)
+	if c.gen != g0 {
+		r.from = s0 + 1
+	}
+	return r
+}
+
+// align sizes c's leases to p's probes, starts afresh every window step
+// outside the window that ends at now, and returns now's slot.
+func (c *circuit) align(now int64, p params) int64 {
 	for len(c.leases) < int(p.probes) {
 		c.leases = append(c.leases, lease{})
 	}
 	c.leases = c.leases[:p.probes]
-	width := max(p.window/10, 1)
-	slot := now / width
-	cur := slot % 10
+	slot := now / max(p.window/10, 1)
 	for i := range c.steps {
 		if st := c.steps[i]; !c.hasStep[i] || st.slot <= slot-10 || st.slot > slot {
 			c.steps[i] = windowStep{slot: slot}
 		}
 		c.hasStep[i] = true
 	}
-	c.bringBack(now, p)
-	s0, g0 := c.state, c.gen
-	var r reply
+	return slot
+}
 
-	clear := func() {
-		for i := range c.steps {
-			c.steps[i] = windowStep{slot: slot}
+// turn is one step of a circuit: its instant now (µs), its settings p and
+// now's window slot.
+type turn struct {
+	c         *circuit
+	now, slot int64
+	p         params
+}
+
+// clear empties the window, the leases and the runs of successes.
+func (t turn) clear() {
+	c := t.c
+	for i := range c.steps {
+		c.steps[i] = windowStep{slot: t.slot}
+	}
+	for i := range c.leases {
+		c.leases[i] = lease{}
+	}
+	c.consecutive, c.probeSuccesses = 0, 0
+}
+
+// open opens the breaker for OpenFor, doubled for each failed probe up to
+// MaxOpenFor.
+func (t turn) open() {
+	c, p := t.c, t.p
+	d := p.openFor
+	for range c.failedProbes {
+		if d >= p.maxOpenFor {
+			break
 		}
+		d *= 2
+	}
+	d = min(d, max(p.maxOpenFor, p.openFor))
+	c.state, c.gen, c.openUntil, c.held = stateOpen, c.gen+1, t.now+d, false
+	t.clear()
+}
+
+// closeIt closes the breaker.
+func (t turn) closeIt() {
+	c := t.c
+	c.state, c.gen, c.openUntil, c.failedProbes, c.held = stateClosed, c.gen+1, 0, 0, false
+	t.clear()
+}
+
+// sums returns the calls, failures and slow calls in c's window.
+func (c *circuit) sums() (n, f, w int64) {
+	for _, st := range c.steps {
+		n, f, w = n+st.calls, f+st.failures, w+st.slow
+	}
+	return n, f, w
+}
+
+// record counts in's outcomes, of calls or of a probe, and returns 1 if
+// they were ignored: calls of another generation or state, or a probe
+// whose lease is not held.
+func (t turn) record(in input) int64 {
+	b := in.b
+	switch {
+	case in.op == opRecord && in.token != 0:
+		return t.probed(in)
+	case b.calls > 0:
+		c := t.c
+		if c.state != stateClosed || (in.gen != -1 && in.gen != c.gen) {
+			return 1
+		}
+		st := &c.steps[t.slot%10]
+		st.slot = t.slot // an empty step may carry an older slot that is still in the window
+		st.calls, st.failures, st.slow = st.calls+b.calls, st.failures+b.failures, st.slow+b.slow
+		if b.succeeded {
+			c.consecutive = b.run
+		} else {
+			c.consecutive += b.run
+		}
+		if (b.failures > 0 || b.slow > 0) && t.trips() {
+			c.trips, c.failedProbes = c.trips+1, 0
+			t.open()
+		}
+	}
+	return 0
+}
+
+// trips reports whether the window's failure or slow rate, or the run of
+// failures, trips the breaker.
+func (t turn) trips() bool {
+	n, f, w := t.c.sums()
+	p := t.p
+	return (n >= p.minCalls && (f*1_000_000 >= p.rate*n || (p.slowRate > 0 && w*1_000_000 >= p.slowRate*n))) ||
+		(p.consecutive > 0 && t.c.consecutive >= p.consecutive)
+}
+
+// probed counts a probe's outcome, and returns 1 if its lease is not
+// held: the probe's call reopens the breaker if it failed, releases its
+// lease if it made none, and counts towards closing if it succeeded.
+func (t turn) probed(in input) int64 {
+	c := t.c
+	held := -1
+	if c.state == stateHalfOpen && in.gen == c.gen {
+		for i, l := range c.leases {
+			if !l.used && l.token == in.token && l.expires > t.now {
+				held = i
+			}
+		}
+	}
+	switch {
+	case held < 0:
+		return 1
+	case in.b.calls == 0:
+		c.leases[held] = lease{}
+	case in.b.failures > 0:
+		c.failedProbes++
+		t.open()
+	default:
+		c.leases[held].used = true
+		c.probeSuccesses++
+		if c.probeSuccesses >= t.p.probes {
+			t.closeIt()
+		}
+	}
+	return 0
+}
+
+// acquire asks for a call under token: an open breaker whose time is up
+// turns half-open; a closed one grants; a half-open one grants a free
+// probe lease, or tells r how long until one may be free.
+func (t turn) acquire(token uint64, r *reply) {
+	c, now := t.c, t.now
+	if c.state == stateOpen && !c.held && now >= c.openUntil {
+		c.state, c.gen, c.probeSuccesses = stateHalfOpen, c.gen+1, 0
 		for i := range c.leases {
 			c.leases[i] = lease{}
 		}
-		c.consecutive, c.probeSuccesses = 0, 0
 	}
-	open := func() {
-		d := p.openFor
-		for range c.failedProbes {
-			if d >= p.maxOpenFor {
-				break
+	switch c.state {
+	case stateClosed:
+		r.grant = grantClosed
+	case stateHalfOpen:
+		free := -1
+		for i := len(c.leases) - 1; i >= 0; i-- {
+			if l := c.leases[i]; l.token == 0 || (!l.used && l.expires <= now) {
+				free = i
 			}
-			d *= 2
 		}
-		d = min(d, max(p.maxOpenFor, p.openFor))
-		c.state, c.gen, c.openUntil, c.held = stateOpen, c.gen+1, now+d, false
-		clear()
-	}
-	closeIt := func() {
-		c.state, c.gen, c.openUntil, c.failedProbes, c.held = stateClosed, c.gen+1, 0, 0, false
-		clear()
-	}
-	sums := func() (n, f, w int64) {
-		for _, st := range c.steps {
-			n, f, w = n+st.calls, f+st.failures, w+st.slow
+		if free >= 0 {
+			c.leases[free] = lease{token: token, expires: now + t.p.probeTimeout}
+			r.grant = grantProbe
+			return
 		}
-		return n, f, w
+		r.wait = maxExact
+		for _, l := range c.leases {
+			if !l.used {
+				r.wait = min(r.wait, l.expires-now)
+			}
+		}
+		if r.wait == maxExact {
+			r.wait = t.p.probeTimeout
+		}
 	}
+}
 
-	probe := in.op == opRecord && in.token != 0
-	if in.op == opAcquire || in.op == opRecord {
-		b := in.b
-		switch {
-		case b.calls > 0 && !probe:
-			if c.state != stateClosed || (in.gen != -1 && in.gen != c.gen) {
-				r.ignored = 1
-				break
-			}
-			st := &c.steps[cur]
-			st.slot = slot // an empty step may carry an older slot that is still in the window
-			st.calls, st.failures, st.slow = st.calls+b.calls, st.failures+b.failures, st.slow+b.slow
-			if b.succeeded {
-				c.consecutive = b.run
-			} else {
-				c.consecutive += b.run
-			}
-			if b.failures > 0 || b.slow > 0 {
-				n, f, w := sums()
-				if (n >= p.minCalls && (f*1_000_000 >= p.rate*n || (p.slowRate > 0 && w*1_000_000 >= p.slowRate*n))) ||
-					(p.consecutive > 0 && c.consecutive >= p.consecutive) {
-					c.trips, c.failedProbes = c.trips+1, 0
-					open()
-				}
-			}
-		case probe:
-			held := -1
-			if c.state == stateHalfOpen && in.gen == c.gen {
-				for i, l := range c.leases {
-					if !l.used && l.token == in.token && l.expires > now {
-						held = i
-					}
-				}
-			}
-			switch {
-			case held < 0:
-				r.ignored = 1
-			case b.calls == 0:
-				c.leases[held] = lease{}
-			case b.failures > 0:
-				c.failedProbes++
-				open()
-			default:
-				c.leases[held].used = true
-				c.probeSuccesses++
-				if c.probeSuccesses >= p.probes {
-					closeIt()
-				}
-			}
-		}
-	}
-
-	switch in.op {
-	case opAcquire:
-		if c.state == stateOpen && !c.held && now >= c.openUntil {
-			c.state, c.gen, c.probeSuccesses = stateHalfOpen, c.gen+1, 0
-			for i := range c.leases {
-				c.leases[i] = lease{}
-			}
-		}
-		switch c.state {
-		case stateClosed:
-			r.grant = grantClosed
-		case stateHalfOpen:
-			free := -1
-			for i := len(c.leases) - 1; i >= 0; i-- {
-				if l := c.leases[i]; l.token == 0 || (!l.used && l.expires <= now) {
-					free = i
-				}
-			}
-			if free >= 0 {
-				c.leases[free] = lease{token: in.token, expires: now + p.probeTimeout}
-				r.grant = grantProbe
-			} else {
-				r.wait = maxExact
-				for _, l := range c.leases {
-					if !l.used {
-						r.wait = min(r.wait, l.expires-now)
-					}
-				}
-				if r.wait == maxExact {
-					r.wait = p.probeTimeout
-				}
-			}
-		}
-	case opForceOpen:
-		open()
-		c.held, c.openUntil = true, 0
-	case opForceClosed:
-		closeIt()
-	case opReset:
-		closeIt()
-		c.trips, c.failedProbes = 0, 0
-	}
-
+// reply fills in r's state, wait and counts as of now.
+func (c *circuit) reply(r *reply, now int64, p params) {
 	switch {
 	case c.state == stateOpen && c.held:
 		r.wait = p.openFor
@@ -282,14 +341,10 @@ func (c *circuit) step(now int64, in input, p params) reply {
 		r.wait = max(c.openUntil-now, 0)
 	}
 	r.state, r.gen, r.trips = c.state, c.gen, c.trips
-	r.calls, r.failures, r.slow = sums()
+	r.calls, r.failures, r.slow = c.sums()
 	if c.held {
 		r.held = 1
 	}
-	if c.gen != g0 {
-		r.from = s0 + 1
-	}
-	return r
 }
 
 // bringBack brings an open time or a lease further ahead of now (µs) than
