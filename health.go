@@ -3,6 +3,7 @@ package tollgate
 import (
 	"context"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/tollgate-go/tollgate/breaker"
@@ -22,7 +23,26 @@ type health struct {
 	// master the client cannot name.
 	one     *breaker.Breaker
 	masters mastersStore // the store, when it is spread over masters; else nil
-	nodes   sync.Map     // master address → *breaker.Breaker
+	// nodes maps a master's address, "" for keys whose master the client
+	// cannot name, to its *node.
+	nodes sync.Map
+	// retired counts the transitions of the breakers forgotten, by the
+	// state entered.
+	retired [3]atomic.Uint64
+}
+
+// node is the breaker of one master of a store spread over masters. A
+// master can go for good (a failover promotes a replica at another
+// address), and then no decision asks its breaker again: one that is not
+// closed, and that no decision asked for a while, is forgotten, or it
+// would keep the outage going for ever. A key of that master, if it comes
+// back, gets a new breaker.
+type node struct {
+	b *breaker.Breaker
+	// asked is when a decision last asked for the breaker while it was not
+	// closed, and seen when forget first found it not closed (0 when
+	// closed), in UnixNano.
+	asked, seen atomic.Int64
 }
 
 // newHealth returns the breakers for store.
@@ -47,26 +67,53 @@ func (h *health) forKey(ctx context.Context, key string, plans []Plan) *breaker.
 	}
 	addr, err := h.masters.masterOf(ctx, key, plans[0].Name)
 	if err != nil {
-		return h.one
+		addr = ""
 	}
-	if b, ok := h.nodes.Load(addr); ok {
-		return b.(*breaker.Breaker)
+	v, ok := h.nodes.Load(addr)
+	if !ok {
+		v, _ = h.nodes.LoadOrStore(addr, &node{b: breaker.New(h.settings)})
 	}
-	b, _ := h.nodes.LoadOrStore(addr, breaker.New(h.settings))
-	return b.(*breaker.Breaker)
+	n := v.(*node)
+	if n.b.State() != breaker.Closed {
+		n.asked.Store(time.Now().UnixNano())
+	}
+	return n.b
 }
 
 // each calls f for every breaker.
 func (h *health) each(f func(b *breaker.Breaker)) {
 	f(h.one)
-	h.nodes.Range(func(_, b any) bool {
-		f(b.(*breaker.Breaker))
+	h.nodes.Range(func(_, v any) bool {
+		f(v.(*node).b)
+		return true
+	})
+}
+
+// forget drops the masters' breakers that are not closed and that no
+// decision asked for since the longer of the breakers' Window and two
+// Cooldowns, found not closed that long ago at least.
+func (h *health) forget() {
+	now := time.Now().UnixNano()
+	idle := int64(max(h.settings.Window, 2*h.settings.Cooldown))
+	h.nodes.Range(func(addr, v any) bool {
+		n := v.(*node)
+		switch {
+		case n.b.State() == breaker.Closed:
+			n.seen.Store(0)
+		case n.seen.Load() == 0:
+			n.seen.Store(now)
+		case now-n.seen.Load() > idle && now-n.asked.Load() > idle && h.nodes.CompareAndDelete(addr, v):
+			for s := range h.retired {
+				h.retired[s].Add(n.b.Entered(breaker.State(s)))
+			}
+		}
 		return true
 	})
 }
 
 // closed reports whether every breaker is closed.
 func (h *health) closed() bool {
+	h.forget()
 	all := true
 	h.each(func(b *breaker.Breaker) { all = all && b.State() == breaker.Closed })
 	return all
@@ -75,6 +122,7 @@ func (h *health) closed() bool {
 // state returns the state furthest from closed among the breakers: open,
 // then half-open.
 func (h *health) state() breaker.State {
+	h.forget()
 	worst := breaker.Closed
 	h.each(func(b *breaker.Breaker) {
 		if s := b.State(); s == breaker.Open || s == breaker.HalfOpen && worst == breaker.Closed {
@@ -87,6 +135,9 @@ func (h *health) state() breaker.State {
 // entered returns how many times the breakers together entered state s.
 func (h *health) entered(s breaker.State) uint64 {
 	n := uint64(0)
+	if s >= breaker.Closed && s <= breaker.HalfOpen {
+		n = h.retired[s].Load()
+	}
 	h.each(func(b *breaker.Breaker) { n += b.Entered(s) })
 	return n
 }

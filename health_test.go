@@ -2,8 +2,10 @@ package tollgate
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -99,4 +101,69 @@ func minLen(m map[string][]string) int {
 		}
 	}
 	return n
+}
+
+// movingMasterStore is a store spread over masters, whose master of every
+// key is master, "" when the client cannot name it, and whose calls fail
+// while down.
+type movingMasterStore struct {
+	mem    *MemoryStore
+	master atomic.Pointer[string]
+	down   atomic.Bool
+}
+
+func (s *movingMasterStore) Take(ctx context.Context, key string, cost int64, plans []Plan) (Result, error) {
+	if s.down.Load() {
+		return Result{}, errors.New("connection refused")
+	}
+	return s.mem.Take(ctx, key, cost, plans)
+}
+
+func (s *movingMasterStore) Reset(ctx context.Context, key string, plans []Plan) error {
+	return s.mem.Reset(ctx, key, plans)
+}
+
+func (s *movingMasterStore) spread() bool { return true }
+
+func (s *movingMasterStore) masterOf(context.Context, string, string) (string, error) {
+	if m := *s.master.Load(); m != "" {
+		return m, nil
+	}
+	return "", errors.New("slot map not loaded")
+}
+
+// TestOutageEndsWhenItsMasterIsGone: a Cluster master dies, its breaker
+// trips, and a replica at another address takes over its slots (or the
+// client, which could not name a master during the outage, can again).
+// No decision asks the dead master's breaker again, so it stays open: the
+// outage must end all the same once the store answers, or Stats().Outage,
+// Stats().Breaker and the metrics built on them say "outage" for ever.
+func TestOutageEndsWhenItsMasterIsGone(t *testing.T) {
+	for name, dead := range map[string]string{"failover": "10.0.0.1:6379", "unnamed": ""} {
+		t.Run(name, func(t *testing.T) {
+			s := &movingMasterStore{mem: NewMemoryStore()}
+			s.master.Store(&dead)
+			s.down.Store(true)
+			l, err := New(s, []Plan{{Name: "p", Capacity: 1 << 30, Rate: 1}}, WithDenialCache(0),
+				WithLogger(slog.New(&logCounter{})), WithBreaker(breaker.Settings{Cooldown: 10 * time.Millisecond, Window: 100 * time.Millisecond}))
+			require.NoError(t, err)
+			ctx := context.Background()
+			for range 3 {
+				_, err := l.Allow(ctx, "k")
+				require.NoError(t, err)
+			}
+			require.True(t, l.Stats().Outage)
+			require.Equal(t, breaker.Open, l.Stats().Breaker)
+
+			promoted := "10.0.0.2:6379"
+			s.master.Store(&promoted)
+			s.down.Store(false)
+			require.Eventually(t, func() bool {
+				r, err := l.Allow(ctx, "k")
+				st := l.Stats()
+				return err == nil && r.Source == SourceStore && !st.Outage && st.Breaker == breaker.Closed
+			}, 3*time.Second, 5*time.Millisecond, "the outage never ends: %+v", l.Stats().Breaker)
+			assert.Equal(t, uint64(1), l.Stats().BreakerOpened, "the trip is still counted")
+		})
+	}
 }
