@@ -36,6 +36,10 @@ type fleet struct {
 	stop    chan struct{}
 	done    chan struct{}
 	closing sync.Once
+	// calls is the context of the heartbeats, ended by close, so that it
+	// waits for no heartbeat on a store that hangs.
+	calls    context.Context
+	endBeats context.CancelFunc
 }
 
 // newFleet checks s and returns the fleet of an instance on store, not
@@ -53,9 +57,10 @@ func newFleet(store Store, interval time.Duration) (*fleet, error) {
 	}
 	var id [8]byte
 	_, _ = rand.Read(id[:]) // never fails (crypto/rand)
+	calls, endBeats := context.WithCancel(context.Background())
 	return &fleet{
 		store: fs, id: hex.EncodeToString(id[:]), interval: interval, ttl: fleetTTLBeats * interval,
-		stop: make(chan struct{}), done: make(chan struct{}),
+		stop: make(chan struct{}), done: make(chan struct{}), calls: calls, endBeats: endBeats,
 	}, nil
 }
 
@@ -65,7 +70,7 @@ func (f *fleet) run() {
 	t := time.NewTicker(f.interval)
 	defer t.Stop()
 	for {
-		ctx, cancel := context.WithTimeout(context.Background(), f.interval)
+		ctx, cancel := context.WithTimeout(f.calls, f.interval)
 		_ = f.beat(ctx) // a failed beat keeps the size last seen
 		cancel()
 		select {
@@ -93,9 +98,13 @@ func (f *fleet) beat(ctx context.Context) error {
 	return nil
 }
 
-// close stops the heartbeat and waits for it; later calls return at once.
+// close stops the heartbeat, ends a heartbeat under way, and waits for
+// it; later calls return at once.
 func (f *fleet) close() {
-	f.closing.Do(func() { close(f.stop) })
+	f.closing.Do(func() {
+		close(f.stop)
+		f.endBeats()
+	})
 	<-f.done
 }
 

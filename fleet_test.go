@@ -302,3 +302,45 @@ func TestFallbackSharesThePlansInForce(t *testing.T) {
 		assert.Equal(t, 50, total, "the share, and the share again once, when version 2 resets it")
 	})
 }
+
+// hungFleetStore is a store whose heartbeats hang until their context
+// ends, as on a Redis that answers nothing to a client without a read
+// timeout shorter than the fleet's interval.
+type hungFleetStore struct {
+	mem   *MemoryStore
+	beats chan struct{}
+}
+
+func (s *hungFleetStore) Take(ctx context.Context, key string, cost int64, plans []Plan) (Result, error) {
+	return s.mem.Take(ctx, key, cost, plans)
+}
+
+func (s *hungFleetStore) Reset(ctx context.Context, key string, plans []Plan) error {
+	return s.mem.Reset(ctx, key, plans)
+}
+
+func (s *hungFleetStore) heartbeat(ctx context.Context, _ string, _ time.Duration) (int64, error) {
+	s.beats <- struct{}{}
+	<-ctx.Done()
+	return 0, ctx.Err()
+}
+
+// TestCloseDoesNotWaitForAHungHeartbeat: Close stops the heartbeat, and a
+// heartbeat under way on a hung Redis is called off, not waited for until
+// the fleet's interval (a minute here) ends it.
+func TestCloseDoesNotWaitForAHungHeartbeat(t *testing.T) {
+	s := &hungFleetStore{mem: NewMemoryStore(), beats: make(chan struct{}, 1)}
+	l, err := New(s, testPlans, WithLogger(nil), WithFleet(time.Minute))
+	require.NoError(t, err)
+	<-s.beats
+	closed := make(chan struct{})
+	go func() {
+		_ = l.Close()
+		close(closed)
+	}()
+	select {
+	case <-closed:
+	case <-time.After(5 * time.Second):
+		t.Fatal("Close waits for a hung heartbeat")
+	}
+}
