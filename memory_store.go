@@ -173,11 +173,14 @@ func (m *MemoryStore) takeBuckets(r *Result, key string, cost int64, plans []Pla
 			e = lk.insert(m, key, len(plans), now)
 		}
 		for i := range plans {
-			if wd&(1<<i) == 0 { // a shadowed plan that would deny is left as it was, but for bringBack
+			if wd&(1<<i) == 0 {
 				e.store(&plans[i], buckets[i])
-			} else {
-				e.bringBack(&plans[i], e.bucket(&plans[i], now), now)
+				continue
 			}
+			// A shadowed plan that would deny is left, and described, as
+			// it was stored, as a denial leaves it, but for bringBack.
+			buckets[i] = e.bucket(&plans[i], now)
+			e.bringBack(&plans[i], buckets[i], now)
 		}
 	} else {
 		// A denial or a read leaves the buckets as they were, but a

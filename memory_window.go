@@ -60,8 +60,8 @@ func (e *memEntry) readChain(d *outcome, windows []*window) {
 
 // describeChain sets what the Result of the decision d tells of each
 // plan, under the key's lock: the state of each window and concurrency
-// plan into d.windows, and, when nothing was taken, each bucket as
-// stored, after bringing back a stamp too far ahead. e may be nil.
+// plan into d.windows, and each bucket that nothing was taken from as
+// stored, then brought back if its stamp is too far ahead. e may be nil.
 func (e *memEntry) describeChain(d *outcome, windows []*window) {
 	now, cost := d.now, d.cost
 	taken := d.allowed && cost > 0
@@ -72,9 +72,10 @@ func (e *memEntry) describeChain(d *outcome, windows []*window) {
 		case p.isWindow():
 			// Windows change in place: they are described under the lock.
 			d.windows[i] = describeWindow(p, windows[i], now, cost, d.allowed && d.wd&(1<<i) == 0)
-		case !taken:
-			// A denial or a read leaves the buckets as they were, but a
-			// denial brings back a stamp too far ahead.
+		case !taken || d.wd&(1<<i) != 0:
+			// A denial, a read, or a shadowed plan that would deny leaves
+			// the bucket as it was, and is described so, but a decision
+			// that asks for tokens brings back a stamp too far ahead.
 			d.buckets[i] = e.bucket(p, now)
 			if cost > 0 {
 				e.bringBack(p, d.buckets[i], now)
@@ -95,11 +96,9 @@ func (e *memEntry) writeChain(o *outcome, windows []*window) {
 		switch p := &o.plans[i]; {
 		case p.Concurrency: // addPermits adds the permits
 		case !p.isWindow():
-			if taken {
+			if taken { // describeChain brings back the stamp of a bucket not taken from
 				o.buckets[i].Tokens -= cost * microTokens
 				e.store(p, o.buckets[i])
-			} else {
-				e.bringBack(p, e.bucket(p, now), now)
 			}
 		case taken:
 			windows[i] = e.storeWindow(p, now)
