@@ -263,3 +263,50 @@ func TestMemoryStoreDecisionOnADroppedKeyReadsTheClockAgain(t *testing.T) {
 	require.NoError(t, err)
 	assert.False(t, r.Allowed, "3 tokens in 2 s of one token a second were taken; a fourth is not there")
 }
+
+// TestMemoryStoreInsertWaitingForHeldKeysKeepsPermits fills a store of 2
+// keys with one holding permits and one holding a bucket, holds both
+// entries as decisions in progress would, and lets a third key arrive:
+// its insertion must wait, and then drop the key without permits, which
+// it may, not the first held key that frees up. Released first, the key
+// holding permits would otherwise be dropped half the time, its permits
+// read as free while their holder works.
+func TestMemoryStoreInsertWaitingForHeldKeysKeepsPermits(t *testing.T) {
+	ctx := context.Background()
+	inflight := []Plan{{Name: "c", Capacity: 1, Concurrency: true}}
+	bucket := []Plan{{Name: "p", Capacity: 3, Rate: 1}}
+	for trial := range 20 {
+		m := NewMemoryStore(WithMaxKeys(2))
+		acquire := op{key: "held", n: 1, mode: modeAcquire, plans: inflight, grant: &permit{id: "a", lease: time.Hour}}
+		r, err := m.decide(ctx, acquire)
+		require.NoError(t, err)
+		require.True(t, r.Allowed)
+		_, err = m.Take(ctx, "other", 1, bucket)
+		require.NoError(t, err)
+		var unlocks []func()
+		for _, k := range []string{"held", "other"} {
+			e, unlock := lockedEntry(m, k)
+			require.NotNil(t, e)
+			unlocks = append(unlocks, unlock)
+		}
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			_, err := m.Take(ctx, "new", 1, bucket)
+			assert.NoError(t, err)
+		}()
+		for m.shards[0].mu.TryLock() { // until the insertion holds the shard
+			m.shards[0].mu.Unlock()
+			runtime.Gosched()
+		}
+		time.Sleep(5 * time.Millisecond) // not asserted: gives it time to find both keys held
+		unlocks[0]()                     // the key holding permits first
+		time.Sleep(5 * time.Millisecond)
+		unlocks[1]()
+		<-done
+		acquire.grant = &permit{id: "b", lease: time.Hour}
+		r, err = m.decide(ctx, acquire)
+		require.NoError(t, err)
+		require.False(t, r.Allowed, "trial %d: the key holding permits was dropped", trial)
+	}
+}

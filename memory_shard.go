@@ -64,8 +64,9 @@ func (s *memShard) drop(e *memEntry, i int) {
 // from a random slot on, which gives nothing back, or else the one that
 // would get back the fewest tokens, per µs it has been away, if it
 // returned after as long again. A key that a decision holds at that
-// moment is in use and stays, unless every key sampled is held. Requires
-// s.mu.
+// moment is in use and stays, unless every key sampled is held: then it
+// waits for each and chooses among them by the same rule, so that a key
+// holding permits still goes last. Requires s.mu.
 func (s *memShard) evict(now int64) *memEntry {
 	t := s.table.Load()
 	v := victim{harm: math.Inf(1)}
@@ -74,12 +75,21 @@ func (s *memShard) evict(now int64) *memEntry {
 		i := (start + n) & t.mask
 		if e := t.slots[i].e.Load(); e != nil {
 			examined++
-			v.consider(e, int(i), now)
+			if e.mu.TryLock() {
+				v.consider(e, int(i), now)
+			} else if v.nbusy < len(v.busy) {
+				v.busy[v.nbusy] = slot{e, int(i)}
+				v.nbusy++
+			}
 		}
 	}
-	if v.e == nil && v.busy != nil { // every key sampled is held: wait for one
-		v.busy.mu.Lock()
-		v.e, v.at = v.busy, v.busyAt
+	if v.e == nil { // every key sampled is held: wait for them
+		// A decision that holds an entry waits for nothing, and none can
+		// come to hold a second one: waiting for each in turn is safe.
+		for _, b := range v.busy[:v.nbusy] {
+			b.e.mu.Lock()
+			v.consider(b.e, b.i, now)
+		}
 	}
 	if v.e != nil {
 		s.drop(v.e, v.at)
@@ -87,24 +97,25 @@ func (s *memShard) evict(now int64) *memEntry {
 	return v.e
 }
 
-// victim is evict's choice so far: an entry, locked, its slot and the
-// harm of dropping it; and the first entry it found held, and its slot.
-type victim struct {
-	e      *memEntry
-	at     int
-	harm   float64 // -Inf: full, nothing given back
-	busy   *memEntry
-	busyAt int
+// slot is an entry and its slot in the table.
+type slot struct {
+	e *memEntry
+	i int
 }
 
-// consider weighs e, in slot i, against the victim so far.
+// victim is evict's choice so far: an entry, locked, its slot and the
+// harm of dropping it; and the entries it found held.
+type victim struct {
+	e     *memEntry
+	at    int
+	harm  float64 // -Inf: full, nothing given back
+	busy  [evictSample]slot
+	nbusy int
+}
+
+// consider weighs e, locked, in slot i, against the victim so far, and
+// unlocks the one it does not keep.
 func (v *victim) consider(e *memEntry, i int, now int64) {
-	if !e.mu.TryLock() {
-		if v.busy == nil {
-			v.busy, v.busyAt = e, i
-		}
-		return
-	}
 	harm := math.Inf(-1)
 	if at := e.fullAt(now); at > now {
 		// What it would get back if it returned after as long as it has
