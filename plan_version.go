@@ -96,8 +96,8 @@ func (v bucketVersion) written(p *Plan) bucketVersion {
 
 // fence returns how long, in µs, a bucket that holds version v outlives
 // its refill under plan p, the plan that wrote it last: one full refill
-// of the larger of p's capacity and v.c at p's rate, or 0 if v holds no
-// version. A version that left with its bucket would let a reset or an
+// of the larger of p's capacity and v.c at p's rate, at most
+// maxRefillPeriod, or 0 if v holds no version. A version that left with its bucket would let a reset or an
 // additive change apply again; kept this long, the capacity such a
 // change grants again is at most what the rate would have refilled
 // while the bucket stood full. scripts/bucket.lua adds the same to a
@@ -106,7 +106,7 @@ func (v bucketVersion) fence(p *Plan) int64 {
 	if v.pv == 0 {
 		return 0
 	}
-	return int64(math.Floor(float64(max(p.Capacity, v.c)*microTokens) / p.Rate))
+	return int64(math.Min(math.Floor(float64(max(p.Capacity, v.c)*microTokens)/p.Rate), float64(maxRefillPeriod.Microseconds())))
 }
 
 // inherit returns bucket b as plan p reads it: taken over by p.Inherit

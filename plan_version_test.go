@@ -216,3 +216,28 @@ func TestResetForgetsTheVersion(t *testing.T) {
 		assert.Equal(t, int64(9), r.Remaining, "clamped to 10, 1 taken: version 1, below the 2 written, inherits nothing")
 	}, WithDenialCache(0))
 }
+
+// TestFenceOfASlowerPlanStaysBounded: a bucket written by a plan with a
+// version, then by a plan of the name that refills thousands of times
+// slower, outlives its refill by at most maxRefillPeriod. The fence was
+// max(capacities) ÷ rate: 3.2×10^19 µs here, past an int64, so the
+// MemoryStore counted the drained key as full, and miniredis, on a PX
+// past 292 years, dropped it at once, so the next decision found it full.
+func TestFenceOfASlowerPlanStaysBounded(t *testing.T) {
+	ctx := context.Background()
+	v1 := Plan{Name: "p", Capacity: 10000, Rate: 1, Version: 1}
+	slow := Plan{Name: "p", Capacity: 1, Rate: Per(1, maxRefillPeriod)}
+	f := bucketVersion{pv: 1, c: v1.Capacity}.fence(&slow)
+	assert.Equal(t, maxRefillPeriod.Microseconds(), f, "bounded, and not negative")
+	eachStore(t, []Plan{slow}, func(t *testing.T, l clockedLimiter) {
+		_, err := l.AllowPlans(ctx, "k", 1, v1)
+		require.NoError(t, err)
+		r, err := l.AllowPlans(ctx, "k", 1, slow)
+		require.NoError(t, err)
+		require.True(t, r.Allowed)
+		l.advance(time.Second)
+		r, err = l.Peek(ctx, "k")
+		require.NoError(t, err)
+		assert.Zero(t, r.Remaining, "the slow plan's only token is still taken")
+	}, WithDenialCache(0))
+}

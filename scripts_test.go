@@ -142,3 +142,9 @@ func TestBucketExpiryOfARoundNumberOnRedis72(t *testing.T) {
 		require.Contains(t, data, "tg:{k}:2:p", "%s: the bucket is written", name)
 	}
 }
+
+// TestBucketLuaKnowsTheLongestRefill: bucket.lua bounds a version's fence
+// by plan.go's maxRefillPeriod, which it spells as a number.
+func TestBucketLuaKnowsTheLongestRefill(t *testing.T) {
+	require.Contains(t, luaBucket, "local maxRefill = "+strconv.FormatInt(maxRefillPeriod.Microseconds(), 10)+" ")
+}

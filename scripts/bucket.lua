@@ -18,6 +18,7 @@
 local floor, tonumber, format = math.floor, tonumber, string.format
 local redisCall, redisPcall = redis.call, redis.pcall
 local max53 = 9007199254740992
+local maxRefill = 3153600000000000 -- plan.go's maxRefillPeriod, in µs
 
 -- readClock returns Redis TIME in µs, read at each call. TIME's fields
 -- are decimal strings that arithmetic converts once, where tonumber
@@ -240,14 +241,14 @@ end
 -- is ahead of now after TIME stepped back or while it is in debt: counted
 -- from now, the key would expire, and read as full, that much early. SET
 -- replaces whatever the key held. A bucket with a version outlives its
--- refill by one more full refill of the larger of full and c at rate, as
--- bucketVersion.fence computes, so that its version does not leave with
--- it and a reset or an additive change apply again (ADR 30). It returns
--- the bytes it stored.
+-- refill by one more full refill of the larger of full and c at rate, at
+-- most maxRefill, as bucketVersion.fence computes, so that its version
+-- does not leave with it and a reset or an additive change apply again
+-- (ADR 30). It returns the bytes it stored.
 local function writeBucket(key, t, ts, full, rate, now, pv, c)
   local us = (full - t) / rate
   if ts > now then us = us + (ts - now) end
-  if pv > 0 then us = us + floor(math.max(full, c * 1000000) / rate) end
+  if pv > 0 then us = us + math.min(floor(math.max(full, c * 1000000) / rate), maxRefill) end
   -- n is the bucket's length: 28 with a version, else the stamp's 7
   -- bytes and the fewest that hold t, 1 to 7, chosen here rather than in
   -- a function of their own, whose call would cost more than the compares.
