@@ -299,7 +299,7 @@ func TestMemoryStoreInsertWaitingForHeldKeysKeepsPermits(t *testing.T) {
 			m.shards[0].mu.Unlock()
 			runtime.Gosched()
 		}
-		time.Sleep(5 * time.Millisecond) // not asserted: gives it time to find both keys held
+		time.Sleep(20 * time.Millisecond) // not asserted: gives it time to find both keys held
 		unlocks[0]()                     // the key holding permits first
 		time.Sleep(5 * time.Millisecond)
 		unlocks[1]()
