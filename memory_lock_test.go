@@ -300,7 +300,7 @@ func TestMemoryStoreInsertWaitingForHeldKeysKeepsPermits(t *testing.T) {
 			runtime.Gosched()
 		}
 		time.Sleep(20 * time.Millisecond) // not asserted: gives it time to find both keys held
-		unlocks[0]()                     // the key holding permits first
+		unlocks[0]()                      // the key holding permits first
 		time.Sleep(5 * time.Millisecond)
 		unlocks[1]()
 		<-done
