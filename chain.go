@@ -1,5 +1,21 @@
 package tollgate
 
+import "fmt"
+
+// maxChain is the most plans one decision may chain: the scripts report
+// would-be denials, and a settlement names the plans it skips, as bits of
+// one whole number, which a Lua number holds exactly up to 2^53, next to
+// the allowed bit.
+const maxChain = 52
+
+// checkChain rejects a chain of more plans than the scripts can report.
+func checkChain(plans []Plan) error {
+	if len(plans) > maxChain {
+		return fmt.Errorf("%w: a decision may chain at most %d plans, got %d", ErrInvalidPlan, maxChain, len(plans))
+	}
+	return nil
+}
+
 // chain decides cost on every plan of a chain, all or nothing, and writes
 // nothing: buckets[i] is the bucket of bucket plan i, refilled to now in
 // place, and, for concurrency plan i, its free permits as tokens;

@@ -94,10 +94,8 @@ func (l *Limiter) check(ctx context.Context, q *request) error {
 			return err
 		}
 	}
-	if len(q.plans) > maxShadowIndex {
-		if err := checkShadow(q.plans); err != nil {
-			return err
-		}
+	if err := checkChain(q.plans); err != nil {
+		return err
 	}
 	if err := ctx.Err(); err != nil {
 		return err

@@ -204,19 +204,6 @@ func TestShadowReplyBits(t *testing.T) {
 	assert.ErrorIs(t, err, redisscript.ErrBadReply)
 }
 
-func TestShadowedPlanDeepInAChain(t *testing.T) {
-	plans := make([]Plan, maxShadowIndex+1)
-	for i := range plans {
-		plans[i] = Plan{Name: "p" + string(rune('A'+i%26)) + string(rune('a'+i/26)), Capacity: 1, Rate: 1}
-	}
-	plans[maxShadowIndex].Shadow = true
-	_, err := NewMemoryStore().Take(context.Background(), "k", 1, plans)
-	assert.ErrorIs(t, err, ErrInvalidPlan)
-	plans[maxShadowIndex].Shadow, plans[maxShadowIndex-1].Shadow = false, true
-	_, err = NewMemoryStore().Take(context.Background(), "k", 1, plans)
-	assert.NoError(t, err)
-}
-
 // On a real Redis, a shadowed plan that would deny is reported and left
 // as it was, next to an enforced plan that is drained.
 func TestShadowOnRealRedis(t *testing.T) {

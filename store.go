@@ -209,7 +209,7 @@ func checkTake(key string, cost int64, plans []Plan) error {
 			return err
 		}
 	}
-	if err := checkShadow(plans); err != nil {
+	if err := checkChain(plans); err != nil {
 		return err
 	}
 	if permitsIn(plans) {
