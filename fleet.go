@@ -6,7 +6,6 @@ import (
 	"encoding/hex"
 	"fmt"
 	"slices"
-	"sync"
 	"sync/atomic"
 	"time"
 )
@@ -33,13 +32,11 @@ type fleet struct {
 	size     atomic.Int64         // instances alive last seen; 0 before the first heartbeat
 	counts   [fleetTTLBeats]int64 // of the last heartbeats, newest first; only beat uses them
 
-	stop    chan struct{}
-	done    chan struct{}
-	closing sync.Once
-	// calls is the context of the heartbeats, ended by close, so that it
-	// waits for no heartbeat on a store that hangs.
-	calls    context.Context
-	endBeats context.CancelFunc
+	// alive is the context of the heartbeats, which close ends: it stops
+	// them, and ends one under way on a store that hangs.
+	alive context.Context
+	end   context.CancelFunc
+	done  chan struct{} // closed when run returns
 }
 
 // newFleet checks s and returns the fleet of an instance on store, not
@@ -57,10 +54,10 @@ func newFleet(store Store, interval time.Duration) (*fleet, error) {
 	}
 	var id [8]byte
 	_, _ = rand.Read(id[:]) // never fails (crypto/rand)
-	calls, endBeats := context.WithCancel(context.Background())
+	alive, end := context.WithCancel(context.Background())
 	return &fleet{
 		store: fs, id: hex.EncodeToString(id[:]), interval: interval, ttl: fleetTTLBeats * interval,
-		stop: make(chan struct{}), done: make(chan struct{}), calls: calls, endBeats: endBeats,
+		alive: alive, end: end, done: make(chan struct{}),
 	}, nil
 }
 
@@ -70,11 +67,11 @@ func (f *fleet) run() {
 	t := time.NewTicker(f.interval)
 	defer t.Stop()
 	for {
-		ctx, cancel := context.WithTimeout(f.calls, f.interval)
+		ctx, cancel := context.WithTimeout(f.alive, f.interval)
 		_ = f.beat(ctx) // a failed beat keeps the size last seen
 		cancel()
 		select {
-		case <-f.stop:
+		case <-f.alive.Done():
 			return
 		case <-t.C:
 		}
@@ -101,10 +98,7 @@ func (f *fleet) beat(ctx context.Context) error {
 // close stops the heartbeat, ends a heartbeat under way, and waits for
 // it; later calls return at once.
 func (f *fleet) close() {
-	f.closing.Do(func() {
-		close(f.stop)
-		f.endBeats()
-	})
+	f.end()
 	<-f.done
 }
 
