@@ -1,6 +1,7 @@
 package tollgate
 
 import (
+	"hash/maphash"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -33,14 +34,13 @@ type resetMarks struct {
 // resetOrders is how many locks resetMarks.order spreads keys over.
 const resetOrders = 64
 
+// orderSeed seeds the hash that spreads keys over resetMarks' locks.
+var orderSeed = maphash.MakeSeed()
+
 // order returns the lock that orders key's Resets and settlements: one of
-// resetOrders, by an FNV-1a hash of key.
+// resetOrders, by a hash of key.
 func (m *resetMarks) order(key string) *sync.RWMutex {
-	h := uint32(2166136261)
-	for i := 0; i < len(key); i++ {
-		h = (h ^ uint32(key[i])) * 16777619
-	}
-	return &m.orders[h%resetOrders]
+	return &m.orders[maphash.String(orderSeed, key)%resetOrders]
 }
 
 // resetMark is a key's latest Reset: seq after it, and when it was counted.
