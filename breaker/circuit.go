@@ -131,7 +131,7 @@ type circuit struct {
 // step applies in at now (µs) with settings p, and returns the reply the
 // script would give. The comments of circuit_breaker.lua explain each rule.
 func (c *circuit) step(now int64, in input, p params) reply {
-	t := turn{c: c, now: now, p: p, slot: c.align(now, p)}
+	t := &turn{c: c, now: now, p: p, slot: c.align(now, p)}
 	c.bringBack(now, p)
 	s0, g0 := c.state, c.gen
 	var r reply
@@ -183,7 +183,7 @@ type turn struct {
 }
 
 // clear empties the window, the leases and the runs of successes.
-func (t turn) clear() {
+func (t *turn) clear() {
 	c := t.c
 	for i := range c.steps {
 		c.steps[i] = windowStep{slot: t.slot}
@@ -196,7 +196,7 @@ func (t turn) clear() {
 
 // open opens the breaker for OpenFor, doubled for each failed probe up to
 // MaxOpenFor.
-func (t turn) open() {
+func (t *turn) open() {
 	c, p := t.c, t.p
 	d := p.openFor
 	for range c.failedProbes {
@@ -211,7 +211,7 @@ func (t turn) open() {
 }
 
 // closeIt closes the breaker.
-func (t turn) closeIt() {
+func (t *turn) closeIt() {
 	c := t.c
 	c.state, c.gen, c.openUntil, c.failedProbes, c.held = stateClosed, c.gen+1, 0, 0, false
 	t.clear()
@@ -228,7 +228,7 @@ func (c *circuit) sums() (n, f, w int64) {
 // record counts in's outcomes, of calls or of a probe, and returns 1 if
 // they were ignored: calls of another generation or state, or a probe
 // whose lease is not held.
-func (t turn) record(in input) int64 {
+func (t *turn) record(in input) int64 {
 	b := in.b
 	switch {
 	case in.op == opRecord && in.token != 0:
@@ -256,7 +256,7 @@ func (t turn) record(in input) int64 {
 
 // trips reports whether the window's failure or slow rate, or the run of
 // failures, trips the breaker.
-func (t turn) trips() bool {
+func (t *turn) trips() bool {
 	n, f, w := t.c.sums()
 	p := t.p
 	return (n >= p.minCalls && (f*1_000_000 >= p.rate*n || (p.slowRate > 0 && w*1_000_000 >= p.slowRate*n))) ||
@@ -266,7 +266,7 @@ func (t turn) trips() bool {
 // probed counts a probe's outcome, and returns 1 if its lease is not
 // held: the probe's call reopens the breaker if it failed, releases its
 // lease if it made none, and counts towards closing if it succeeded.
-func (t turn) probed(in input) int64 {
+func (t *turn) probed(in input) int64 {
 	c := t.c
 	held := -1
 	if c.state == stateHalfOpen && in.gen == c.gen {
@@ -297,7 +297,7 @@ func (t turn) probed(in input) int64 {
 // acquire asks for a call under token: an open breaker whose time is up
 // turns half-open; a closed one grants; a half-open one grants a free
 // probe lease, or tells r how long until one may be free.
-func (t turn) acquire(token uint64, r *reply) {
+func (t *turn) acquire(token uint64, r *reply) {
 	c, now := t.c, t.now
 	if c.state == stateOpen && !c.held && now >= c.openUntil {
 		c.state, c.gen, c.probeSuccesses = stateHalfOpen, c.gen+1, 0
