@@ -301,14 +301,9 @@ func TestHungKeysDoNotStallOtherRenewals(t *testing.T) {
 // from the store (lessHeld): under the race detector, the move and the
 // count share a lock.
 func TestAdoptionWhileTheFallbackCounts(t *testing.T) {
-	rs, _, _ := newMiniredisStore(t)
-	plan := Plan{Name: "c", Capacity: 10, Concurrency: true}
-	l, err := New(rs, []Plan{plan}, WithLogger(nil), WithPermitLease(30*time.Millisecond))
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = l.Close() })
-	p := &Permit{l: l, key: "k", n: 1, plans: []Plan{plan}, result: Result{Allowed: true},
-		grant: permit{id: newPermitID(), lease: l.permitLease, backs: &l.backs}}
-	_, err = l.fallback.(decider).decide(context.Background(), op{key: "k", n: 1, mode: modeAcquire, plans: p.plans, grant: &p.grant})
+	l, p := fallbackPermit(t)
+	plan := p.plans[0]
+	_, err := l.fallback.(decider).decide(context.Background(), op{key: "k", n: 1, mode: modeAcquire, plans: p.plans, grant: &p.grant})
 	require.NoError(t, err)
 	require.Same(t, l.fallback, p.grant.store)
 	l.book.add(p)
@@ -347,13 +342,8 @@ func TestRenewalsStopWhenNothingIsHeld(t *testing.T) {
 // says it was lost.
 func TestAdoptionLeavesWhatTheFallbackLost(t *testing.T) {
 	ctx := context.Background()
-	rs, _, _ := newMiniredisStore(t)
-	plan := Plan{Name: "c", Capacity: 10, Concurrency: true}
-	l, err := New(rs, []Plan{plan}, WithLogger(nil), WithPermitLease(30*time.Millisecond))
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = l.Close() })
-	p := &Permit{l: l, key: "k", n: 1, plans: []Plan{plan}, result: Result{Allowed: true},
-		grant: permit{id: newPermitID(), lease: l.permitLease, store: l.fallback, backs: &l.backs}}
+	l, p := fallbackPermit(t)
+	p.grant.store = l.fallback
 	l.book.add(p) // the fallback holds nothing of it
 	require.Eventually(t, func() bool { return l.Stats().Permits.Lost == 1 }, 5*time.Second, time.Millisecond)
 	require.Zero(t, l.Stats().Permits.Adopted)
@@ -432,4 +422,17 @@ func TestCloseWaitsForNoHungPass(t *testing.T) {
 	start := time.Now()
 	require.NoError(t, l.Close())
 	require.Less(t, time.Since(start), releaseTimeout+time.Second, "the hung pass is cut short")
+}
+
+// fallbackPermit returns a Limiter on miniredis with a concurrency plan
+// "c" of 10 and a lease of 30 ms, and a granted Permit of one on key "k"
+// made by hand, as its fallback would make it, for a test to place.
+func fallbackPermit(t *testing.T) (*Limiter, *Permit) {
+	rs, _, _ := newMiniredisStore(t)
+	plan := Plan{Name: "c", Capacity: 10, Concurrency: true}
+	l, err := New(rs, []Plan{plan}, WithLogger(nil), WithPermitLease(30*time.Millisecond))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = l.Close() })
+	return l, &Permit{l: l, key: "k", n: 1, plans: []Plan{plan}, result: Result{Allowed: true},
+		grant: permit{id: newPermitID(), lease: l.permitLease, backs: &l.backs}}
 }
