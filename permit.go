@@ -114,8 +114,9 @@ type permitReply struct {
 // 0: a permit comes back when its holder releases it, on no schedule.
 // Naming no concurrency plan is ErrInvalidPlan, as is naming one in
 // Allow, Peek or Reserve. n must be 1 to the smallest capacity of the
-// plans (ErrInvalidCost). A store that cannot hold permits (one of
-// another package) gets errors.ErrUnsupported.
+// plans (ErrInvalidCost). On a store, or a fallback store, that cannot
+// hold permits (one of another package), New and SetPlans refuse
+// concurrency plans with errors.ErrUnsupported, and Acquire returns it.
 //
 // While the store fails, the failure policy decides: Fallback grants
 // permits in the fallback store, from this instance's share of each plan

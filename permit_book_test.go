@@ -263,8 +263,16 @@ func TestPermitAcquiredAfterCloseIsRenewed(t *testing.T) {
 }
 
 // hungStore stands for a store whose node hangs (a Cluster master behind
-// a black hole): each of its permits calls lasts until its context ends.
+// a black hole): each of its decisions and permits calls lasts until its
+// context ends. It decides, so that a Limiter on it takes concurrency
+// plans.
 type hungStore struct{}
+
+func (s hungStore) self() Store { return s }
+func (hungStore) decide(ctx context.Context, _ op) (Result, error) {
+	<-ctx.Done()
+	return Result{}, ctx.Err()
+}
 
 func (hungStore) Take(context.Context, string, int64, []Plan) (Result, error) { return Result{}, nil }
 func (hungStore) Reset(context.Context, string, []Plan) error                 { return nil }

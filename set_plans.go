@@ -2,6 +2,7 @@ package tollgate
 
 import (
 	"fmt"
+	"slices"
 	"strconv"
 	"sync/atomic"
 )
@@ -157,19 +158,31 @@ func (l *Limiter) SetPlans(plans []Plan) error {
 	if err != nil {
 		return err
 	}
-	if old := l.table.Load(); old != nil {
+	if err := l.replaces(l.table.Load(), t); err != nil {
+		return err
+	}
+	l.table.Store(t)
+	if l.denials != nil { // nil when the cache is off
+		l.denials.ForgetAll()
+	}
+	return nil
+}
+
+// replaces checks that table t may replace old (nil at New): no plan
+// changes its kind, and the stores hold what its plans need.
+func (l *Limiter) replaces(old, t *planTable) error {
+	if old != nil {
 		for _, p := range t.plans {
 			if e := old.byName[p.Name]; e != nil && e.one[0].Concurrency != p.Concurrency {
 				return errKindOfPermits(p.Name)
 			}
 		}
 	}
-	if l.leases == nil && l.mem == nil && leaseIn(plans) {
+	if l.leases == nil && l.mem == nil && leaseIn(t.plans) {
 		return fmt.Errorf("%w: Plan.Lease needs a store, and a fallback store, that hold reservations", errUnsupported(modeHold))
 	}
-	l.table.Store(t)
-	if l.denials != nil { // nil when the cache is off
-		l.denials.ForgetAll()
+	if !l.permitsHeld && slices.ContainsFunc(t.plans, func(p Plan) bool { return p.Concurrency }) {
+		return fmt.Errorf("%w: a concurrency plan needs a store, and a fallback store, that hold permits", errUnsupported(modeAcquire))
 	}
 	return nil
 }

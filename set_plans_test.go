@@ -2,6 +2,7 @@ package tollgate
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
@@ -229,4 +230,26 @@ func TestRollingDeployStaysWithinTheTransitionBound(t *testing.T) {
 	t.Logf("admitted %d of 10000 in %.3f s; bound %.1f", admitted, float64(end-start)/1e6, bound)
 	assert.LessOrEqual(t, float64(admitted), bound)
 	assert.Less(t, admitted, 10_000, "the test must push past the limit")
+}
+
+// TestConcurrencyPlanNeedsAStoreThatHoldsPermits: New and SetPlans refuse
+// a concurrency plan on a store, or a fallback store, that cannot hold
+// permits, whose every Acquire would fail. Before, New took it and each
+// Acquire returned errors.ErrUnsupported: httplimit answered every
+// request 500.
+func TestConcurrencyPlanNeedsAStoreThatHoldsPermits(t *testing.T) {
+	inflight := Plan{Name: "inflight", Capacity: 2, Concurrency: true}
+	_, err := New(foreignStore{NewMemoryStore()}, []Plan{testPlans[0], inflight})
+	assert.ErrorIs(t, err, errors.ErrUnsupported, "the store holds no permits")
+	rs, _, _ := newMiniredisStore(t)
+	_, err = New(rs, []Plan{inflight}, WithFallback(foreignStore{NewMemoryStore()}))
+	assert.ErrorIs(t, err, errors.ErrUnsupported, "the fallback holds no permits")
+
+	l := newTestLimiter(t, foreignStore{NewMemoryStore()})
+	assert.ErrorIs(t, l.SetPlans([]Plan{testPlans[0], inflight}), errors.ErrUnsupported)
+	_, ok := l.Plan("inflight")
+	assert.False(t, ok, "the old plans stay")
+	l, err = New(NewMemoryStore(), []Plan{testPlans[0], inflight}, WithFallback(NewMemoryStore()))
+	require.NoError(t, err, "a MemoryStore holds permits")
+	require.NoError(t, l.Close())
 }
