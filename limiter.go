@@ -180,6 +180,14 @@ func (l *Limiter) Plan(name string) (Plan, bool) {
 	return e.one[0], true
 }
 
+// DefaultPlan returns the plan that a call naming no plan uses: the first
+// plan given to New, or to the latest SetPlans; shadowed if WithShadow is
+// set. It is a concurrency plan for ever, or never: SetPlans keeps its
+// kind.
+func (l *Limiter) DefaultPlan() Plan {
+	return l.table.Load().defaults.one[0]
+}
+
 // Allow is AllowN with cost 1.
 func (l *Limiter) Allow(ctx context.Context, key string, plans ...string) (r Result, err error) {
 	q := request{op: op{key: key, n: 1}}

@@ -334,3 +334,15 @@ func (h cannedReply) ProcessHook(redis.ProcessHook) redis.ProcessHook {
 func (h cannedReply) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
 	return next
 }
+
+func TestDefaultPlan(t *testing.T) {
+	l := newTestLimiter(t, NewMemoryStore())
+	assert.Equal(t, testPlans[0], l.DefaultPlan(), "the first plan given to New")
+	require.NoError(t, l.SetPlans([]Plan{testPlans[1], testPlans[0]}))
+	assert.Equal(t, testPlans[1], l.DefaultPlan(), "the first plan of the latest SetPlans")
+	r, err := l.Allow(context.Background(), "k")
+	require.NoError(t, err)
+	assert.Equal(t, l.DefaultPlan().Name, r.Plan, "what a call that names no plan uses")
+	shadowed := newTestLimiter(t, NewMemoryStore(), WithShadow())
+	assert.True(t, shadowed.DefaultPlan().Shadow, "as Plan tells it")
+}

@@ -247,3 +247,8 @@ var errShadowedPermits = fmt.Errorf("%w: WithShadow cannot shadow a concurrency 
 func errKindOfPermits(name string) error {
 	return fmt.Errorf("%w: plan %q cannot become or stop being a concurrency plan; give it a new name", ErrInvalidPlan, name)
 }
+
+// errKindOfDefault is SetPlans's error for a first plan whose kind is not
+// the old first plan's: the callers that name no plan Acquire or Allow by
+// its kind, and would fail on every call.
+var errKindOfDefault = fmt.Errorf("%w: the first plan cannot become or stop being a concurrency plan", ErrInvalidPlan)

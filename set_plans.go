@@ -145,7 +145,9 @@ func leaseIn(plans []Plan) bool {
 // and refills toward the new Capacity, one whose Capacity shrinks is
 // clamped to it at its next decision, and a changed Rate applies from the
 // next decision on. A plan may not become, or stop being, a concurrency
-// plan (ErrInvalidPlan): its callers Acquire or Allow by its kind. While
+// plan (ErrInvalidPlan): its callers Acquire or Allow by its kind; nor
+// may plans[0] be of another kind than the old first plan, for the calls
+// that name no plan. While
 // instances with the old plans and the new run side by side, a key's
 // admissions stay within max(old, new) Capacity + max(old, new) Rate ×
 // elapsed time (docs/tiers.md). It forgets
@@ -169,13 +171,17 @@ func (l *Limiter) SetPlans(plans []Plan) error {
 }
 
 // replaces checks that table t may replace old (nil at New): no plan
-// changes its kind, and the stores hold what its plans need.
+// changes its kind, nor the default plan, and the stores hold what its
+// plans need.
 func (l *Limiter) replaces(old, t *planTable) error {
 	if old != nil {
 		for _, p := range t.plans {
 			if e := old.byName[p.Name]; e != nil && e.one[0].Concurrency != p.Concurrency {
 				return errKindOfPermits(p.Name)
 			}
+		}
+		if old.defaults.one[0].Concurrency != t.defaults.one[0].Concurrency {
+			return errKindOfDefault
 		}
 	}
 	if l.leases == nil && l.mem == nil && leaseIn(t.plans) {

@@ -253,3 +253,25 @@ func TestConcurrencyPlanNeedsAStoreThatHoldsPermits(t *testing.T) {
 	require.NoError(t, err, "a MemoryStore holds permits")
 	require.NoError(t, l.Close())
 }
+
+// TestSetPlansKeepsTheDefaultsKind: the plan a call that names none uses
+// cannot become, or stop being, a concurrency plan, since its callers
+// (httplimit and grpclimit without WithPlans among them) Acquire or
+// Allow by its kind, checked when they were built. Before, SetPlans took
+// the new table and every such call failed.
+func TestSetPlansKeepsTheDefaultsKind(t *testing.T) {
+	inflight := Plan{Name: "inflight", Capacity: 2, Concurrency: true}
+	l := newTestLimiter(t, NewMemoryStore())
+	assert.ErrorIs(t, l.SetPlans([]Plan{inflight, testPlans[0]}), ErrInvalidPlan)
+	assert.Equal(t, testPlans[0], l.DefaultPlan(), "the old plans stay")
+	require.NoError(t, l.SetPlans([]Plan{testPlans[1], inflight}), "another rate plan first")
+	assert.Equal(t, testPlans[1], l.DefaultPlan())
+
+	l, err := New(NewMemoryStore(), []Plan{inflight, testPlans[0]}, WithLogger(nil))
+	require.NoError(t, err)
+	assert.ErrorIs(t, l.SetPlans([]Plan{testPlans[0], inflight}), ErrInvalidPlan)
+	assert.Equal(t, inflight, l.DefaultPlan(), "the old plans stay")
+	other := Plan{Name: "other", Capacity: 1, Concurrency: true}
+	require.NoError(t, l.SetPlans([]Plan{other, testPlans[0]}), "another concurrency plan first")
+	assert.Equal(t, other, l.DefaultPlan())
+}
