@@ -20,7 +20,7 @@ type ClientOption func(*client)
 
 // WithClientPlans names the plans each outbound call takes its tokens
 // from, as WithPlans does on a server. The default, or no names, is the
-// Waiter's default plan.
+// Waiter's default plan, which must not be a concurrency plan.
 func WithClientPlans(names ...string) ClientOption {
 	names = slices.Clone(names)
 	return func(c *client) { c.plans = names }
@@ -64,6 +64,9 @@ func newClient(caller string, w Waiter, key KeyFunc, opts []ClientOption) *clien
 			}
 		}
 	}
+	if name, ok := defaultPermits(w, c.plans); ok {
+		panic(fmt.Sprintf("grpclimit: %s: the default plan %q is a concurrency plan, whose permits a client interceptor cannot hold: name its plans in WithClientPlans", caller, name))
+	}
 	return c
 }
 
@@ -86,7 +89,8 @@ func newClient(caller string, w Waiter, key KeyFunc, opts []ClientOption) *clien
 // It panics if w (also a typed nil) or key is nil, if a plan is named twice, or if w
 // describes its plans and one of the plans is not among them or is a
 // concurrency plan (tollgate.Plan.Concurrency), whose permits a call that
-// only waits for tokens cannot hold.
+// only waits for tokens cannot hold; so is w's default plan, without
+// WithClientPlans.
 func UnaryClientInterceptor(w Waiter, key KeyFunc, opts ...ClientOption) grpc.UnaryClientInterceptor {
 	c := newClient("UnaryClientInterceptor", w, key, opts)
 	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, callOpts ...grpc.CallOption) error {

@@ -147,4 +147,8 @@ func TestClientConcurrencyPlanPanics(t *testing.T) {
 	assert.PanicsWithValue(t, `grpclimit: StreamClientInterceptor: plan "inflight" is a concurrency plan, whose permits a client interceptor cannot hold`,
 		func() { StreamClientInterceptor(l, Key("k"), WithClientPlans("inflight")) })
 	assert.NotPanics(t, func() { UnaryClientInterceptor(l, Key("k"), WithClientPlans("hourly")) })
+	// Without WithClientPlans, a call waits on the default plan: "one".
+	const msg = `: the default plan "one" is a concurrency plan, whose permits a client interceptor cannot hold: name its plans in WithClientPlans`
+	assert.PanicsWithValue(t, "grpclimit: UnaryClientInterceptor"+msg, func() { UnaryClientInterceptor(l, Key("k")) })
+	assert.PanicsWithValue(t, "grpclimit: StreamClientInterceptor"+msg, func() { StreamClientInterceptor(l, Key("k"), WithClientPlans()) })
 }

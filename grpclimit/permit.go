@@ -25,6 +25,26 @@ type Acquirer interface {
 	Acquire(ctx context.Context, key string, n int64, plans ...string) (*tollgate.Permit, error)
 }
 
+// defaulter is a RateLimiter that tells the plan of a call that names
+// none, as *tollgate.Limiter does.
+type defaulter interface {
+	DefaultPlan() tollgate.Plan
+}
+
+// defaultPermits returns the name of l's default plan if calls that name
+// the plans names take from it, since names is empty, and it is a
+// concurrency plan, which AllowN and Wait refuse: every call would end
+// codes.Internal. A *tollgate.Limiter keeps its default plan's kind
+// (SetPlans), so what it finds at construction holds while it serves.
+func defaultPermits(l any, names []string) (string, bool) {
+	d, ok := l.(defaulter)
+	if !ok || len(names) > 0 {
+		return "", false
+	}
+	p := d.DefaultPlan()
+	return p.Name, p.Concurrency
+}
+
 // WithReleaseErrorHandler sets what is told of a permit that could not be
 // released once the handler returned: ctx is the call's, fullMethod its
 // method, and err wraps tollgate.ErrPermitLost (its lease had ended, so

@@ -367,13 +367,35 @@ func TestPermitWiringMistakesPanic(t *testing.T) {
 		{"grpclimit: StreamServerInterceptor: WithStreamMessages: a message holds no permit: name its plans, and no concurrency plan",
 			func() { StreamServerInterceptor(l, Key("k"), WithPlans("one"), WithStreamMessages(Reject, nil)) }},
 		{"grpclimit: StreamServerInterceptor: WithStreamMessages: a message holds no permit: name its plans, and no concurrency plan",
-			func() { StreamServerInterceptor(l, Key("k"), WithStreamMessages(Reject, nil, "hourly", "one")) }},
+			func() {
+				StreamServerInterceptor(l, Key("k"), WithPlans("hourly"), WithStreamMessages(Reject, nil, "hourly", "one"))
+			}},
 		{"grpclimit: NewMiddlewareLimiter: a concurrency plan's permit needs the interceptors of this package, which release it",
-			func() { NewMiddlewareLimiter(l, Key("k"), WithMethodPlans(map[string][]string{"/s.S/": {"inflight"}})) }},
+			func() {
+				NewMiddlewareLimiter(l, Key("k"), WithPlans("hourly"), WithMethodPlans(map[string][]string{"/s.S/": {"inflight"}}))
+			}},
 	} {
 		assert.PanicsWithValue(t, tt.msg, tt.f)
 	}
 	assert.NotPanics(t, func() {
 		StreamServerInterceptor(l, Key("k"), WithPlans("one", "hourly"), WithStreamMessages(Reject, nil, "hourly"))
 	})
+}
+
+// TestPermitDefaultPlanPanics: without WithPlans, a call, or one of a
+// method WithMethodPlans does not name, takes from the Limiter's default
+// plan with AllowN, which a concurrency plan refuses. Before, the
+// interceptors took it and every such call ended codes.Internal.
+func TestPermitDefaultPlanPanics(t *testing.T) {
+	l, err := tollgate.New(tollgate.NewMemoryStore(), permitPlans) // "one" first
+	require.NoError(t, err)
+	_, err = l.Allow(context.Background(), "k")
+	require.ErrorIs(t, err, tollgate.ErrInvalidPlan, "what every call would get")
+	const msg = `: the default plan "one" is a concurrency plan: name it in WithPlans`
+	methods := WithMethodPlans(map[string][]string{"/s.S/": {"hourly"}})
+	assert.PanicsWithValue(t, "grpclimit: UnaryServerInterceptor"+msg, func() { UnaryServerInterceptor(l, Key("k")) })
+	assert.PanicsWithValue(t, "grpclimit: StreamServerInterceptor"+msg, func() { StreamServerInterceptor(l, Key("k"), methods) })
+	assert.PanicsWithValue(t, "grpclimit: NewMiddlewareLimiter"+msg, func() { NewMiddlewareLimiter(l, Key("k"), WithPlans()) })
+	assert.NotPanics(t, func() { UnaryServerInterceptor(l, Key("k"), WithPlans("one"), methods) })
+	assert.NotPanics(t, func() { UnaryServerInterceptor(&planOnly{}, Key("k")) }, "a RateLimiter that tells no default")
 }

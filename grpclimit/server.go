@@ -70,7 +70,9 @@ type Option func(*server)
 // its handler runs (see Acquirer), as it does in WithMethodPlans. A later
 // WithPlans replaces an earlier one. The default, or no names, is the
 // RateLimiter's default plan (for a *tollgate.Limiter, the first plan
-// given to New), which must not be a concurrency plan: name that one.
+// given to New), which must not be a concurrency plan (the interceptors
+// panic): name that one. The methods that WithMethodPlans does not name
+// take from it too.
 func WithPlans(names ...string) Option {
 	names = slices.Clone(names)
 	return func(s *server) { s.plans = chain{names: names} }
@@ -267,6 +269,9 @@ func newServer(caller string, l tollgate.RateLimiter, key KeyFunc, opts []Option
 	}
 	m := misuse(caller)
 	s.checkPlans(m, "", &s.plans)
+	if name, ok := defaultPermits(l, s.plans.names); ok {
+		m.fail("the default plan %q is a concurrency plan: name it in WithPlans", name)
+	}
 	for method, c := range s.methodPlans {
 		if !strings.HasPrefix(method, "/") || strings.Count(method, "/") != 2 {
 			m.fail("WithMethodPlans: %q is neither \"/package.Service/Method\" nor \"/package.Service/\"", method)
@@ -369,7 +374,8 @@ func (s *server) plansFor(fullMethod string) chain {
 // It panics if l (also a typed nil) or key is nil, if a plan is named twice, if an option is
 // invalid, or if l describes its plans, as *tollgate.Limiter does, and a
 // plan is not among them, or one is a concurrency plan and l is not an
-// Acquirer: these are wiring mistakes, caught when the program starts.
+// Acquirer, or, without WithPlans, l's default plan is a concurrency
+// plan: these are wiring mistakes, caught when the program starts.
 // Serving never panics.
 func UnaryServerInterceptor(l tollgate.RateLimiter, key KeyFunc, opts ...Option) grpc.UnaryServerInterceptor {
 	s := newServer("UnaryServerInterceptor", l, key, opts)

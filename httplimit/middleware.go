@@ -45,7 +45,8 @@ import (
 // invalid, or if l describes its plans, as *tollgate.Limiter does, and
 // one of the plans is not among them, or one is a concurrency plan and l
 // is not an Acquirer or WithSettle is given (a reservation holds no
-// permits): these are wiring mistakes, caught when the program starts. Serving never panics. The middleware is
+// permits), or, without WithPlans, l's default plan is a concurrency
+// plan: these are wiring mistakes, caught when the program starts. Serving never panics. The middleware is
 // safe for concurrent use.
 func Middleware(l tollgate.RateLimiter, key KeyFunc, opts ...Option) func(http.Handler) http.Handler {
 	if isnil.Value(l) || key == nil {
@@ -76,6 +77,7 @@ func Middleware(l tollgate.RateLimiter, key KeyFunc, opts ...Option) func(http.H
 			m.permits = m.permits || plan.Concurrency
 		}
 	}
+	m.checkDefault()
 	if _, ok := l.(Reserver); m.final != nil && !ok {
 		panic("httplimit: Middleware: WithSettle needs a RateLimiter that is a Reserver")
 	}
@@ -101,7 +103,7 @@ type Option func(*middleware)
 // hold while its handler runs (see Acquirer). A later WithPlans
 // replaces an earlier one. The default, or no names, is the RateLimiter's
 // default plan (for a *tollgate.Limiter, the first plan given to New),
-// which must not be a concurrency plan: name that one.
+// which must not be a concurrency plan (Middleware panics): name that one.
 func WithPlans(names ...string) Option {
 	names = slices.Clone(names)
 	return func(m *middleware) { m.plans = names }

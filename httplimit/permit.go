@@ -2,6 +2,7 @@ package httplimit
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
 	"net/http"
 
@@ -26,6 +27,26 @@ import (
 // denial by another plan of the chain keeps its Retry-After.
 type Acquirer interface {
 	Acquire(ctx context.Context, key string, n int64, plans ...string) (*tollgate.Permit, error)
+}
+
+// defaulter is a RateLimiter that tells the plan of a call that names
+// none, as *tollgate.Limiter does.
+type defaulter interface {
+	DefaultPlan() tollgate.Plan
+}
+
+// checkDefault panics if requests take from the RateLimiter's default
+// plan (no WithPlans) and it is a concurrency plan, which AllowN refuses:
+// every request would be answered 500. A *tollgate.Limiter keeps its
+// default plan's kind (SetPlans), so this holds while it serves.
+func (m *middleware) checkDefault() {
+	d, ok := m.lim.(defaulter)
+	if !ok || len(m.plans) > 0 {
+		return
+	}
+	if p := d.DefaultPlan(); p.Concurrency {
+		panic(fmt.Sprintf("httplimit: Middleware: the default plan %q is a concurrency plan: name it in WithPlans", p.Name))
+	}
 }
 
 // WithReleaseErrorHandler sets what is told of a permit that could not be

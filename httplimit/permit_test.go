@@ -286,3 +286,18 @@ func TestPermitWiringMistakesPanic(t *testing.T) {
 	assert.PanicsWithValue(t, msg, func() { Middleware(&planOnly{}, ByHeader("X-Api-Key"), WithPlans("inflight")) })
 	assert.NotPanics(t, func() { Middleware(l, ByHeader("X-Api-Key"), WithPlans("hourly", "inflight")) })
 }
+
+// TestPermitDefaultPlanPanics: without WithPlans, a request takes from the
+// Limiter's default plan with AllowN, which a concurrency plan refuses.
+// Before, Middleware took it and answered every request 500.
+func TestPermitDefaultPlanPanics(t *testing.T) {
+	l, err := tollgate.New(tollgate.NewMemoryStore(), permitPlans) // "one" first
+	require.NoError(t, err)
+	_, err = l.Allow(context.Background(), "k")
+	require.ErrorIs(t, err, tollgate.ErrInvalidPlan, "what every request would get")
+	msg := `httplimit: Middleware: the default plan "one" is a concurrency plan: name it in WithPlans`
+	assert.PanicsWithValue(t, msg, func() { Middleware(l, ByHeader("X-Api-Key")) })
+	assert.PanicsWithValue(t, msg, func() { Middleware(l, ByHeader("X-Api-Key"), WithPlans()) })
+	assert.NotPanics(t, func() { Middleware(l, ByHeader("X-Api-Key"), WithPlans("one")) })
+	assert.NotPanics(t, func() { Middleware(&planOnly{}, ByHeader("X-Api-Key")) }, "a RateLimiter that tells no default")
+}
