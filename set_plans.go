@@ -154,16 +154,22 @@ func leaseIn(plans []Plan) bool {
 // every remembered denial: under the new plans, or back under the old
 // after a round trip, a bucket may hold tokens that a denial remembered
 // under the old plans says it lacks. Stats keeps counting each name, also
-// one the table no longer holds.
+// one the table no longer holds. Of concurrent calls, each is checked
+// against the table it replaces.
 func (l *Limiter) SetPlans(plans []Plan) error {
 	t, err := newTable(plans, l.shadowAll, l.stats.plan)
 	if err != nil {
 		return err
 	}
-	if err := l.replaces(l.table.Load(), t); err != nil {
-		return err
+	for {
+		old := l.table.Load()
+		if err := l.replaces(old, t); err != nil {
+			return err
+		}
+		if l.table.CompareAndSwap(old, t) { // else another SetPlans landed: check against its table
+			break
+		}
 	}
-	l.table.Store(t)
 	if l.denials != nil { // nil when the cache is off
 		l.denials.ForgetAll()
 	}

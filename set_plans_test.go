@@ -275,3 +275,27 @@ func TestSetPlansKeepsTheDefaultsKind(t *testing.T) {
 	require.NoError(t, l.SetPlans([]Plan{other, testPlans[0]}), "another concurrency plan first")
 	assert.Equal(t, other, l.DefaultPlan())
 }
+
+// TestConcurrentSetPlansKeepKinds: of two SetPlans at once, one adding
+// plan x as a concurrency plan and the other as a token bucket, the one
+// that lands second sees x of the other kind and fails: never both.
+func TestConcurrentSetPlansKeepKinds(t *testing.T) {
+	l := newTestLimiter(t, NewMemoryStore())
+	withX := func(x Plan) []Plan { return []Plan{testPlans[0], x} }
+	permits := withX(Plan{Name: "x", Capacity: 2, Concurrency: true})
+	tokens := withX(Plan{Name: "x", Capacity: 2, Rate: 1})
+	for range 20000 {
+		require.NoError(t, l.SetPlans(testPlans))
+		var wg sync.WaitGroup
+		var landed atomic.Int32
+		for _, plans := range [][]Plan{permits, tokens} {
+			wg.Go(func() {
+				if l.SetPlans(plans) == nil {
+					landed.Add(1)
+				}
+			})
+		}
+		wg.Wait()
+		require.EqualValues(t, 1, landed.Load(), "x changed its kind")
+	}
+}
