@@ -107,9 +107,35 @@ func (b *batcher) do(ctx context.Context, c *scriptCall) (any, error) {
 		c.recycle()
 		return reply, err
 	case <-ctx.Done():
-		b.withdraw(c)
+		if b.withdraw(c) {
+			return nil, &leftBatch{err: ctx.Err(), sent: c.done}
+		}
 		return nil, ctx.Err()
 	}
+}
+
+// leftBatch is the error of a decision whose caller gave up once its
+// batch was on its way: the caller's context's error, and a channel that
+// receives once the batch's reply is in, which Redis may have granted.
+// A release of what it took must wait for it, or it may reach Redis
+// first and release nothing.
+type leftBatch struct {
+	err  error
+	sent <-chan struct{}
+}
+
+func (e *leftBatch) Error() string { return e.err.Error() }
+func (e *leftBatch) Unwrap() error { return e.err }
+
+// leftOf returns, for a decision whose batch was on its way when its
+// caller gave up, the channel that receives once the batch's reply is in,
+// else nil; and err, the error of its script call, as its caller's
+// context gave it.
+func leftOf(err error) (<-chan struct{}, error) {
+	if e, ok := err.(*leftBatch); ok {
+		return e.sent, e.err
+	}
+	return nil, err
 }
 
 // release ends a script call: its slot passes to the first waiting
@@ -156,25 +182,28 @@ func (b *batcher) lead(c *scriptCall) {
 	b.release()
 }
 
-// withdraw takes c, whose caller gave up, out of the batcher: still
-// waiting, it is withdrawn, and recycled; given a slot, it passes the
-// slot on; already sent, its answer is dropped, and c with it, since a
-// sender may still write to it.
-func (b *batcher) withdraw(c *scriptCall) {
+// withdraw takes c, whose caller gave up, out of the batcher, and
+// reports whether it was already sent: still waiting, it is withdrawn,
+// and recycled; given a slot, it passes the slot on; already sent, its
+// answer is dropped, and c with it, since a sender still writes to it:
+// its done receives once the batch's reply is in.
+func (b *batcher) withdraw(c *scriptCall) (sent bool) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	for i, p := range b.pending {
 		if p == c {
 			b.pending = append(b.pending[:i], b.pending[i+1:]...)
 			c.recycle()
-			return
+			return false
 		}
 	}
 	if c.lead {
 		<-c.done // sent by passSlot, under b.mu
 		b.passSlot()
 		c.recycle()
+		return false
 	}
+	return true
 }
 
 // send decides a batch in one script call and hands each caller but the

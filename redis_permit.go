@@ -19,12 +19,13 @@ func (s *RedisStore) acquire(ctx context.Context, o op) (Result, error) {
 	c.Keys = s.appendKeys(c.keys[:0], o.key, o.plans)
 	c.Args = s.appendPermitArgs(c.args[:0], &o)
 	r, now, err := s.runAt(ctx, c, o.n, o.plans)
+	sent, err := leftOf(err)
 	o.grant.decidedAt = now
 	switch {
 	case err == nil && r.Allowed:
 		o.grant.store = s
 	case err != nil && mayHaveRun(err):
-		s.releaseLater(ctx, o)
+		s.releaseLater(ctx, o, sent)
 	}
 	return r, err
 }
@@ -47,9 +48,11 @@ func (s *RedisStore) appendPermitArgs(dst []any, o *op) []any {
 // releaseLater releases the permits of o, an Acquire whose call failed
 // but may have run, by the holder's id: on a goroutine that the Limiter's
 // Close waits for, tried until it succeeds or holdBackTimeout passes
-// (retryGiveBack). An acquire that reaches Redis after its release keeps
-// its permits until their lease ends.
-func (s *RedisStore) releaseLater(ctx context.Context, o op) {
+// (retryGiveBack). An acquire whose caller gave up while its batch was on
+// its way is released once sent receives, when the batch's reply is in
+// (nil for one that rode no batch). An acquire that reaches Redis after
+// its release keeps its permits until their lease ends.
+func (s *RedisStore) releaseLater(ctx context.Context, o op, sent <-chan struct{}) {
 	release := permitOp{key: o.key, plans: concurrencyOf(o.plans),
 		holders: []permitHolder{{id: o.grant.id, n: o.n}}}
 	release.holders[0].mask = 1<<len(release.plans) - 1
@@ -59,6 +62,13 @@ func (s *RedisStore) releaseLater(ctx context.Context, o op) {
 	go func() {
 		defer cancel()
 		defer backs.done()
+		if sent != nil {
+			select {
+			case <-sent:
+			case <-ctx.Done():
+				return
+			}
+		}
 		retryGiveBack(ctx, func() error {
 			_, err := s.permits(ctx, release)
 			return err

@@ -421,3 +421,101 @@ func TestPermitsOverALoweredCapacity(t *testing.T) {
 		})
 	}
 }
+
+// scriptGate is a go-redis hook that, once armed, holds the first script
+// call other than a permit.lua call (a release or renewal) until open is
+// closed, and closes permitRan once a permit.lua call has run.
+type scriptGate struct {
+	permitSHA              string
+	armed                  atomic.Bool
+	held, open, permitRan  chan struct{}
+	heldOnce, permitedOnce sync.Once
+}
+
+func newScriptGate(s *RedisStore) *scriptGate {
+	return &scriptGate{permitSHA: s.permitScript.SHA(), held: make(chan struct{}),
+		open: make(chan struct{}), permitRan: make(chan struct{})}
+}
+
+func (g *scriptGate) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (g *scriptGate) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if !isScriptCmd(cmd) || len(cmd.Args()) < 2 {
+			return next(ctx, cmd)
+		}
+		if a := cmd.Args()[1]; a == g.permitSHA || a == permitScript {
+			err := next(ctx, cmd)
+			g.permitedOnce.Do(func() { close(g.permitRan) })
+			return err
+		}
+		if g.armed.CompareAndSwap(true, false) {
+			g.heldOnce.Do(func() { close(g.held) })
+			<-g.open
+		}
+		return next(ctx, cmd)
+	}
+}
+
+func (g *scriptGate) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+
+// TestAcquireWithdrawnFromASentBatchStrandsNoPermit: an Acquire of the
+// last permit rides a batch another caller sends, and its caller gives up
+// while the batch is on its way to Redis. The batch grants the permit;
+// the caller got its context's error, so nobody holds it, and the release
+// by its holder id must reach Redis after the grant, not before: else the
+// permit is held with no holder until its lease ends (before: 1 permit
+// held of 1, and every Acquire refused, for the whole lease).
+func TestAcquireWithdrawnFromASentBatchStrandsNoPermit(t *testing.T) {
+	addrs := map[string]string{"miniredis": miniredis.RunT(t).Addr()}
+	if redistest.Available() {
+		addrs["redis"] = redistest.Addr(t)
+	}
+	for name, addr := range addrs {
+		t.Run(name, func(t *testing.T) {
+			c := redistest.NewClient(t, &redis.Options{Addr: addr})
+			s := NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix()))
+			gate := newScriptGate(s)
+			c.AddHook(gate)
+			one := Plan{Name: "inflight", Capacity: 1, Concurrency: true}
+			l, err := New(s, []Plan{one}, WithLogger(nil), WithFailurePolicy(breaker.FailClosed),
+				WithPermitLease(time.Hour))
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = l.Close() })
+
+			ctx, cancel := context.WithCancel(context.Background())
+			gaveUp := make(chan error, 1)
+			flush := batchOf(t, s, 2, func(i int) (Result, error) {
+				if i == 0 { // the leader, on another key
+					p, err := l.Acquire(context.Background(), "other", 1, one.Name)
+					return p.Result(), err
+				}
+				_, err := l.Acquire(ctx, "k", 1, one.Name)
+				gaveUp <- err
+				return Result{}, err
+			})
+			gate.armed.Store(true)
+			flushed := make(chan struct{})
+			go func() { defer close(flushed); flush() }()
+			<-gate.held // the batch is on its way, with the Acquire of k in it
+			cancel()
+			require.ErrorIs(t, <-gaveUp, context.Canceled)
+			select { // a release sent at once runs before the batch; one that waits, after
+			case <-gate.permitRan:
+			case <-time.After(time.Second):
+			}
+			close(gate.open)
+			<-flushed
+			l.backs.wait()
+
+			n, err := c.ZCard(context.Background(), s.Key("k", one.Name)).Result()
+			require.NoError(t, err)
+			assert.Zero(t, n, "permits held with no holder")
+			p, err := l.Acquire(context.Background(), "k", 1, one.Name)
+			require.NoError(t, err)
+			assert.True(t, p.OK(), "the permit of the caller who gave up is free")
+		})
+	}
+}

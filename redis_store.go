@@ -123,6 +123,7 @@ func (s *RedisStore) take(ctx context.Context, key string, cost int64, plans []P
 // recycled once run returns.
 func (s *RedisStore) run(ctx context.Context, c *scriptCall, cost int64, plans []Plan) (Result, error) {
 	r, _, err := s.runAt(ctx, c, cost, plans)
+	_, err = leftOf(err)
 	return r, err
 }
 
