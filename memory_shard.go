@@ -60,18 +60,23 @@ func (s *memShard) drop(e *memEntry, i int) {
 }
 
 // evict drops a key to make room, and returns its entry, locked, or nil
-// if the shard is empty: the first full key of a sample of evictSample,
-// from a random slot on, which gives nothing back, or else the one that
-// would get back the fewest tokens, per µs it has been away, if it
-// returned after as long again. A key that a decision holds at that
-// moment is in use and stays, unless every key sampled is held: then it
-// waits for each and chooses among them by the same rule, so that a key
-// holding permits still goes last. Requires s.mu.
+// if the shard is empty or every key holds live permits: the first full
+// key of a sample of evictSample, from a random slot on, which gives
+// nothing back, or else the one that would get back the fewest tokens,
+// per µs it has been away, if it returned after as long again. A key that
+// a decision holds at that moment is in use and stays, unless every key
+// sampled is held: then it waits for each and chooses among them by the
+// same rule. A key holding live permits is never dropped, since its
+// permits would read as free while their holders work: while every key
+// sampled holds some, it samples on, and if every key it finds does, it
+// drops none and the shard holds one key more than its bound. Requires
+// s.mu.
 func (s *memShard) evict(now int64) *memEntry {
 	t := s.table.Load()
 	v := victim{harm: math.Inf(1)}
 	start, examined := rand.Uint64(), 0
-	for n := uint64(0); n <= t.mask && examined < evictSample && v.harm != math.Inf(-1); n++ {
+	for n := uint64(0); n <= t.mask && v.harm != math.Inf(-1) &&
+		(examined < evictSample || v.harm == holdsPermits); n++ {
 		i := (start + n) & t.mask
 		if e := t.slots[i].e.Load(); e != nil {
 			examined++
@@ -91,11 +96,19 @@ func (s *memShard) evict(now int64) *memEntry {
 			v.consider(b.e, b.i, now)
 		}
 	}
+	if v.harm == holdsPermits {
+		v.e.mu.Unlock()
+		return nil
+	}
 	if v.e != nil {
 		s.drop(v.e, v.at)
 	}
 	return v.e
 }
+
+// holdsPermits is the harm of dropping a key that holds live permits:
+// more than any other key's, and never dropped.
+const holdsPermits = math.MaxFloat64
 
 // slot is an entry and its slot in the table.
 type slot struct {
@@ -125,9 +138,7 @@ func (v *victim) consider(e *memEntry, i int, now int64) {
 		harm = float64(at-now-away) / float64(away+1)
 	}
 	if e.holdsPermits(now) {
-		// Dropped only when every key sampled holds permits: its holders'
-		// permits would read as free while they still work.
-		harm = math.MaxFloat64
+		harm = holdsPermits
 	}
 	if harm >= v.harm {
 		e.mu.Unlock()

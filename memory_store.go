@@ -21,8 +21,9 @@ const defaultMaxKeys = 100_000
 // another, whose entry then reuses the dropped one's: a key that refills
 // between visits, like most users under their limit, costs no
 // allocation. The store never holds more than WithMaxKeys keys (bounded per
-// shard, of at least 64 keys each), so a flood of distinct keys cannot
-// exhaust memory. When a shard is at its bound it drops a full key of a
+// shard, of at least 64 keys each), but for keys holding live permits
+// (Limiter.Acquire), which it never drops, so a flood of distinct keys
+// cannot exhaust memory. When a shard is at its bound it drops a full key of a
 // sample of 16, which reads the same as a missing one, or, if none is
 // full, the one that would get back the fewest tokens, per µs it has been
 // away, if it returned after as long again: a key in use is kept over keys
