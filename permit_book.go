@@ -130,8 +130,9 @@ func (b *permitBook) idle(stop chan struct{}) bool {
 // for a lease of 0, all within timeout, or until stop is closed: a call
 // that fails is tried again at the next pass. A store of this process is
 // called inline, since it cannot hang; the calls to a store that can
-// fail, and the moves of the fallback's permits into it, each on a
-// goroutine of its own.
+// fail, and the moves of the fallback's permits into the store, each on a
+// goroutine of its own (a fallback that can fail renews and moves on the
+// same one).
 func (b *permitBook) pass(keys [][]*Permit, stop chan struct{}, timeout, lease time.Duration) {
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
@@ -146,7 +147,12 @@ func (b *permitBook) pass(keys [][]*Permit, stop chan struct{}, timeout, lease t
 	for _, ps := range keys {
 		for _, g := range byStore(ps) {
 			if !isLocal(g[0].grant.store) {
-				wg.Go(func() { b.renew(ctx, g, lease) })
+				wg.Go(func() {
+					b.renew(ctx, g, lease)
+					if lease > 0 && b.movable(ctx, g) {
+						b.adopt(ctx, g, lease)
+					}
+				})
 				continue
 			}
 			b.renew(ctx, g, lease)
@@ -204,8 +210,10 @@ func (b *permitBook) move(ctx context.Context, ps []*Permit) {
 	l := b.l
 	b.fallback.Lock()
 	defer b.fallback.Unlock()
-	_, _ = l.fallback.(permitStore).permits(ctx, opOf(ps, 0)) // a store of this process: it cannot fail
-	b.mu.Lock()                                               // heldFrom reads a permit's store under the book's lock
+	// A fallback that can fail (WithFallback) and does keeps its copy
+	// until its lease ends: it counts a permit too many meanwhile.
+	_, _ = l.fallback.(permitStore).permits(ctx, opOf(ps, 0))
+	b.mu.Lock() // heldFrom reads a permit's store under the book's lock
 	for _, p := range ps {
 		p.grant.store = l.store
 	}

@@ -444,3 +444,38 @@ func fallbackPermit(t *testing.T) (*Limiter, *Permit) {
 	return l, &Permit{l: l, key: "k", n: 1, plans: []Plan{plan}, result: Result{Allowed: true},
 		grant: permit{id: newPermitID(), lease: l.permitLease, backs: &l.backs}}
 }
+
+// TestPermitsOfARedisFallbackMoveIntoTheStore is
+// TestFallbackPermitsMoveIntoTheStore with a RedisStore as the fallback
+// (WithFallback): its permits move into the store once the key's breaker
+// is closed, as a MemoryStore's do, or the store would grant its whole
+// capacity again beside them (before: 3 held of 3 from the fallback, 3
+// more granted by the store).
+func TestPermitsOfARedisFallbackMoveIntoTheStore(t *testing.T) {
+	ctx := context.Background()
+	rs, mr, _ := newMiniredisStore(t)
+	fallback, _, _ := newMiniredisStore(t)
+	l, err := New(rs, permitPlans, WithLogger(nil), WithPermitLease(300*time.Millisecond), WithFallback(fallback),
+		WithBreaker(breaker.Settings{Failures: 1, Cooldown: 10 * time.Millisecond}))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = l.Close() })
+	mr.SetError("LOADING Redis is loading the dataset in memory")
+	p, err := l.Acquire(ctx, "k", 3, "inflight")
+	require.NoError(t, err)
+	require.True(t, p.OK())
+	require.Equal(t, SourceFallback, p.Result().Source)
+	mr.SetError("")
+	require.Eventually(t, func() bool {
+		r, err := l.Peek(ctx, "k", "daily") // the probe that closes the breaker
+		return err == nil && r.Source == SourceStore
+	}, 5*time.Second, 5*time.Millisecond)
+	require.Eventually(t, func() bool { return l.Stats().Permits.Adopted == 1 }, 5*time.Second, 5*time.Millisecond,
+		"the fallback's permit moves into the store")
+	q, err := l.Acquire(ctx, "k", 1, "inflight")
+	require.NoError(t, err)
+	require.False(t, q.OK(), "the store counts the 3 permits the fallback granted")
+	require.NoError(t, p.Release(ctx))
+	n, err := fallback.client.Exists(ctx, fallback.Key("k", "inflight")).Result()
+	require.NoError(t, err)
+	require.Zero(t, n, "nothing left in the fallback")
+}
