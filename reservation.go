@@ -174,13 +174,18 @@ func (r *Reservation) Result() Result {
 //     where the tokens are not there, up to one capacity of debt; the rest
 //     is reported as Uncharged.
 //
+// Settle runs on a context of its own, as Permit.Release does: a caller
+// whose context ended (a client that hung up once the work was done)
+// still settles, bounded by ctx's deadline or 2 seconds, whichever is
+// later.
+//
 // Errors: ErrNotHeld for a reservation that took nothing, and for a
 // second Settle or Cancel, which change nothing; ErrHoldExpired when the hold outlived WithHoldTTL, Redis lost it, or it
 // held data tollgate did not write: then nothing is
 // refunded and the excess is still charged, and the Settlement tells it;
-// ErrInvalidCost for an actual below 0 or above 9,007,199,254; the
-// caller's context error; and, under FailClosed, ErrStoreUnavailable,
-// after which Settle may be called again.
+// ErrInvalidCost for an actual below 0 or above 9,007,199,254; and, under
+// FailClosed, ErrStoreUnavailable, after which Settle may be called
+// again.
 //
 // While the store fails, the Fallback policy charges the excess to the
 // fallback store and drops the refund, which errs on the safe side, and
@@ -212,9 +217,8 @@ func (r *Reservation) settle(ctx context.Context, actual int64, giveBack bool) (
 	if actual < 0 || actual > maxCapacity {
 		return Settlement{}, fmt.Errorf("%w: %d tokens used is out of range", ErrInvalidCost, actual)
 	}
-	if err := ctx.Err(); err != nil {
-		return Settlement{}, err
-	}
+	ctx, cancel := detach(ctx, settleTimeout)
+	defer cancel()
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.settled {
@@ -226,6 +230,11 @@ func (r *Reservation) settle(ctx context.Context, actual int64, giveBack bool) (
 	}
 	return st, err
 }
+
+// settleTimeout bounds a settlement's store call beyond its caller's
+// deadline: Settle runs on a context of its own, so that a caller whose
+// context ended still refunds the rest, or is charged the excess.
+const settleTimeout = 2 * time.Second
 
 // Cancel is Settle with 0 tokens used: it refunds the whole reservation.
 func (r *Reservation) Cancel(ctx context.Context) (Settlement, error) {

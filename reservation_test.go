@@ -1055,3 +1055,40 @@ func TestResetWhileSettleIsUnderWayWaits(t *testing.T) {
 	require.NoError(t, err)
 	assert.False(t, b.Allowed, "1,000 admitted since the Reset, of a capacity of 1,000")
 }
+
+// TestSettleOfACallerWhoLeftStillSettles settles reservations with a
+// context that ended, as a handler's does once its client hangs up after
+// the work: the refund and the charge reach the store all the same, as
+// a Release does, or the hold is never settled (before: nothing refunded
+// of 5 reserved, 1 used, and 3 used beyond the reservation never
+// charged), on every store.
+func TestSettleOfACallerWhoLeftStillSettles(t *testing.T) {
+	ctx := context.Background()
+	gone, cancel := context.WithCancel(ctx)
+	cancel()
+	for name, l := range permitStores(t, false) {
+		t.Run(name, func(t *testing.T) {
+			r, err := l.Reserve(ctx, "refund", 5, "daily")
+			require.NoError(t, err)
+			require.True(t, r.OK())
+			st, err := r.Settle(gone, 1)
+			require.NoError(t, err)
+			assert.EqualValues(t, 4, st.Refunded)
+			p, err := l.Peek(ctx, "refund", "daily")
+			require.NoError(t, err)
+			assert.EqualValues(t, 4, p.Remaining, "the unused 4 refunded")
+
+			r, err = l.Reserve(ctx, "charge", 2, "daily")
+			require.NoError(t, err)
+			require.True(t, r.OK())
+			st, err = r.Settle(gone, 5)
+			require.NoError(t, err)
+			assert.EqualValues(t, 3, st.Charged)
+			p, err = l.Peek(ctx, "charge", "daily")
+			require.NoError(t, err)
+			assert.Zero(t, p.Remaining, "5 used of 5")
+			_, err = r.Settle(ctx, 5)
+			assert.ErrorIs(t, err, ErrNotHeld, "settled once")
+		})
+	}
+}
