@@ -1004,7 +1004,10 @@ func TestMultiInstanceExactOnRealRedis(t *testing.T) {
 			admitted := float64(ta.allowed.Load())
 			t.Logf("admitted %d of %d decisions in %.3f s; bound %.1f", ta.allowed.Load(), ta.allowed.Load()+ta.denied.Load(), float64(end-start)/1e6, bound)
 			assert.LessOrEqual(t, admitted, bound, "over-admission")
-			assert.Greater(t, admitted, 0.8*bound, "refills must be admitted, not lost")
+			// Well below the bound: on a CPU-starved machine no caller asks for
+			// a while, and a full bucket refills nothing meanwhile. A bug that
+			// loses refills admits about the capacity alone.
+			assert.Greater(t, admitted, 0.5*bound, "refills must be admitted, not lost")
 			assert.Positive(t, ta.denied.Load(), "the test must push past the limit")
 		})
 	}
