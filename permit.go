@@ -154,19 +154,26 @@ func concurrencyOf(plans []Plan) []Plan {
 	return out
 }
 
-// OK reports whether the permits were granted.
-func (p *Permit) OK() bool { return p.result.Allowed }
+// OK reports whether the permits were granted; false for a nil Permit,
+// which Acquire returns with an error.
+func (p *Permit) OK() bool { return p != nil && p.result.Allowed }
 
 // Result returns the decision Acquire made. For a concurrency plan,
 // Limit is its capacity and Remaining its permits that no holder held
-// after the decision.
-func (p *Permit) Result() Result { return p.result }
+// after the decision. A nil Permit's is the zero Result.
+func (p *Permit) Result() Result {
+	if p == nil {
+		return Result{}
+	}
+	return p.result
+}
 
 // Release gives the permits back, in one call to the store that granted
 // them, on a context of its own (a caller whose context ended still
 // releases), bounded by ctx's deadline or 2 seconds, whichever is later.
 //
-// Errors: ErrNotHeld for a Permit that was not granted, or released
+// Errors: ErrNotHeld for a Permit that was not granted (a nil one too, so
+// that a deferred Release before the error check is safe), or released
 // before; ErrPermitLost when its lease ended before it was renewed or
 // released, so that its permits may have gone to others; and the store's
 // failure, wrapped in ErrStoreUnavailable: the permits are then no longer
@@ -174,7 +181,7 @@ func (p *Permit) Result() Result { return p.result }
 // FailOpen, or to an exempt key, holds nothing, and its Release returns
 // nil.
 func (p *Permit) Release(ctx context.Context) error {
-	if !p.result.Allowed {
+	if !p.OK() {
 		return ErrNotHeld
 	}
 	store, err := p.take()

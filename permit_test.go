@@ -306,3 +306,13 @@ func TestResetLeavesPermitsToTheirHolders(t *testing.T) {
 		})
 	}
 }
+
+// TestNilPermitIsNotHeld: Acquire returns a nil Permit with its error, and
+// a Release deferred before the error check, or OK and Result on it, must
+// not panic.
+func TestNilPermitIsNotHeld(t *testing.T) {
+	var p *Permit
+	require.False(t, p.OK())
+	require.Equal(t, Result{}, p.Result())
+	require.ErrorIs(t, p.Release(context.Background()), ErrNotHeld)
+}
