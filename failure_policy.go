@@ -24,11 +24,11 @@ var errBreakerOpen = errors.New("circuit breaker open")
 // failure policy decides instead.
 func (l *Limiter) ask(ctx context.Context, r *Result, o *op, start int64) error {
 	b := l.health.forKey(ctx, o.key, o.plans)
-	ok, probe := b.Allow()
+	gen, ok, probe := b.Admit()
 	if !ok {
 		return l.degrade(ctx, r, o, errBreakerOpen)
 	}
-	callerErr, storeErr := l.call(ctx, r, pass{b, probe, start}, func() (err error) {
+	callerErr, storeErr := l.call(ctx, r, pass{b, gen, probe, start}, func() (err error) {
 		*r, err = l.decider.decide(ctx, *o)
 		return err
 	})
@@ -42,10 +42,13 @@ func (l *Limiter) ask(ctx context.Context, r *Result, o *op, start int64) error 
 	return nil
 }
 
-// pass is a store call the breaker let through: the breaker, whether the
-// call is its probe, and when the decision asked, on the Limiter's clock.
+// pass is a store call the breaker let through: the breaker, the
+// generation the call began in (its outcome counts only in that one),
+// whether the call is its probe, and when the decision asked, on the
+// Limiter's clock.
 type pass struct {
 	b     *breaker.Breaker
+	gen   uint64
 	probe bool
 	start int64
 }
@@ -77,7 +80,7 @@ func (l *Limiter) call(ctx context.Context, r *Result, p pass, fn func() error) 
 		if now-l.lastSuccess.Load() > int64(time.Millisecond) {
 			l.lastSuccess.Store(now) // to the ms: a write per call would make cores wait
 		}
-		b.Success()
+		b.SuccessIn(p.gen)
 		if l.outage.active() {
 			l.recovered(now)
 		}
@@ -105,7 +108,7 @@ func (l *Limiter) call(ctx context.Context, r *Result, p pass, fn func() error) 
 	}
 	l.stats.storeCall(r, elapsed, err)
 	l.outage.failed(now)
-	if b.Failure() {
+	if b.FailureIn(p.gen) {
 		l.tripped(err)
 	}
 	if callerErr != nil {

@@ -8,6 +8,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/alicebob/miniredis/v2"
@@ -212,4 +213,58 @@ func TestFallbackGrantOutlivesTheLostReplysRelease(t *testing.T) {
 	require.NoError(t, err)
 	require.False(t, q.OK(), "capacity 1: the caller's permit is still held")
 	require.NoError(t, p.Release(ctx))
+}
+
+// gatedStore wraps a flakyStore; a call on a key in gates waits until its
+// channel is closed, then answers with the error errs holds for the key
+// (nil: the inner store's answer).
+type gatedStore struct {
+	*flakyStore
+	gates map[string]chan struct{}
+	errs  map[string]error
+}
+
+func (g *gatedStore) Take(ctx context.Context, key string, cost int64, plans []Plan) (Result, error) {
+	if gate, ok := g.gates[key]; ok {
+		<-gate
+		if err := g.errs[key]; err != nil {
+			return Result{}, err
+		}
+		return g.flakyStore.inner.Take(ctx, key, cost, plans)
+	}
+	return g.flakyStore.Take(ctx, key, cost, plans)
+}
+
+// TestStaleFailureDoesNotReopenTheProbingBreaker: a call let through
+// before the breaker tripped, which fails while a probe is under way, is
+// of a past generation: it neither reopens the breaker nor keeps the
+// probe's success from closing it.
+func TestStaleFailureDoesNotReopenTheProbingBreaker(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		ctx := context.Background()
+		down := errors.New("down")
+		g := &gatedStore{flakyStore: newFlakyStore(),
+			gates: map[string]chan struct{}{"old": make(chan struct{}), "probe": make(chan struct{})},
+			errs:  map[string]error{"old": down}}
+		l := newTestLimiter(t, g, WithBreaker(breaker.Settings{Failures: 2, Cooldown: 50 * time.Millisecond}))
+		done := make(chan struct{})
+		go func() { _, _ = l.Allow(ctx, "old"); done <- struct{}{} }() // let through while closed
+		synctest.Wait()
+		g.fail(down)
+		for range 2 {
+			_, _ = l.Allow(ctx, "k")
+		}
+		require.Equal(t, breaker.Open, l.health.one.State(), "2 failures trip it")
+		time.Sleep(50 * time.Millisecond)
+		go func() { _, _ = l.Allow(ctx, "probe"); done <- struct{}{} }()
+		synctest.Wait()
+		require.Equal(t, breaker.HalfOpen, l.health.one.State(), "the probe is under way")
+		close(g.gates["old"]) // the call from before the trip fails now
+		<-done
+		assert.Equal(t, breaker.HalfOpen, l.health.one.State(), "a call from before the trip does not reopen it")
+		close(g.gates["probe"]) // the probe succeeds
+		<-done
+		assert.Equal(t, breaker.Closed, l.health.one.State(), "the probe's success closes it")
+		assert.EqualValues(t, 1, l.health.one.Entered(breaker.Open), "one trip")
+	})
 }

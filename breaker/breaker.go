@@ -13,6 +13,13 @@
 // (OOM under noeviction, READONLY from a demoted master), where every
 // success would reset a count of consecutive failures.
 //
+// Each state a Breaker enters starts a generation. A caller that asks with
+// Admit and reports with SuccessIn or FailureIn has its call's outcome
+// counted only in the generation the call began in: a call let through
+// before a trip that ends while the breaker probes neither reopens nor
+// closes it, and one that ends after the breaker closed again counts
+// against nothing.
+//
 // A Breaker is local to one process and lock-free: a closed breaker costs
 // two atomic loads per successful call while no call has failed in its
 // window, and a clock read and an atomic addition while one has; an open
@@ -120,7 +127,10 @@ type Breaker struct {
 	width int64    // ns of one step
 	epoch time.Time
 
-	state    atomic.Int32 // State
+	// phase holds the State in its low 2 bits and the generation, which
+	// every transition increments, above them: one word, so that a caller
+	// reads both at once.
+	phase    atomic.Uint64
 	failed   atomic.Int32 // consecutive failures while closed
 	failing  atomic.Bool  // the window holds a failure
 	openedAt atomic.Int64 // ns since epoch of the last opening
@@ -151,27 +161,52 @@ func (b *Breaker) now() int64 { return int64(time.Since(b.epoch)) }
 
 // Allow reports whether a call may go through, and whether that call is
 // the probe, which must end in Success, Failure or Abandon. When the
-// cool-down has passed, exactly one caller probes.
+// cool-down has passed, exactly one caller probes. Success and Failure
+// count whatever generation the breaker is in; Admit fences.
 func (b *Breaker) Allow() (ok, probe bool) {
-	switch State(b.state.Load()) {
+	_, ok, probe = b.Admit()
+	return ok, probe
+}
+
+// Admit is Allow that also returns the generation the call begins in, for
+// SuccessIn or FailureIn to report its outcome in: an outcome counts only
+// while the breaker is still in that generation. The probe ends in
+// SuccessIn, FailureIn or Abandon. gen is 0 when ok is false.
+func (b *Breaker) Admit() (gen uint64, ok, probe bool) {
+	w := b.phase.Load()
+	switch stateOf(w) {
 	case Closed:
-		return true, false
+		return genOf(w), true, false
 	case Open:
 		if b.now()-b.openedAt.Load() < int64(b.s.Cooldown) {
-			return false, false
+			return 0, false, false
 		}
-		ok = b.transition(Open, HalfOpen)
-		return ok, ok
+		if b.transition(w, HalfOpen) {
+			return genOf(w) + 1, true, true
+		}
 	}
-	return false, false
+	return 0, false, false
 }
 
 // Success records a call that succeeded: it closes a half-open breaker.
-func (b *Breaker) Success() {
+// It counts in the current generation, whenever the call began.
+func (b *Breaker) Success() { b.success(b.phase.Load()) }
+
+// SuccessIn records a call that Admit let through in generation gen and
+// that succeeded, as Success does, unless the breaker has left that
+// generation: then it counts nothing.
+func (b *Breaker) SuccessIn(gen uint64) {
+	if w := b.phase.Load(); genOf(w) == gen {
+		b.success(w)
+	}
+}
+
+// success records a success in phase w.
+func (b *Breaker) success(w uint64) {
 	if b.failed.Load() != 0 {
 		b.failed.Store(0)
 	}
-	switch State(b.state.Load()) {
+	switch stateOf(w) {
 	case Closed:
 		// Successes are counted only while the window holds a failure:
 		// a healthy store's calls then write nothing that every core
@@ -185,18 +220,32 @@ func (b *Breaker) Success() {
 		// opened it must not trip it again at the next failure. Only the
 		// probe is in flight, so clearing first races with no one.
 		b.clearWindow()
-		b.transition(HalfOpen, Closed)
+		b.transition(w, Closed)
 	}
 }
 
 // Failure records a failed call, and reports whether it tripped the
 // breaker: opened it from closed. A failed probe opens it again, which is
-// not a trip.
-func (b *Breaker) Failure() (tripped bool) {
-	switch State(b.state.Load()) {
+// not a trip. It counts in the current generation, whenever the call
+// began.
+func (b *Breaker) Failure() (tripped bool) { return b.failure(b.phase.Load()) }
+
+// FailureIn records a call that Admit let through in generation gen and
+// that failed, as Failure does, unless the breaker has left that
+// generation: then it counts nothing and reports false.
+func (b *Breaker) FailureIn(gen uint64) (tripped bool) {
+	if w := b.phase.Load(); genOf(w) == gen {
+		return b.failure(w)
+	}
+	return false
+}
+
+// failure records a failure in phase w.
+func (b *Breaker) failure(w uint64) (tripped bool) {
+	switch stateOf(w) {
 	case HalfOpen:
 		b.openedAt.Store(b.now())
-		b.state.CompareAndSwap(int32(HalfOpen), int32(Open))
+		b.phase.CompareAndSwap(w, phaseOf(Open, genOf(w)+1))
 	case Closed:
 		calls, failures := b.count(true)
 		rate := calls >= uint64(b.s.MinCalls) && float64(failures) >= b.s.FailureRate*float64(calls)
@@ -204,7 +253,7 @@ func (b *Breaker) Failure() (tripped bool) {
 			// The time first, so that no caller sees an open breaker with
 			// a stale opening time and probes at once.
 			b.openedAt.Store(b.now())
-			return b.transition(Closed, Open)
+			return b.transition(w, Open)
 		}
 	}
 	return false
@@ -215,12 +264,14 @@ func (b *Breaker) Failure() (tripped bool) {
 // the next call probes. Only the probe may call it. It is not counted as a
 // transition.
 func (b *Breaker) Abandon() {
-	b.state.CompareAndSwap(int32(HalfOpen), int32(Open))
+	if w := b.phase.Load(); stateOf(w) == HalfOpen {
+		b.phase.CompareAndSwap(w, phaseOf(Open, genOf(w)+1))
+	}
 }
 
 // State returns the current state.
 func (b *Breaker) State() State {
-	return State(b.state.Load())
+	return stateOf(b.phase.Load())
 }
 
 // Entered returns how many times the breaker has entered state s since
@@ -232,15 +283,25 @@ func (b *Breaker) Entered(s State) uint64 {
 	return b.entered[s].Load()
 }
 
-// transition moves the breaker from one state to another if it is in the
-// first, and reports whether it moved. Exactly one caller wins a race.
-func (b *Breaker) transition(from, to State) bool {
-	if !b.state.CompareAndSwap(int32(from), int32(to)) {
+// transition moves the breaker from phase w to state to, in the next
+// generation, if it is still in w, and reports whether it moved. Exactly
+// one caller wins a race.
+func (b *Breaker) transition(w uint64, to State) bool {
+	if !b.phase.CompareAndSwap(w, phaseOf(to, genOf(w)+1)) {
 		return false
 	}
 	b.entered[to].Add(1)
 	return true
 }
+
+// phaseOf returns the phase word of state s in generation gen.
+func phaseOf(s State, gen uint64) uint64 { return gen<<2 | uint64(s) }
+
+// stateOf returns the state of phase word w.
+func stateOf(w uint64) State { return State(w & 3) }
+
+// genOf returns the generation of phase word w.
+func genOf(w uint64) uint64 { return w >> 2 }
 
 // count counts a call in the current step of the window and returns the
 // calls and failures of the whole window. Steps are recycled without a

@@ -184,3 +184,64 @@ func TestNegativeClockDoesNotPanic(t *testing.T) {
 		assert.NotPanics(t, func() { b.Success() })
 	})
 }
+
+// TestOutcomesCountInTheirGeneration: calls admitted before a trip report
+// while the breaker probes and after it closed again; only the probe's
+// outcome moves the breaker, and the stale ones count nothing.
+func TestOutcomesCountInTheirGeneration(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		b := New(Settings{Failures: 2, Cooldown: 100 * time.Millisecond})
+		var old [4]uint64
+		for i := range old {
+			gen, ok, probe := b.Admit()
+			require.True(t, ok && !probe)
+			old[i] = gen
+		}
+		b.FailureIn(old[0])
+		require.True(t, b.FailureIn(old[1]), "2 failures trip it")
+		time.Sleep(100 * time.Millisecond)
+		gen, ok, probe := b.Admit()
+		require.True(t, ok && probe)
+		require.NotEqual(t, old[0], gen, "the probe is of a new generation")
+
+		assert.False(t, b.FailureIn(old[2]))
+		assert.Equal(t, HalfOpen, b.State(), "a stale failure does not reopen it")
+		b.SuccessIn(old[3])
+		assert.Equal(t, HalfOpen, b.State(), "a stale success does not close it")
+		b.SuccessIn(gen)
+		require.Equal(t, Closed, b.State(), "the probe's success closes it")
+
+		closed, _, _ := b.Admit()
+		b.FailureIn(old[2])
+		b.FailureIn(old[3])
+		assert.Equal(t, Closed, b.State(), "stale failures count nothing in the new closed generation")
+		b.FailureIn(closed)
+		assert.True(t, b.FailureIn(closed), "the new generation's own failures trip it")
+		time.Sleep(100 * time.Millisecond)
+		gen, _, probe = b.Admit()
+		require.True(t, probe)
+		assert.False(t, b.FailureIn(gen), "a failed probe reopens; it is no trip")
+		assert.Equal(t, Open, b.State(), "the probe's failure counts")
+		assert.Equal(t, uint64(2), b.Entered(Open))
+	})
+}
+
+// TestUnfencedOutcomesCountInTheCurrentGeneration: Success and Failure,
+// without a generation, act on whatever state the breaker is in, as
+// before Admit.
+func TestUnfencedOutcomesCountInTheCurrentGeneration(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		b := New(Settings{Failures: 1, Cooldown: 100 * time.Millisecond})
+		require.True(t, b.Failure())
+		time.Sleep(100 * time.Millisecond)
+		_, probe := b.Allow()
+		require.True(t, probe)
+		b.Failure()
+		assert.Equal(t, Open, b.State())
+		time.Sleep(100 * time.Millisecond)
+		_, probe = b.Allow()
+		require.True(t, probe)
+		b.Success()
+		assert.Equal(t, Closed, b.State())
+	})
+}

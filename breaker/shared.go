@@ -357,7 +357,7 @@ const deadlineSlack = time.Millisecond
 // doing comes back as a callerError; any other error is Redis's, already
 // counted.
 func (b *Shared) run(ctx context.Context, key string, m *memo, in input, start int64) (reply, *memo, error) {
-	ok, probe := b.health.Allow()
+	gen, ok, probe := b.health.Admit()
 	if !ok {
 		return reply{}, m, errStoreBreakerOpen
 	}
@@ -400,13 +400,13 @@ func (b *Shared) run(ctx context.Context, key string, m *memo, in input, start i
 			return reply{}, m, callerError{cerr}
 		}
 		b.stats.storeErrors.Add(1)
-		if b.health.Failure() && b.outage.CompareAndSwap(0, time.Now().UnixNano()) {
+		if b.health.FailureIn(gen) && b.outage.CompareAndSwap(0, time.Now().UnixNano()) {
 			b.log.Warn("tollgate/breaker: Redis failing; deciding by failure policy until it recovers",
 				"policy", b.policy.String(), "error", err)
 		}
 		return reply{}, m, err
 	}
-	b.health.Success()
+	b.health.SuccessIn(gen)
 	if b.health.State() == Closed {
 		if began := b.outage.Swap(0); began != 0 {
 			b.log.Info("tollgate/breaker: Redis recovered", "outage", time.Duration(time.Now().UnixNano()-began))
