@@ -8,6 +8,7 @@ package breaker
 
 import (
 	_ "embed"
+	"slices"
 
 	"github.com/tollgate-go/tollgate/internal/redisscript"
 )
@@ -131,6 +132,13 @@ type circuit struct {
 // step applies in at now (µs) with settings p, and returns the reply the
 // script would give. The comments of circuit_breaker.lua explain each rule.
 func (c *circuit) step(now int64, in input, p params) reply {
+	if in.op == opRead {
+		// A read writes nothing back, as the script's does not: what it
+		// brings back or forgets is read again by the next step.
+		cp := *c
+		cp.leases = slices.Clone(c.leases)
+		c = &cp
+	}
 	t := &turn{c: c, now: now, p: p, slot: c.align(now, p)}
 	c.bringBack(now, p)
 	s0, g0 := c.state, c.gen
@@ -158,20 +166,39 @@ func (c *circuit) step(now int64, in input, p params) reply {
 }
 
 // align sizes c's leases to p's probes, starts afresh every window step
-// outside the window that ends at now, and returns now's slot.
+// that does not count at now (see span), and returns now's slot.
 func (c *circuit) align(now int64, p params) int64 {
 	for len(c.leases) < int(p.probes) {
 		c.leases = append(c.leases, lease{})
 	}
 	c.leases = c.leases[:p.probes]
 	slot := now / max(p.window/10, 1)
+	first, last := c.span(slot)
 	for i := range c.steps {
-		if st := c.steps[i]; !c.hasStep[i] || st.slot <= slot-10 || st.slot > slot {
+		if st := c.steps[i]; !c.hasStep[i] || st.slot < first || st.slot > last {
 			c.steps[i] = windowStep{slot: slot}
 		}
 		c.hasStep[i] = true
 	}
 	return slot
+}
+
+// span returns the first and last window slots that count at slot: the ten
+// up to it, or, after a clock step back, the ten up to the newest step
+// that holds counts, while that one is at most a window ahead. A newest
+// step further ahead, which no step back within a window explains, leaves
+// none (first > last).
+func (c *circuit) span(slot int64) (first, last int64) {
+	newest := slot
+	for i, st := range c.steps {
+		if c.hasStep[i] && st.calls+st.failures+st.slow > 0 {
+			newest = max(newest, st.slot)
+		}
+	}
+	if newest > slot+9 {
+		return 1, 0
+	}
+	return newest - 9, newest
 }
 
 // turn is one step of a circuit: its instant now (µs), its settings p and

@@ -85,15 +85,26 @@ for i = 1, probes do lt[i] = h['l' .. i] or ''; le[i] = int('e' .. i) end
 local width = math.max(math.floor(window / 10), 1)
 local slot = math.floor(now / width)
 local step = slot % 10
+local full = foreign == 1 -- write every field, not just the step's
+-- The window counts the ten steps up to now, or, after a clock step back,
+-- the ten up to the newest step that holds counts, while that one is at
+-- most a window ahead; none if it is further. A step that holds counts and
+-- no longer counts is written back empty, so that it never counts again
+-- when the clock catches up.
 local wb, wn, wf, ww = {}, {}, {}, {}
+local newest = slot
 for i = 0, 9 do
   wb[i], wn[i], wf[i], ww[i] = int('b' .. i), int('n' .. i), int('f' .. i), int('w' .. i)
-  if h['b' .. i] == nil or wb[i] <= slot - 10 or wb[i] > slot then
+  if h['b' .. i] ~= nil and wn[i] + wf[i] + ww[i] > 0 then newest = math.max(newest, wb[i]) end
+end
+local first, last = newest - 9, newest
+if newest > slot + 9 then first, last = 1, 0 end
+for i = 0, 9 do
+  if h['b' .. i] == nil or wb[i] < first or wb[i] > last then
+    if wn[i] + wf[i] + ww[i] > 0 then full = true end
     wb[i], wn[i], wf[i], ww[i] = slot, 0, 0, 0 -- out of the window
   end
 end
-
-local full = foreign == 1 -- write every field, not just the step's
 local dirty = false
 local ignored = 0
 

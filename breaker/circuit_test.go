@@ -121,7 +121,7 @@ func TestCircuitAgreesWithScript(t *testing.T) {
 			var tokens []uint64
 			var last reply
 			for i := range 600 {
-				now += int64(rng.IntN(40_000))
+				now = randomStep(rng, now)
 				in := randomInput(rng, last, tokens)
 				if in.op == opAcquire {
 					tokens = append(tokens, in.token)
@@ -133,6 +133,19 @@ func TestCircuitAgreesWithScript(t *testing.T) {
 			}
 		})
 	}
+}
+
+// randomStep returns the next instant after now, in µs: mostly up to 40 ms
+// later, but now and then Redis's clock steps back, by up to one and a
+// half windows (testParams') or by an hour.
+func randomStep(rng *rand.Rand, now int64) int64 {
+	switch n := rng.IntN(100); {
+	case n < 4:
+		return now - rng.Int64N(1_500_000)
+	case n == 4:
+		return now - int64(time.Hour/time.Microsecond)
+	}
+	return now + int64(rng.IntN(40_000))
 }
 
 // randomInput returns a step that is often meaningful: outcomes of the
@@ -268,6 +281,58 @@ func TestCircuitBringsBackAFarTime(t *testing.T) {
 			assert.Equal(t, tc.wait, got.wait)
 			lua = sr.step(t, now+tc.wait, input{op: opAcquire, token: 6}, p)
 			assert.Equal(t, int64(grantProbe), lua.grant, "a probe once the brought-back time is over")
+		})
+	}
+}
+
+// TestCircuitWindowAfterAClockStepBack: Redis's clock steps back (a
+// failover) behind the window's newest step. Steps stamped ahead of now
+// still count, as a Limiter's sliding window's do, until the newest
+// leaves the window, and do not count again when the clock catches up;
+// a window whose newest step is more than a window ahead counts nothing,
+// then or later. Reads change nothing. The script and Go agree at each
+// step.
+func TestCircuitWindowAfterAClockStepBack(t *testing.T) {
+	fail := batch{calls: 1, failures: 1, run: 1}
+	ok := batch{calls: 1, succeeded: true}
+	type step struct {
+		at    int64 // µs after epochUs; a step is 100 ms
+		in    input
+		calls int64
+	}
+	for name, steps := range map[string][]step{
+		"within a window": {
+			{500_000, input{op: opRecord, b: fail}, 1},
+			{200_000, input{op: opAcquire, token: 1}, 1},   // 3 steps back: step 5 still counts
+			{250_000, input{op: opRecord, b: ok}, 2},       // recorded in step 2
+			{550_000, input{op: opRead}, 2},                // caught up: both count, once
+			{1_450_000, input{op: opRead}, 1},              // step 5 still in, step 2 out
+			{1_550_000, input{op: opAcquire, token: 2}, 0}, // step 5 leaves
+		},
+		"more than a window": {
+			{500_000, input{op: opRecord, b: fail}, 1},
+			{-600_000, input{op: opRead}, 0}, // 11 steps back: nothing counts
+			{-500_000, input{op: opAcquire, token: 1}, 0},
+			{550_000, input{op: opRead}, 0}, // and not again once caught up
+		},
+		"read only": {
+			{500_000, input{op: opRecord, b: fail}, 1},
+			{-600_000, input{op: opRead}, 0},
+			{550_000, input{op: opRead}, 1}, // a read wrote nothing
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			sr := newScriptRunner(t)
+			var c circuit
+			p := testParams
+			p.minCalls = 100
+			for i, s := range steps {
+				now := epochUs + s.at
+				got := c.step(now, s.in, p)
+				lua := sr.step(t, now, s.in, p)
+				require.Equal(t, lua, got, "step %d: Go and the script", i)
+				assert.Equal(t, s.calls, got.calls, "step %d: calls in the window", i)
+			}
 		})
 	}
 }
