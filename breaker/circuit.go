@@ -105,7 +105,8 @@ type reply struct {
 const replyLen = 12
 
 // lease is one half-open probe lease: the holder's token (0: free) and
-// when it expires, in µs; used means its probe succeeded.
+// when it expires, in µs; used means its probe succeeded. A lease is free
+// again once it expires, used or not.
 type lease struct {
 	token   uint64
 	expires int64
@@ -336,9 +337,12 @@ func (t *turn) acquire(token uint64, r *reply) {
 	case stateClosed:
 		r.grant = grantClosed
 	case stateHalfOpen:
+		// A lease is free once it expires, used or not: a used lease
+		// whose success was not counted (Probes lowered while probing)
+		// holds its slot for at most ProbeTimeout.
 		free := -1
 		for i := len(c.leases) - 1; i >= 0; i-- {
-			if l := c.leases[i]; l.token == 0 || (!l.used && l.expires <= now) {
+			if l := c.leases[i]; l.token == 0 || l.expires <= now {
 				free = i
 			}
 		}
@@ -349,9 +353,7 @@ func (t *turn) acquire(token uint64, r *reply) {
 		}
 		r.wait = maxExact
 		for _, l := range c.leases {
-			if !l.used {
-				r.wait = min(r.wait, l.expires-now)
-			}
+			r.wait = min(r.wait, l.expires-now)
 		}
 		if r.wait == maxExact {
 			r.wait = t.p.probeTimeout

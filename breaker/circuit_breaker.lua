@@ -198,9 +198,12 @@ if op == 1 then
   if s == 0 then
     grant = 1
   elseif s == 2 then
+    -- A lease is free once it expires, used or not: a used lease whose
+    -- success was not counted (Probes lowered while probing) holds its
+    -- slot for at most ProbeTimeout.
     local free = 0
     for i = probes, 1, -1 do
-      if lt[i] == '' or (lt[i] ~= '-' and le[i] <= now) then free = i end
+      if lt[i] == '' or le[i] <= now then free = i end
     end
     if free > 0 then
       lt[free], le[free] = token, now + ptimeout
@@ -208,9 +211,7 @@ if op == 1 then
       full = true
     else
       wait = MAX
-      for i = 1, probes do
-        if lt[i] ~= '-' then wait = math.min(wait, le[i] - now) end
-      end
+      for i = 1, probes do wait = math.min(wait, le[i] - now) end
       if wait == MAX then wait = ptimeout end
     end
   end

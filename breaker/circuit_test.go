@@ -255,8 +255,8 @@ func FuzzCircuit(f *testing.F) {
 }
 
 // TestCircuitBringsBackAFarTime: an open time or a lease further ahead
-// than the settings allow holds the breaker for at most MaxOpenFor or
-// ProbeTimeout, in the script and in Go alike.
+// than the settings allow, used or not, holds the breaker for at most
+// MaxOpenFor or ProbeTimeout, in the script and in Go alike.
 func TestCircuitBringsBackAFarTime(t *testing.T) {
 	p := testParams
 	p.probes = 1
@@ -270,6 +270,8 @@ func TestCircuitBringsBackAFarTime(t *testing.T) {
 	}{
 		"open":      {circuit{state: stateOpen, gen: 1, openUntil: far}, []string{"s", "1", "g", "1", "ou", farS}, stateOpen, p.maxOpenFor},
 		"half-open": {circuit{state: stateHalfOpen, gen: 2, leases: []lease{{token: 77, expires: far}}}, []string{"s", "2", "g", "2", "l1", "77", "e1", farS}, stateHalfOpen, p.probeTimeout},
+		// A used lease with no success counted: the breaker would never close.
+		"half-open, used lease": {circuit{state: stateHalfOpen, gen: 2, leases: []lease{{token: 77, expires: far, used: true}}}, []string{"s", "2", "g", "2", "l1", "-", "e1", farS}, stateHalfOpen, p.probeTimeout},
 	} {
 		t.Run(name, func(t *testing.T) {
 			sr := newScriptRunner(t)
@@ -334,5 +336,44 @@ func TestCircuitWindowAfterAClockStepBack(t *testing.T) {
 				assert.Equal(t, s.calls, got.calls, "step %d: calls in the window", i)
 			}
 		})
+	}
+}
+
+// TestCircuitUsedLeaseFreesAfterProbeTimeout: a half-open breaker whose
+// every lease is used but that has not counted Probes successes (Probes
+// lowered by a deploy while it probed) grants a probe again once the
+// used lease's ProbeTimeout is over, and that probe's success closes it.
+func TestCircuitUsedLeaseFreesAfterProbeTimeout(t *testing.T) {
+	ok := batch{calls: 1, succeeded: true}
+	two, one := testParams, testParams
+	two.probes, one.probes = 2, 1
+	type step struct {
+		at    int64 // µs after epochUs
+		in    input
+		p     params
+		state int64
+		grant int64
+	}
+	steps := []step{
+		{0, input{op: opForceOpen}, two, stateOpen, grantNone},
+		{1, input{op: opForceClosed}, two, stateClosed, grantNone}, // gen 2
+		{2, input{op: opRecord, gen: 2, b: batch{calls: 4, failures: 4, run: 4}}, two, stateOpen, grantNone},
+		{100_002, input{op: opAcquire, token: 7}, two, stateHalfOpen, grantProbe}, // gen 4
+		{100_003, input{op: opAcquire, token: 8}, two, stateHalfOpen, grantProbe},
+		{100_004, input{op: opRecord, token: 7, gen: 4, b: ok}, two, stateHalfOpen, grantNone},
+		{100_005, input{op: opAcquire, token: 9}, one, stateHalfOpen, grantNone}, // lease 1 used, 1 success of 2
+		{150_001, input{op: opAcquire, token: 9}, one, stateHalfOpen, grantNone},
+		{150_002, input{op: opAcquire, token: 9}, one, stateHalfOpen, grantProbe}, // 7's lease is over
+		{150_003, input{op: opRecord, token: 9, gen: 4, b: ok}, one, stateClosed, grantNone},
+	}
+	sr := newScriptRunner(t)
+	var c circuit
+	for i, s := range steps {
+		now := epochUs + s.at
+		got := c.step(now, s.in, s.p)
+		lua := sr.step(t, now, s.in, s.p)
+		require.Equal(t, lua, got, "step %d: Go and the script", i)
+		assert.Equal(t, s.state, got.state, "step %d: state", i)
+		assert.Equal(t, s.grant, got.grant, "step %d: grant", i)
 	}
 }
