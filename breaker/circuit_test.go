@@ -205,8 +205,9 @@ func randomBatch(rng *rand.Rand, probe bool) batch {
 }
 
 // FuzzCircuit runs random steps through the Go state machine and checks
-// that it never panics, moves only along the breaker's edges, never lets
-// the generation go back, and never has more live leases than Probes.
+// that it never panics, also as the clock steps back, moves only along
+// the breaker's edges, never lets the generation go back, and never has
+// more live leases than Probes.
 func FuzzCircuit(f *testing.F) {
 	f.Add(uint64(1), uint64(2), uint8(1))
 	f.Add(uint64(99), uint64(7), uint8(3))
@@ -220,7 +221,7 @@ func FuzzCircuit(f *testing.F) {
 		var tokens []uint64
 		var last reply
 		for i := range 300 {
-			now += int64(rng.IntN(60_000))
+			now = randomStep(rng, now)
 			in := randomInput(rng, last, tokens)
 			if in.op == opAcquire {
 				tokens = append(tokens, in.token)
