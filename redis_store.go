@@ -46,6 +46,7 @@ type RedisStore struct {
 	err          error            // a wiring mistake: New reports it, and so does every call
 	scripts      *decisionScripts // what a decision runs (lean.go)
 	settleScript *redisscript.Script
+	resetScript  *redisscript.Script
 	permitScript *redisscript.Script
 	random       func() uint64 // draws for suppressed plans; tests replace it
 	planArgs     planArgCache  // each plan's ARGV numbers, boxed
@@ -61,7 +62,8 @@ func NewRedisStore(client redis.UniversalClient, opts ...Option) *RedisStore {
 	c := config{keyPrefix: defaultKeyPrefix}
 	err := applyOptions(&c, takerRedisStore, opts)
 	s := &RedisStore{client: client, prefix: c.keyPrefix, scripts: newDecisionScripts(),
-		settleScript: redisscript.New(settleScript), permitScript: redisscript.New(permitScript), random: random53}
+		settleScript: redisscript.New(settleScript), resetScript: redisscript.New(resetScript),
+		permitScript: redisscript.New(permitScript), random: random53}
 	switch {
 	case err != nil:
 		s.err = err
@@ -79,7 +81,7 @@ func NewRedisStore(client redis.UniversalClient, opts ...Option) *RedisStore {
 // source after Redis answered NOSCRIPT, or its library of functions after
 // Redis answered that it had none of them.
 func (s *RedisStore) ScriptLoads() int64 {
-	return s.scripts.loads() + s.settleScript.Loads() + s.permitScript.Loads()
+	return s.scripts.loads() + s.settleScript.Loads() + s.resetScript.Loads() + s.permitScript.Loads()
 }
 
 // Take implements Store.
@@ -356,18 +358,4 @@ func parseReply(buckets []TokenBucket, windows []planState, reply any, plans []P
 		vals = vals[4:]
 	}
 	return allowed, now, wd, nil
-}
-
-// Reset implements Store: it deletes the buckets, which then read as full.
-func (s *RedisStore) Reset(ctx context.Context, key string, plans []Plan) error {
-	if s.err != nil {
-		return s.err
-	}
-	if err := checkKey(key); err != nil {
-		return err
-	}
-	if len(plans) == 0 {
-		return nil
-	}
-	return redisscript.Sanitize(s.client.Del(ctx, s.keys(key, plans)...).Err())
 }

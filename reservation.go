@@ -46,6 +46,7 @@ type hold struct {
 
 	store   Store  // the store that granted it; nil when none did (FailOpen)
 	id      string // a RedisStore's name for it
+	at      int64  // a RedisStore's: when its call ran, µs on Redis's clock; 0 if unknown
 	expires int64  // a MemoryStore's: when it expires, µs on its clock
 
 	backs *giveBacks // the Limiter's, which a give-back of the hold joins
@@ -202,8 +203,9 @@ func (r *Reservation) Result() Result {
 // whose name is gone, or that the resolver now exempts or fails on, is
 // settled as it was reserved, and one whose name is a window now is left
 // alone. A reservation of a key that this Limiter reset (Limiter.Reset)
-// since it was taken is refunded nothing: the buckets Reset filled hold
-// its tokens already.
+// since it was taken, or, on a RedisStore, that any instance reset, is
+// refunded nothing, and its excess still charged: the buckets Reset
+// filled hold its tokens already.
 func (r *Reservation) Settle(ctx context.Context, actual int64) (Settlement, error) {
 	return r.settle(ctx, actual, false)
 }
@@ -249,6 +251,7 @@ const (
 	holdSettled                     // settled before: nothing changed
 	holdGone                        // expired or lost: only the excess charged
 	holdBad                         // data not ours: settled as gone
+	holdReset                       // live, but taken before its key's Reset: the excess charged, nothing refunded
 )
 
 // settle settles r with actual tokens used, on the store that granted it,

@@ -14,7 +14,7 @@ func (c *reservationCounters) count(st *Settlement, status settleStatus) {
 		return
 	}
 	c.settled.Add(1)
-	if status != holdLive {
+	if status == holdGone || status == holdBad {
 		c.expired.Add(1)
 	}
 	c.refunded.Add(uint64(st.Refunded))

@@ -47,6 +47,12 @@ var (
 	//go:embed scripts/settle.lua
 	luaSettle string
 
+	// luaReset resets the buckets of one key and marks when, so that the
+	// settlements of holds taken before refund nothing.
+	//
+	//go:embed scripts/reset.lua
+	luaReset string
+
 	// luaFleet records one heartbeat of a Limiter's instance and counts
 	// the instances alive, for the fallback's share during an outage.
 	//
@@ -57,6 +63,10 @@ var (
 // settleScript is the script a settlement runs, with the bucket's
 // functions before it; decisionScriptsOn builds a decision's.
 var settleScript = luaBucket + luaSettle
+
+// resetScript is the script a Reset runs, with the bucket's functions
+// (its clock) before it.
+var resetScript = luaBucket + luaReset
 
 // permitScript is the script a release or renewal runs.
 var permitScript = luaBucket + luaSemaphore + luaPermit

@@ -117,7 +117,8 @@ func TestHoldOfALargeRoundCostSettlesOnRedis72(t *testing.T) {
 	require.Contains(t, data, keys[1], "the hold is set")
 	hold := data[keys[1]]
 
-	reply = runScriptAs72(t, data, settleScript, keys, []string{"100000000", "0", "900000", "0", "1000000000", "1000000", "0"})
+	keys = append(keys, "tg:{k}:2:~") // the reset mark, absent
+	reply = runScriptAs72(t, data, settleScript, keys, []string{"100000000", "0", "900000", "0", "0", "1000000000", "1000000", "0"})
 	require.Equal(t, lua.LNumber(0), reply.RawGetInt(1), "status 0: settled as a live hold, not as data not ours (hold %q)", hold)
 	require.Equal(t, "s", data[keys[1]], "the tombstone")
 }

@@ -19,7 +19,7 @@ func settlement(o settleOp, buckets []TokenBucket, now, lost int64, status settl
 	switch {
 	case status == holdLive && actual < n:
 		st.Refunded = n - actual
-	case status != holdSettled && actual > n:
+	case status != holdSettled && actual > n: // holdReset too
 		st.Charged = actual - n
 		st.Uncharged = lost / microTokens
 	}
@@ -93,12 +93,16 @@ func (s *RedisStore) hold(ctx context.Context, key string, cost int64, plans []P
 }
 
 // holdAs runs the script for the hold h, named h.id, of cost tokens of key
-// on plans.
+// on plans, and notes in h when it ran, on Redis's clock.
 func (s *RedisStore) holdAs(ctx context.Context, key string, cost int64, plans []Plan, h *hold) (Result, error) {
 	c := newScriptCall()
 	c.Keys = s.appendKeys(c.keys[:0], key, plans, "~"+h.id)
 	c.Args = append(s.appendArgs(c.args[:0], cost, plans), h.ttl.Milliseconds())
-	return s.run(ctx, c, cost, plans)
+	r, at, err := s.runAt(ctx, c, cost, plans)
+	if err == nil {
+		h.at = at
+	}
+	return r, err
 }
 
 // keys returns the Redis keys of plans for key, and then of extra, which
@@ -120,15 +124,16 @@ func (s *RedisStore) appendKeys(dst []string, key string, plans []Plan, extra ..
 }
 
 // settle runs scripts/settle.lua for the hold of o: o.n tokens on o.plans
-// for o.key, of which o.used were used.
+// for o.key, of which o.used were used. A hold taken before the key's
+// latest Reset (its reset mark) is refunded nothing.
 func (s *RedisStore) settle(ctx context.Context, o settleOp) (Settlement, settleStatus, error) {
 	key, plans, h, n, actual := o.key, o.plans, o.hold, o.n, o.used
-	args := make([]any, 4, 4+3*len(plans))
-	args[0], args[1], args[2], args[3] = n, actual, h.ttl.Milliseconds(), h.skip
+	args := make([]any, 5, 5+3*len(plans))
+	args[0], args[1], args[2], args[3], args[4] = n, actual, h.ttl.Milliseconds(), h.skip, h.at
 	for i := range plans {
 		args = append(args, plans[i].Capacity, formatRate(plans[i].Rate), versionArg(&plans[i]))
 	}
-	reply, err := s.settleScript.Run(ctx, s.client, s.keys(key, plans, "~"+h.id), args...)
+	reply, err := s.settleScript.Run(ctx, s.client, s.keys(key, plans, "~"+h.id, resetMarkName), args...)
 	if err != nil {
 		return Settlement{}, 0, err
 	}
@@ -147,7 +152,7 @@ func parseSettleReply(buckets []TokenBucket, reply any) (now, lost int64, status
 	if err != nil {
 		return 0, 0, 0, err
 	}
-	if vals[0] > int64(holdBad) {
+	if vals[0] < 0 || vals[0] > int64(holdReset) {
 		return 0, 0, 0, fmt.Errorf("%w: settle status is %d", redisscript.ErrBadReply, vals[0])
 	}
 	for i := range buckets {

@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/alicebob/miniredis/v2"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -123,6 +124,8 @@ func TestSettleStatusesAgree(t *testing.T) {
 		{holdGone, 5, 2, 0, 0, 0},
 		{holdGone, 5, 9, -4_000_000, 0, 4},
 		{holdBad, 5, 9, -4_000_000, 0, 4},
+		{holdReset, 5, 2, 0, 0, 0},
+		{holdReset, 5, 9, -4_000_000, 0, 4},
 	}
 	p := []Plan{llm}
 	for _, tt := range tests {
@@ -234,4 +237,51 @@ func TestSettleOfAMissingHoldLeavesATombstone(t *testing.T) {
 	r, err = rs.take(ctx, "k", 30, plans)
 	require.NoError(t, err)
 	assert.Equal(t, int64(70), r.Remaining, "the hold took nothing")
+}
+
+// TestSettleAfterAResetRefundsNothingInDoubt: settle.lua refunds a live
+// hold taken after the key's reset mark, and nothing, charging the excess
+// all the same, when the hold may have been taken before it: its time is
+// unknown (a give-back after a lost reply), Redis TIME reads before the
+// hold's time (it stepped back since, so the mark may be a Reset after the
+// hold, dated before it), or the mark holds data not ours.
+func TestSettleAfterAResetRefundsNothingInDoubt(t *testing.T) {
+	ctx := context.Background()
+	plans := []Plan{{Name: "p", Capacity: 100, Rate: 1}}
+	tests := []struct {
+		name   string
+		doubt  func(h *hold, mr *miniredis.Miniredis, setTime func(int64), mark string)
+		status settleStatus
+	}{
+		{"taken after", func(*hold, *miniredis.Miniredis, func(int64), string) {}, holdLive},
+		{"time unknown", func(h *hold, _ *miniredis.Miniredis, _ func(int64), _ string) { h.at = 0 }, holdReset},
+		{"clock stepped back", func(_ *hold, _ *miniredis.Miniredis, setTime func(int64), _ string) { setTime(t0 + 1) }, holdReset},
+		{"mark not ours", func(_ *hold, mr *miniredis.Miniredis, _ func(int64), mark string) {
+			require.NoError(t, mr.Set(mark, "soon"))
+		}, holdReset},
+		{"mark of another type", func(_ *hold, mr *miniredis.Miniredis, _ func(int64), mark string) {
+			mr.HSet(mark, "f", "v")
+		}, holdReset},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			rs, mr, setTime := newMiniredisStore(t)
+			require.NoError(t, rs.Reset(ctx, "k", plans)) // the mark: t0
+			setTime(t0 + 2)
+			h := hold{ttl: time.Minute, id: "a"}
+			_, err := rs.holdAs(ctx, "k", 20, plans, &h)
+			require.NoError(t, err)
+			require.Equal(t, t0+2, h.at, "the hold's time, from its reply")
+			tt.doubt(&h, mr, setTime, rs.Key("k", resetMarkName))
+			st, status, err := rs.settle(ctx, settleOp{key: "k", plans: plans, hold: &h, n: 20, used: 25})
+			require.NoError(t, err)
+			assert.Equal(t, tt.status, status)
+			assert.Equal(t, int64(5), st.Charged, "the excess is charged either way")
+			if status == holdReset {
+				_, status, err = rs.settle(ctx, settleOp{key: "k", plans: plans, hold: &h, n: 20})
+				require.NoError(t, err)
+				assert.Equal(t, holdSettled, status, "the tombstone")
+			}
+		})
+	}
 }

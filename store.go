@@ -44,6 +44,13 @@ type settler interface {
 	settle(ctx context.Context, s settleOp) (Settlement, settleStatus, error)
 }
 
+// holdResetter is a store whose Reset also voids the refunds of the holds
+// of the key taken before it, by every instance that shares the store, for
+// at least keep: the longest such a hold may still be settled.
+type holdResetter interface {
+	resetHolds(ctx context.Context, key string, plans []Plan, keep time.Duration) error
+}
+
 // localStore is a store of this process, which cannot fail: a Limiter asks
 // it without a breaker, failure policy or denial cache, and needs no lease
 // in front of it.
@@ -96,6 +103,7 @@ var (
 	_ wiredStore   = (*RedisStore)(nil)
 	_ wiredStore   = (*MemoryStore)(nil)
 	_ checkedStore = (*RedisStore)(nil)
+	_ holdResetter = (*RedisStore)(nil)
 	_ mastersStore = (*RedisStore)(nil)
 	_ fleetStore   = (*RedisStore)(nil)
 	_ scriptStore  = (*RedisStore)(nil)
@@ -143,6 +151,16 @@ func canHold(s Store) bool {
 func canPermit(s Store) bool {
 	_, ok := s.(permitStore)
 	return ok && canRead(s)
+}
+
+// resetHolds resets the buckets of key for plans in s, as Reset does, and
+// voids the refunds of the key's holds taken before, for at least keep,
+// where s can (holdResetter).
+func resetHolds(ctx context.Context, s Store, key string, plans []Plan, keep time.Duration) error {
+	if r, ok := s.(holdResetter); ok && canRead(s) {
+		return r.resetHolds(ctx, key, plans, keep)
+	}
+	return s.Reset(ctx, key, plans)
 }
 
 // isLocal reports whether s is a store of this process, which cannot fail.

@@ -10,16 +10,27 @@
 -- hold's own call, if it reaches Redis later (its reply was lost, and the
 -- caller gave it back by its id with actual 0), takes nothing (limit.lua).
 --
--- KEYS[i]          the bucket of plan i, for i < #KEYS; every key shares
---                  one hash slot
--- KEYS[#KEYS]      the hold
+-- A live hold taken before the key's latest Reset (RedisStore.Reset,
+-- which sets the reset mark) refunds nothing either: the buckets the Reset
+-- filled hold its tokens already. It still charges actual - n and leaves
+-- the tombstone. So does one taken after, if Redis TIME now reads before
+-- the hold's time (it stepped back since), or if the mark holds data not
+-- ours: the doubt costs a refund, never a token minted.
+--
+-- KEYS[i]          the bucket of plan i, for i < #KEYS - 1; every key
+--                  shares one hash slot
+-- KEYS[#KEYS - 1]  the hold
+-- KEYS[#KEYS]      the key's reset mark (reset.lua)
 -- ARGV[1]          n, the tokens the reservation took
 -- ARGV[2]          actual, the tokens used
 -- ARGV[3]          the tombstone's time to live in ms
 -- ARGV[4]          the sum of 2^(i-1) over the plans i the reservation
 --                  did not take from: shadowed plans that would have
 --                  denied, which settling leaves alone
--- ARGV[3i+2..3i+4] plan i: capacity in tokens, rate in tokens per second,
+-- ARGV[5]          the Redis TIME, in µs, of the hold's call (the now of
+--                  its reply); 0 if unknown (a hold given back after a
+--                  lost reply), which every reset mark is at or after
+-- ARGV[3i+3..3i+5] plan i: capacity in tokens, rate in tokens per second,
 --                  and 0 or, for a plan with a version, version × 4 +
 --                  inheritance, as limit.lua takes them
 --
@@ -27,10 +38,11 @@
 -- bucket as stored after settling), then the largest charge, in
 -- micro-tokens, that a bucket could not take because its debt would have
 -- passed one capacity}. Status: 0 settled a live hold; 1 already settled:
--- nothing changed; 2 the hold was gone; 3 the hold held data not ours.
+-- nothing changed; 2 the hold was gone; 3 the hold held data not ours; 4
+-- the hold was live, and taken before the key's latest Reset.
 
 local now = clock()
-local hold = KEYS[#KEYS]
+local hold = KEYS[#KEYS - 1]
 local n, actual = tonumber(ARGV[1]), tonumber(ARGV[2])
 
 local status
@@ -46,6 +58,12 @@ elseif string.find(h, '^%d+$') and tonumber(h) == n then
 else
   status = 3
 end
+if status == 0 then
+  local mark, at = redis.pcall('GET', KEYS[#KEYS]), tonumber(ARGV[5])
+  if mark ~= false and (type(mark) ~= 'string' or not string.find(mark, '^%d+$') or tonumber(mark) >= at or now < at) then
+    status = 4
+  end
+end
 
 local delta = 0
 if status == 0 then
@@ -57,8 +75,8 @@ end
 local reply = {status, now}
 local lost = 0
 local skip = tonumber(ARGV[4])
-for i = 1, #KEYS - 1 do
-  local a = 3 * i + 2
+for i = 1, #KEYS - 2 do
+  local a = 3 * i + 3
   local full, rate, vs = tonumber(ARGV[a]) * 1000000, tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
   local t, ts, pv, oc = readBucket(KEYS[i], full, now)
   if vs > 0 then
