@@ -64,10 +64,13 @@ type lease struct {
 // under-admits. given says that AllowPlans's caller gave the plans.
 func (ls *leases) reservation(a *leaseAsk, n int64) *Reservation {
 	rv := ls.l.newReservation(a.key, n)
-	rv.hold.ttl, rv.hold.lease, rv.hold.given = 4*ls.ttl, true, a.given
+	rv.hold.ttl, rv.hold.lease, rv.hold.given = ls.holdTTL(), true, a.given
 	rv.as = a.as
 	return rv
 }
+
+// holdTTL returns how long a lease's hold lives: 4 lease TTLs.
+func (ls *leases) holdTTL() time.Duration { return 4 * ls.ttl }
 
 // hold takes the lease rv of plans in the store, behind its breaker and
 // failure policy, as Reserve would, and counts it if it was granted.

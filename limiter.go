@@ -240,7 +240,9 @@ func (l *Limiter) PeekN(ctx context.Context, key string, n int64, plans ...strin
 // bucket is full without it. For the same reason the reservations of key
 // taken before it are refunded nothing when they settle, and it waits for
 // the settlements of key under way (and of the few keys that share a lock
-// with it) to reach the store. With no plan
+// with it) to reach the store. On a RedisStore this holds for every
+// instance's reservations and leases: the store marks the key as reset,
+// for the Limiter's hold TTL or 15 minutes, whichever is longer. With no plan
 // named, it resets every plan of the Limiter but its concurrency plans,
 // whose permits are their holders' until released: naming one is
 // ErrInvalidPlan. Other instances' denial caches see the Reset once the
@@ -269,13 +271,14 @@ func (l *Limiter) Reset(ctx context.Context, key string, names ...string) error 
 	defer order.Unlock()
 	// Counted once the stores may have reset: a reservation whose mark
 	// was read before then is refunded nothing.
-	defer func() { l.resets.reset(key, time.Now(), l.holdTTL) }()
+	keep := l.longestHold()
+	defer func() { l.resets.reset(key, time.Now(), keep) }()
 	if l.fallback != nil {
-		if err := l.fallback.Reset(ctx, key, plans); err != nil {
+		if err := resetHolds(ctx, l.fallback, key, plans, keep); err != nil {
 			return fmt.Errorf("%w: %w", ErrStoreUnavailable, err)
 		}
 	}
-	if err := l.store.Reset(ctx, key, plans); err != nil {
+	if err := resetHolds(ctx, l.store, key, plans, keep); err != nil {
 		if isCallerError(err) || ctx.Err() != nil {
 			return err
 		}
@@ -288,6 +291,15 @@ func (l *Limiter) Reset(ctx context.Context, key string, names ...string) error 
 		l.leases.drop(key, plans)
 	}
 	return nil
+}
+
+// longestHold returns the longest a hold the Limiter took may still be
+// settled: its hold TTL, or its leases' holds' if they live longer.
+func (l *Limiter) longestHold() time.Duration {
+	if l.leases == nil {
+		return l.holdTTL
+	}
+	return max(l.holdTTL, l.leases.holdTTL())
 }
 
 // Wait takes cost tokens like AllowN, waiting as long as it takes for them.

@@ -173,6 +173,27 @@ func TestResetRefillsStoreAndFallback(t *testing.T) {
 	assert.Equal(t, int64(4), r.Remaining, "store bucket reset")
 }
 
+// TestResetKeepsTheMarkForItsLongestHold: a Limiter's Reset keeps the
+// key's reset mark in Redis for as long as its holds may be settled: its
+// hold TTL, or its leases' holds' (4 lease TTLs), if either is longer than
+// a RedisStore's own 15 minutes. Otherwise its own reservation of an hour,
+// settled after 15 minutes, would refill the bucket its Reset filled.
+func TestResetKeepsTheMarkForItsLongestHold(t *testing.T) {
+	ctx := context.Background()
+	rs, mr, _ := newMiniredisStore(t)
+	mark := rs.Key("k", resetMarkName)
+	l, err := New(rs, []Plan{llm}, WithLogger(nil), WithHoldTTL(time.Hour))
+	require.NoError(t, err)
+	require.NoError(t, l.Reset(ctx, "k"))
+	assert.Equal(t, time.Hour, mr.TTL(mark))
+
+	leased := llm
+	leased.Lease = 10
+	l, err = New(rs, []Plan{leased}, WithLogger(nil), WithHoldTTL(time.Millisecond), WithLeaseTTL(time.Minute))
+	require.NoError(t, err)
+	assert.Equal(t, 4*time.Minute, l.longestHold(), "a lease's hold")
+}
+
 // TestWait runs in a bubble: Wait's timers and the contexts' deadlines run
 // on synctest's fake clock.
 func TestWait(t *testing.T) {

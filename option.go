@@ -139,8 +139,11 @@ func WithDenialCache(keys int) Option {
 // WithHoldTTL sets how long a reservation's hold lives (Reserve): a Settle
 // after it refunds nothing, and charges only the tokens used beyond the
 // reservation (ErrHoldExpired). In Redis a settled hold leaves a tombstone
-// for as long again, so that a retried Settle changes nothing. It must be
-// 1ms to 100 years. The default is 15 minutes.
+// for as long again, so that a retried Settle changes nothing. A Reset on a
+// RedisStore voids the refunds of every instance's holds taken before it
+// for the resetting Limiter's hold TTL, or 15 minutes if that is longer:
+// give the instances that share a Redis the same one. It must be 1ms to
+// 100 years. The default is 15 minutes.
 func WithHoldTTL(d time.Duration) Option {
 	return Option{name: "WithHoldTTL", taker: takerNew, apply: func(c *config) { c.holdTTL = d }}
 }
