@@ -293,15 +293,6 @@ func (l *Limiter) Reset(ctx context.Context, key string, names ...string) error 
 	return nil
 }
 
-// longestHold returns the longest a hold the Limiter took may still be
-// settled: its hold TTL, or its leases' holds' if they live longer.
-func (l *Limiter) longestHold() time.Duration {
-	if l.leases == nil {
-		return l.holdTTL
-	}
-	return max(l.holdTTL, l.leases.holdTTL())
-}
-
 // Wait takes cost tokens like AllowN, waiting as long as it takes for them.
 // It returns at once, with ErrWaitExceedsDeadline and the denied Result, if
 // ctx's deadline would pass first; it returns ctx's error if ctx ends while

@@ -243,17 +243,6 @@ func (r *Reservation) Cancel(ctx context.Context) (Settlement, error) {
 	return r.Settle(ctx, 0)
 }
 
-// settleStatus is what a store found of a hold it settled.
-type settleStatus int
-
-const (
-	holdLive    settleStatus = iota // settled: refunded, or charged the excess
-	holdSettled                     // settled before: nothing changed
-	holdGone                        // expired or lost: only the excess charged
-	holdBad                         // data not ours: settled as gone
-	holdReset                       // live, but taken before its key's Reset: the excess charged, nothing refunded
-)
-
 // settle settles r with actual tokens used, on the store that granted it,
 // behind the breaker and, unless it is a give-back, the failure policy
 // when that store can fail.

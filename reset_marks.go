@@ -92,3 +92,12 @@ func (m *resetMarks) since(key string, mark uint64) bool {
 	r, ok := m.keys[key]
 	return mark < m.forgot || ok && r.seq > mark
 }
+
+// longestHold returns the longest a hold the Limiter took may still be
+// settled: its hold TTL, or its leases' holds' if they live longer.
+func (l *Limiter) longestHold() time.Duration {
+	if l.leases == nil {
+		return l.holdTTL
+	}
+	return max(l.holdTTL, l.leases.holdTTL())
+}

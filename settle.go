@@ -9,6 +9,17 @@ import (
 	"github.com/tollgate-go/tollgate/internal/redisscript"
 )
 
+// settleStatus is what a store found of a hold it settled.
+type settleStatus int
+
+const (
+	holdLive    settleStatus = iota // settled: refunded, or charged the excess
+	holdSettled                     // settled before: nothing changed
+	holdGone                        // expired or lost: only the excess charged
+	holdBad                         // data not ours: settled as gone
+	holdReset                       // live, but taken before its key's Reset: the excess charged, nothing refunded
+)
+
 // settlement describes the settlement o, of o.n tokens reserved and o.used
 // used on o.plans, whose buckets are as stored after it, and which found
 // the hold as status says. lost is the largest charge, in micro-tokens, that a
