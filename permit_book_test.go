@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/alicebob/miniredis/v2"
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -171,17 +172,7 @@ func TestFallbackPermitsMoveIntoTheStore(t *testing.T) {
 		WithBreaker(breaker.Settings{Failures: 1, Cooldown: 10 * time.Millisecond}))
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = l.Close() })
-	mr.SetError("LOADING Redis is loading the dataset in memory")
-	p, err := l.Acquire(ctx, "k", 2, "inflight")
-	require.NoError(t, err)
-	require.True(t, p.OK())
-	require.Equal(t, SourceFallback, p.Result().Source)
-	mr.SetError("")
-	require.Eventually(t, func() bool {
-		r, err := l.Peek(ctx, "k", "daily") // the probe that closes the breaker
-		return err == nil && r.Source == SourceStore
-	}, 5*time.Second, 5*time.Millisecond)
-	require.Eventually(t, func() bool { return l.Stats().Permits.Adopted == 1 }, 5*time.Second, 5*time.Millisecond)
+	p := acquireInOutageThenRecover(t, l, mr, 2)
 	q, err := l.Acquire(ctx, "k", 2, "inflight")
 	require.NoError(t, err)
 	require.Equal(t, SourceStore, q.Result().Source)
@@ -459,8 +450,25 @@ func TestPermitsOfARedisFallbackMoveIntoTheStore(t *testing.T) {
 		WithBreaker(breaker.Settings{Failures: 1, Cooldown: 10 * time.Millisecond}))
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = l.Close() })
+	p := acquireInOutageThenRecover(t, l, mr, 3)
+	q, err := l.Acquire(ctx, "k", 1, "inflight")
+	require.NoError(t, err)
+	require.False(t, q.OK(), "the store counts the 3 permits the fallback granted")
+	require.NoError(t, p.Release(ctx))
+	n, err := fallback.client.Exists(ctx, fallback.Key("k", "inflight")).Result()
+	require.NoError(t, err)
+	require.Zero(t, n, "nothing left in the fallback")
+}
+
+// acquireInOutageThenRecover acquires n permits of "inflight" on key k of
+// l while its store, on mr, fails, which its fallback grants; then it
+// heals mr and waits for the probe that closes the breaker and for the
+// permits' move into the store.
+func acquireInOutageThenRecover(t *testing.T, l *Limiter, mr *miniredis.Miniredis, n int64) *Permit {
+	t.Helper()
+	ctx := context.Background()
 	mr.SetError("LOADING Redis is loading the dataset in memory")
-	p, err := l.Acquire(ctx, "k", 3, "inflight")
+	p, err := l.Acquire(ctx, "k", n, "inflight")
 	require.NoError(t, err)
 	require.True(t, p.OK())
 	require.Equal(t, SourceFallback, p.Result().Source)
@@ -470,12 +478,6 @@ func TestPermitsOfARedisFallbackMoveIntoTheStore(t *testing.T) {
 		return err == nil && r.Source == SourceStore
 	}, 5*time.Second, 5*time.Millisecond)
 	require.Eventually(t, func() bool { return l.Stats().Permits.Adopted == 1 }, 5*time.Second, 5*time.Millisecond,
-		"the fallback's permit moves into the store")
-	q, err := l.Acquire(ctx, "k", 1, "inflight")
-	require.NoError(t, err)
-	require.False(t, q.OK(), "the store counts the 3 permits the fallback granted")
-	require.NoError(t, p.Release(ctx))
-	n, err := fallback.client.Exists(ctx, fallback.Key("k", "inflight")).Result()
-	require.NoError(t, err)
-	require.Zero(t, n, "nothing left in the fallback")
+		"the fallback's permits move into the store")
+	return p
 }
