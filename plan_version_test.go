@@ -241,3 +241,48 @@ func TestFenceOfASlowerPlanStaysBounded(t *testing.T) {
 		assert.Zero(t, r.Remaining, "the slow plan's only token is still taken")
 	}, WithDenialCache(0))
 }
+
+// TestNewVersionsResetVoidsTheRefundsOfEarlierReservations: a reservation
+// of 1,000 of a plan of 1,000, then SetPlans to version 2 with
+// InheritReset, whose first decision fills the bucket, and 1,000
+// admitted. The reservation's Cancel would fill that bucket a second
+// time, as a refund after Reset would (before: 1,000 refunded, 2,000
+// admitted at one instant). A version that inherits otherwise, or one
+// the reservation was taken under, keeps the refund.
+func TestNewVersionsResetVoidsTheRefundsOfEarlierReservations(t *testing.T) {
+	ctx := context.Background()
+	for _, tt := range []struct {
+		name     string
+		at, next Plan // the plan at Reserve, and in force at Cancel
+		refunded int64
+	}{
+		{"reset", llm, Plan{Name: "tpm", Capacity: 1000, Rate: llm.Rate, Version: 2, Inherit: InheritReset}, 0},
+		{"additive", llm, Plan{Name: "tpm", Capacity: 1000, Rate: llm.Rate, Version: 2, Inherit: InheritAdditive}, 1000},
+		{"reset before the reservation",
+			Plan{Name: "tpm", Capacity: 1000, Rate: llm.Rate, Version: 2, Inherit: InheritReset},
+			Plan{Name: "tpm", Capacity: 1000, Rate: llm.Rate, Version: 2, Inherit: InheritReset}, 1000},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			eachStore(t, []Plan{tt.at}, func(t *testing.T, l clockedLimiter) {
+				r, err := l.Reserve(ctx, "k", 1000)
+				require.NoError(t, err)
+				require.True(t, r.OK())
+				require.NoError(t, l.SetPlans([]Plan{tt.next}))
+				var admitted int64
+				admit := func() {
+					a, err := l.AllowN(ctx, "k", 1000)
+					require.NoError(t, err)
+					if a.Allowed {
+						admitted += 1000
+					}
+				}
+				admit()
+				st, err := r.Cancel(ctx)
+				require.NoError(t, err)
+				assert.Equal(t, tt.refunded, st.Refunded)
+				admit()
+				assert.Equal(t, int64(1000), admitted, "1,000 admitted since the reservation, of a capacity of 1,000")
+			})
+		})
+	}
+}

@@ -205,7 +205,9 @@ func (r *Reservation) Result() Result {
 // alone. A reservation of a key that this Limiter reset (Limiter.Reset)
 // since it was taken, or, on a RedisStore, that any instance reset, is
 // refunded nothing, and its excess still charged: the buckets Reset
-// filled hold its tokens already.
+// filled hold its tokens already. So is one whose plan in force has a
+// higher Version than it was reserved under, with InheritReset, which
+// fills the bucket as Reset does.
 func (r *Reservation) Settle(ctx context.Context, actual int64) (Settlement, error) {
 	return r.settle(ctx, actual, false)
 }
@@ -258,7 +260,8 @@ func (l *Limiter) settle(ctx context.Context, r *Reservation, actual int64, give
 	order := l.resets.order(r.key)
 	order.RLock()
 	defer order.RUnlock()
-	if l.resets.since(r.key, r.resets) { // Reset filled the buckets without the rest
+	// Reset, or a new version's reset, filled the buckets without the rest.
+	if l.resets.since(r.key, r.resets) || resetsByVersion(r.hold.plans, o.plans, h.skip) {
 		o.used = max(actual, r.n)
 	}
 	var status settleStatus
