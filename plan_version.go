@@ -133,10 +133,10 @@ func (v bucketVersion) inherit(b TokenBucket, p *Plan, now int64) TokenBucket {
 }
 
 // resetsByVersion reports whether a plan in force at a settlement, now[i],
-// resets the bucket that a hold of was took from, which then holds
-// the hold's tokens already, as after Reset: a higher Version than
-// was[i]'s with InheritReset, unless bit i of skip leaves plan i alone.
-// now and was are the same plans by name, index by index.
+// resets the bucket that a hold decided on was, plan i of it, took its
+// tokens from, so that the bucket holds them already, as after Reset: a
+// higher Version than was[i]'s, with InheritReset, unless bit i of skip
+// leaves plan i alone. now and was name the same plans, index by index.
 func resetsByVersion(was, now []Plan, skip uint64) bool {
 	for i := range min(len(was), len(now)) {
 		if skip&(1<<i) == 0 && now[i].Version > was[i].Version && now[i].Inherit == InheritReset {
