@@ -20,12 +20,14 @@ const resetMarkName = "~"
 // instances' holds of the default TTL.
 const minResetKeep = defaultHoldTTL
 
-// Reset implements Store: it deletes the buckets, which then read as full,
-// and marks the key as reset now, in the same script call, so that a
-// reservation of the key taken before it, by any instance that shares the
-// store, is refunded nothing when it settles: the buckets Reset filled hold
-// its tokens already. The mark lives 15 minutes, the default hold TTL; a
-// Limiter's Reset keeps it for its own hold TTL if that is longer.
+// Reset implements Store: it deletes the buckets and windows, which then
+// read as full, but never a concurrency plan's permits (the CLI names plans
+// without their kind), and marks the key as reset now, in the same script
+// call, so that a reservation of the key taken before it, by any instance
+// that shares the store, is refunded nothing when it settles: the buckets
+// Reset filled hold its tokens already. The mark lives 15 minutes, the
+// default hold TTL; a Limiter's Reset keeps it for its own hold TTL if that
+// is longer.
 func (s *RedisStore) Reset(ctx context.Context, key string, plans []Plan) error {
 	return s.resetHolds(ctx, key, plans, minResetKeep)
 }

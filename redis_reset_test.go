@@ -214,3 +214,18 @@ func TestResetByAnotherInstanceVoidsALeasesRest(t *testing.T) {
 		assert.Zero(t, res.Remaining, "the lease's rest was not given back to the bucket B filled")
 	})
 }
+
+// TestRedisStoreResetLeavesPermits: RedisStore.Reset called with a
+// concurrency plan's name but not its kind, as the CLI does, leaves its
+// permits to their holders, as Limiter.Reset does (it refuses the name).
+func TestRedisStoreResetLeavesPermits(t *testing.T) {
+	ctx := context.Background()
+	s, mr, _ := newMiniredisStore(t)
+	permits := s.Key("k", "inflight")
+	_, err := mr.ZAdd(permits, float64(t0+time.Minute.Microseconds()), "holder")
+	require.NoError(t, err)
+	require.NoError(t, s.Reset(ctx, "k", []Plan{{Name: "inflight", Capacity: 10, Rate: 1}}))
+	members, err := mr.ZMembers(permits)
+	require.NoError(t, err)
+	assert.Equal(t, []string{"holder"}, members)
+}
