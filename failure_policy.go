@@ -200,6 +200,8 @@ func (l *Limiter) degrade(ctx context.Context, r *Result, o *op, cause error) er
 // partial outage trips the breaker again after each probe that closed it,
 // and those trips are counted for the line that ends the outage.
 func (l *Limiter) tripped(err error) {
+	l.outage.order.Lock()
+	defer l.outage.order.Unlock()
 	if !l.outage.begin(time.Now().UnixNano()) {
 		return
 	}
@@ -211,10 +213,13 @@ func (l *Limiter) tripped(err error) {
 // is closed and no call has failed for two cool-downs before now (the
 // Limiter's clock).
 func (l *Limiter) recovered(now int64) {
-	if !l.health.closed() {
+	quiet := 2 * int64(l.health.settings.Cooldown)
+	if !l.health.closed() || !l.outage.quiet(now, quiet) {
 		return
 	}
-	start, failed, trips, ok := l.outage.end(now, 2*int64(l.health.settings.Cooldown))
+	l.outage.order.Lock()
+	defer l.outage.order.Unlock()
+	start, failed, trips, ok := l.outage.end(now, quiet)
 	if ok {
 		l.log.Info("tollgate: store recovered", "outage", time.Duration(time.Now().UnixNano()-start),
 			"failed_calls", failed, "trips", trips)

@@ -3,6 +3,7 @@ package tollgate
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"net"
 	"os"
 	"sync"
@@ -267,4 +268,30 @@ func TestStaleFailureDoesNotReopenTheProbingBreaker(t *testing.T) {
 		assert.Equal(t, breaker.Closed, l.health.one.State(), "the probe's success closes it")
 		assert.EqualValues(t, 1, l.health.one.Entered(breaker.Open), "one trip")
 	})
+}
+
+// TestOutageLinesAlternate: an outage that ends while another begins logs
+// its recovery before the next outage's start, so that the lines
+// alternate: the end is logged under the same lock as the next start.
+func TestOutageLinesAlternate(t *testing.T) {
+	logs := &logCounter{}
+	rs, _, _ := newMiniredisStore(t)
+	l := newTestLimiter(t, rs, WithLogger(slog.New(logs)))
+	quietLater := int64(time.Hour) // far past every failure's quiet period
+	for i := range 2000 {
+		var wg sync.WaitGroup
+		wg.Go(func() { l.tripped(errors.New("down")) })
+		wg.Go(func() { l.recovered(quietLater + int64(i)) })
+		wg.Wait()
+	}
+	l.recovered(quietLater * 2)
+	logs.mu.Lock()
+	defer logs.mu.Unlock()
+	for i, level := range logs.levels {
+		want := slog.LevelWarn
+		if i%2 == 1 {
+			want = slog.LevelInfo
+		}
+		require.Equal(t, want, level, "line %d of %d", i, len(logs.levels))
+	}
 }

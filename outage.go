@@ -1,6 +1,9 @@
 package tollgate
 
-import "sync/atomic"
+import (
+	"sync"
+	"sync/atomic"
+)
 
 // outage tracks a store outage for the log and Stats: it begins when the
 // breaker trips, and ends at a success once no store call has failed for a
@@ -11,6 +14,10 @@ type outage struct {
 	lastFailure atomic.Int64  // when a store call last failed, on the Limiter's clock
 	failures    atomic.Uint64 // failed store calls since it began
 	trips       atomic.Uint64 // trips of the breaker since it began
+
+	// order is held from an outage's beginning or end to its line in the
+	// log, so that an end is logged before the next beginning.
+	order sync.Mutex
 }
 
 // failed counts a failed store call at now, on the Limiter's clock.
@@ -37,7 +44,7 @@ func (o *outage) begin(now int64) bool {
 // before clock (the Limiter's clock), and returns when it began (wall
 // time) and what it counted. Exactly one caller ends an outage.
 func (o *outage) end(clock, quiet int64) (start int64, failures, trips uint64, ok bool) {
-	if clock-o.lastFailure.Load() < quiet {
+	if !o.quiet(clock, quiet) {
 		return 0, 0, 0, false
 	}
 	start = o.start.Swap(0)
@@ -49,3 +56,9 @@ func (o *outage) end(clock, quiet int64) (start int64, failures, trips uint64, o
 
 // active reports whether an outage is going on.
 func (o *outage) active() bool { return o.start.Load() != 0 }
+
+// quiet reports whether no store call has failed in the quiet nanoseconds
+// before clock (the Limiter's clock).
+func (o *outage) quiet(clock, quiet int64) bool {
+	return clock-o.lastFailure.Load() >= quiet
+}
