@@ -86,8 +86,9 @@ func (l *Limiter) call(ctx context.Context, r *Result, p pass, fn func() error) 
 		}
 		return nil, nil
 	}
-	callerErr, storeFailed := l.blame(ctx, err, now)
-	if storeFailed && l.stalled(err, start, now) {
+	since := l.askedSince(p)
+	callerErr, storeFailed := l.blame(ctx, err, now, since)
+	if storeFailed && l.stalled(err, start, now, since) {
 		// Not the store's failure, and not the caller's doing: the failure
 		// policy answers this call, and the breaker hears nothing.
 		l.stats.storeCall(r, elapsed, errStalled)
@@ -117,6 +118,19 @@ func (l *Limiter) call(ctx context.Context, r *Result, p pass, fn func() error) 
 	return nil, err
 }
 
+// askedSince returns the instant (the Limiter's clock) since which the
+// store has been asked without an answer, as far as call p can tell: the
+// last store call that succeeded or, for a probe, the probe's start, for
+// the breaker kept every call from the store until then and none could
+// succeed.
+func (l *Limiter) askedSince(p pass) int64 {
+	since := l.lastSuccess.Load()
+	if p.probe {
+		since = max(since, p.start)
+	}
+	return since
+}
+
 // deadlineSlack is how close to its deadline a caller may be for a store
 // call that timed out to count as cut short by the caller: the store's
 // client may time out at the deadline a moment before the context's own
@@ -124,7 +138,7 @@ func (l *Limiter) call(ctx context.Context, r *Result, p pass, fn func() error) 
 const deadlineSlack = time.Millisecond
 
 // blame judges a store call that failed with err at now (the Limiter's
-// clock). It returns the error to give the caller instead of a decision,
+// clock), the store asked without an answer since since (see askedSince). It returns the error to give the caller instead of a decision,
 // nil when the failure policy should decide, and whether the store failed.
 //
 //   - Bad input is the caller's alone.
@@ -134,10 +148,10 @@ const deadlineSlack = time.Millisecond
 //     within deadlineSlack of the caller's deadline, was cut short by the
 //     caller: the caller gets its context's error, and the store is not
 //     blamed, so that impatient callers cannot open the breaker on a
-//     healthy store. Unless no store call has succeeded for a cooldown:
-//     then the store is hung or too slow for every caller, and is blamed
-//     too.
-func (l *Limiter) blame(ctx context.Context, err error, now int64) (callerErr error, storeFailed bool) {
+//     healthy store. Unless the store has been asked for a cooldown
+//     without a success: then it is hung or too slow for every caller,
+//     and is blamed too.
+func (l *Limiter) blame(ctx context.Context, err error, now, since int64) (callerErr error, storeFailed bool) {
 	if isCallerError(err) {
 		return err, false
 	}
@@ -160,7 +174,7 @@ func (l *Limiter) blame(ctx context.Context, err error, now int64) (callerErr er
 	default:
 		callerErr = cerr
 	}
-	starved := now-l.lastSuccess.Load() >= int64(l.health.settings.Cooldown)
+	starved := now-since >= int64(l.health.settings.Cooldown)
 	return callerErr, answered || starved
 }
 

@@ -295,3 +295,60 @@ func TestOutageLinesAlternate(t *testing.T) {
 		require.Equal(t, want, level, "line %d of %d", i, len(logs.levels))
 	}
 }
+
+// ctxStore is a healthy store on which a call on the key "wait" waits
+// until the caller's context ends, and returns the context's error, as
+// go-redis does with ContextTimeoutEnabled.
+type ctxStore struct{ *flakyStore }
+
+func (c ctxStore) Take(ctx context.Context, key string, cost int64, plans []Plan) (Result, error) {
+	if key == "wait" {
+		<-ctx.Done()
+		return Result{}, ctx.Err()
+	}
+	return c.flakyStore.Take(ctx, key, cost, plans)
+}
+
+// TestProbeCutShortByItsCallerIsAbandoned: a probe whose caller gives up
+// before a healthy store answers tells nothing of the store: the next
+// call probes, and closes the breaker. No call could succeed while the
+// breaker was open, so the time it was open is no cooldown without a
+// success; only a probe that waited a cooldown itself blames the store.
+func TestProbeCutShortByItsCallerIsAbandoned(t *testing.T) {
+	const cooldown = 50 * time.Millisecond
+	for name, c := range map[string]struct {
+		after  time.Duration // the caller gives up after
+		cancel bool          // by cancelling, not by a deadline
+		want   breaker.State // after the next call
+	}{
+		"cancelled":            {time.Millisecond, true, breaker.Closed},
+		"deadline":             {time.Millisecond, false, breaker.Closed},
+		"waited a cooldown":    {cooldown, false, breaker.Open},
+		"cancelled a cooldown": {cooldown, true, breaker.Open},
+	} {
+		t.Run(name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				f := ctxStore{newFlakyStore()}
+				l := newTestLimiter(t, f, WithBreaker(breaker.Settings{Failures: 2, Cooldown: cooldown}))
+				f.fail(errors.New("down"))
+				for range 2 {
+					_, _ = l.Allow(context.Background(), "k")
+				}
+				require.Equal(t, breaker.Open, l.health.one.State(), "2 failures trip it")
+				f.fail(nil)
+				time.Sleep(cooldown)
+				ctx, cancel := context.WithTimeout(context.Background(), c.after)
+				if c.cancel {
+					ctx, cancel = context.WithCancel(context.Background())
+					time.AfterFunc(c.after, cancel)
+				}
+				_, err := l.Allow(ctx, "wait") // the probe
+				cancel()
+				require.Error(t, err, "the caller gets its context's error")
+				_, _ = l.Allow(context.Background(), "k")
+				assert.Equal(t, c.want, l.health.one.State())
+				assert.EqualValues(t, 1, l.health.one.Entered(breaker.Open), "one trip")
+			})
+		})
+	}
+}

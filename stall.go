@@ -29,16 +29,16 @@ var errStalled = errors.New("process stalled")
 // when a process is stopped all fire when it runs again, late by the
 // stop, however soon the store answered.
 //
-// A store that no call has heard from for a cooldown before this call
-// began is hung, or too slow, however late this call learnt of it: the
-// call is the store's failure then. A stall cannot make that so, for it
-// began after the call.
-func (l *Limiter) stalled(err error, start, now int64) bool {
+// A store asked without an answer since since (see askedSince) for a
+// cooldown before this call began is hung, or too slow, however late this
+// call learnt of it: the call is the store's failure then. A stall cannot
+// make that so, for it began after the call.
+func (l *Limiter) stalled(err error, start, now, since int64) bool {
 	budget := int64(l.health.budget)
 	if budget <= 0 || now-start <= budget || !isTimeout(err) {
 		return false
 	}
-	return start-l.lastSuccess.Load() < int64(l.health.settings.Cooldown)
+	return start-since < int64(l.health.settings.Cooldown)
 }
 
 // isTimeout reports whether err is a timeout: a network wait's, a

@@ -13,6 +13,8 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/tollgate-go/tollgate/breaker"
 )
 
 // readmeBudget is the call budget of README's client settings: a wait for
@@ -163,5 +165,29 @@ func TestHungStoreInAStalledProcessTripsTheBreaker(t *testing.T) {
 		assert.True(t, st.Outage)
 		close(stop)
 		wait()
+	})
+}
+
+// A probe in flight when the process is stopped times out late, as every
+// call then does: it tells nothing of the store, which the breaker kept
+// every call from until the probe began, so it is abandoned and the next
+// call probes, rather than reopening the breaker for another cooldown.
+func TestStalledProbeIsAbandoned(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		s := &stallingStore{MemoryStore: NewMemoryStore(), budget: readmeBudget}
+		l := newTestLimiter(t, s)
+		s.hung.Store(true)
+		for range 3 {
+			_, _ = l.Peek(context.Background(), "k") // within the budget: the store's
+		}
+		require.Equal(t, breaker.Open, l.health.one.State(), "3 timeouts trip it")
+		s.hung.Store(false)
+		time.Sleep(l.health.settings.Cooldown)
+		s.stop(300 * time.Millisecond)
+		_, _ = l.Peek(context.Background(), "k") // the probe, cut by the stop
+		assert.Equal(t, breaker.Open, l.health.one.State())
+		_, _ = l.Peek(context.Background(), "k")
+		assert.Equal(t, breaker.Closed, l.health.one.State(), "the next call probes and closes it")
+		assert.Equal(t, uint64(1), l.Stats().StoreErrors["stalled"])
 	})
 }
