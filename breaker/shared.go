@@ -367,23 +367,7 @@ func (b *Shared) run(ctx context.Context, key string, m *memo, in input, start i
 	} else {
 		rkey = b.Key(key)
 	}
-	args := make([]any, 0, 17)
-	args = append(args, in.op, in.token, in.gen, in.b.calls, in.b.failures, in.b.slow, in.b.run, boolInt(in.b.succeeded))
-	args = append(args, b.p.args()...)
-	b.stats.roundTrips.Add(1)
-	raw, err := script.Run(ctx, b.c, []string{rkey}, args...)
-	var r reply
-	if err == nil {
-		var buf [replyLen]int64
-		var vals []int64
-		vals, err = redisscript.Ints(buf[:0], raw, replyLen)
-		if err == nil {
-			r = reply{vals[0], vals[1], vals[2], vals[3], vals[4], vals[5], vals[6], vals[7], vals[8], vals[9], vals[10], vals[11]}
-			if r.state > stateHalfOpen {
-				err = fmt.Errorf("%w: state %d", redisscript.ErrBadReply, r.state)
-			}
-		}
-	}
+	r, err := b.eval(ctx, rkey, in, probe)
 	if err != nil {
 		var rerr *redisscript.Error
 		answered := errors.As(err, &rerr) || errors.Is(err, redisscript.ErrBadReply)
@@ -423,6 +407,40 @@ func (b *Shared) run(ctx context.Context, key string, m *memo, in input, start i
 }
 
 var errStoreBreakerOpen = errors.New("store breaker open")
+
+// eval runs the script on rkey with in and reads its reply. A probe of the
+// store breaker that does not return, because the client panics or its
+// goroutine exits, is abandoned, or the breaker would stay half-open for
+// ever: the next call probes.
+func (b *Shared) eval(ctx context.Context, rkey string, in input, probe bool) (r reply, err error) {
+	returned := false
+	if probe {
+		defer func() {
+			if !returned {
+				b.health.Abandon()
+			}
+		}()
+	}
+	args := make([]any, 0, 17)
+	args = append(args, in.op, in.token, in.gen, in.b.calls, in.b.failures, in.b.slow, in.b.run, boolInt(in.b.succeeded))
+	args = append(args, b.p.args()...)
+	b.stats.roundTrips.Add(1)
+	raw, err := script.Run(ctx, b.c, []string{rkey}, args...)
+	returned = true
+	if err != nil {
+		return reply{}, err
+	}
+	var buf [replyLen]int64
+	vals, err := redisscript.Ints(buf[:0], raw, replyLen)
+	if err != nil {
+		return reply{}, err
+	}
+	r = reply{vals[0], vals[1], vals[2], vals[3], vals[4], vals[5], vals[6], vals[7], vals[8], vals[9], vals[10], vals[11]}
+	if r.state > stateHalfOpen {
+		return reply{}, fmt.Errorf("%w: state %d", redisscript.ErrBadReply, r.state)
+	}
+	return r, nil
+}
 
 // learn updates m from a reply to a call sent at start, and logs and counts
 // what the reply says happened.

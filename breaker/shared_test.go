@@ -687,3 +687,44 @@ func TestSharedFarOpenTimeIsBroughtBack(t *testing.T) {
 		assert.Equal(t, Closed, st, "the probe's success closes it")
 	})
 }
+
+// panickyScripter is a client whose EvalSha fails (mode 1) or panics
+// (mode 2), as a client's hook may, or passes on (mode 0).
+type panickyScripter struct {
+	redis.Scripter
+	mode atomic.Int32
+}
+
+func (p *panickyScripter) EvalSha(ctx context.Context, sha string, keys []string, args ...any) *redis.Cmd {
+	switch p.mode.Load() {
+	case 1:
+		c := redis.NewCmd(ctx)
+		c.SetErr(errors.New("down"))
+		return c
+	case 2:
+		panic("a client hook panics")
+	}
+	return p.Scripter.EvalSha(ctx, sha, keys, args...)
+}
+
+// TestSharedStoreProbeThatPanicsIsAbandoned: the store breaker's probe
+// whose client panics ends, or the store breaker would stay half-open for
+// ever and every call would go to the failure policy: the next call after
+// it probes, and closes the store breaker.
+func TestSharedStoreProbeThatPanicsIsAbandoned(t *testing.T) {
+	m := newMini(t)
+	pc := &panickyScripter{Scripter: m.c}
+	const cooldown = 10 * time.Millisecond
+	b, err := NewShared(pc, fastSettings, WithLogger(nil), WithStoreBreaker(Settings{Failures: 1, Cooldown: cooldown}))
+	require.NoError(t, err)
+	pc.mode.Store(1)
+	_, _ = b.Acquire(ctx, "k")
+	require.Equal(t, Open, b.health.State(), "a failure trips the store breaker")
+	time.Sleep(2 * cooldown)
+	pc.mode.Store(2)
+	require.Panics(t, func() { _, _ = b.Acquire(ctx, "k") }, "the probe panics")
+	pc.mode.Store(0)
+	_, err = b.Acquire(ctx, "k")
+	require.NoError(t, err)
+	assert.Equal(t, Closed, b.health.State(), "the next call probes and closes it")
+}
