@@ -59,7 +59,7 @@ type pass struct {
 // an answer, or the store's failure, for the failure policy to answer.
 func (l *Limiter) call(ctx context.Context, r *Result, p pass, fn func() error) (callerErr, storeErr error) {
 	b, probe, start := p.b, p.probe, p.start
-	// A probe must end in Success, Failure or Abandon, or the breaker stays
+	// A probe must end in SuccessIn, FailureIn or AbandonIn, or the breaker stays
 	// half-open for ever: also when the store panics or its goroutine
 	// exits (runtime.Goexit, which recover does not see). Every way out
 	// after the store returns ends it.
@@ -67,7 +67,7 @@ func (l *Limiter) call(ctx context.Context, r *Result, p pass, fn func() error) 
 	if probe {
 		defer func() {
 			if !returned {
-				b.Abandon()
+				b.AbandonIn(p.gen)
 			}
 		}()
 	}
@@ -93,7 +93,7 @@ func (l *Limiter) call(ctx context.Context, r *Result, p pass, fn func() error) 
 		// policy answers this call, and the breaker hears nothing.
 		l.stats.storeCall(r, elapsed, errStalled)
 		if probe {
-			b.Abandon()
+			b.AbandonIn(p.gen)
 		}
 		if callerErr != nil {
 			return callerErr, nil
@@ -103,7 +103,7 @@ func (l *Limiter) call(ctx context.Context, r *Result, p pass, fn func() error) 
 	if !storeFailed {
 		l.stats.storeCall(r, elapsed, nil)
 		if probe {
-			b.Abandon()
+			b.AbandonIn(p.gen)
 		}
 		return callerErr, nil
 	}

@@ -171,7 +171,7 @@ func (b *Breaker) Allow() (ok, probe bool) {
 // Admit is Allow that also returns the generation the call begins in, for
 // SuccessIn or FailureIn to report its outcome in: an outcome counts only
 // while the breaker is still in that generation. The probe ends in
-// SuccessIn, FailureIn or Abandon. gen is 0 when ok is false.
+// SuccessIn, FailureIn or AbandonIn. gen is 0 when ok is false.
 func (b *Breaker) Admit() (gen uint64, ok, probe bool) {
 	w := b.phase.Load()
 	switch stateOf(w) {
@@ -262,10 +262,19 @@ func (b *Breaker) failure(w uint64) (tripped bool) {
 // Abandon ends a probe that told nothing, such as one its caller
 // cancelled: the breaker opens again with its cool-down already over, so
 // the next call probes. Only the probe may call it. It is not counted as a
-// transition.
+// transition. It ends whatever probe is under way; AbandonIn fences.
 func (b *Breaker) Abandon() {
 	if w := b.phase.Load(); stateOf(w) == HalfOpen {
 		b.phase.CompareAndSwap(w, phaseOf(Open, genOf(w)+1))
+	}
+}
+
+// AbandonIn is Abandon for the probe that Admit let through in generation
+// gen: it does nothing once the breaker has left that generation, so that
+// it never ends a later probe.
+func (b *Breaker) AbandonIn(gen uint64) {
+	if w := b.phase.Load(); w == phaseOf(HalfOpen, gen) {
+		b.phase.CompareAndSwap(w, phaseOf(Open, gen+1))
 	}
 }
 

@@ -245,3 +245,33 @@ func TestUnfencedOutcomesCountInTheCurrentGeneration(t *testing.T) {
 		assert.Equal(t, Closed, b.State())
 	})
 }
+
+// TestAbandonInEndsOnlyItsOwnProbe: a probe that Admit let through ends
+// in AbandonIn, which, like SuccessIn and FailureIn, acts only in its
+// generation. Here an unfenced Success closed the breaker under the
+// probe, which then tripped and let a second probe through: the first
+// probe's abandonment must not end the second's, or a third call would
+// probe while the second is under way.
+func TestAbandonInEndsOnlyItsOwnProbe(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		b := New(Settings{Failures: 1, Cooldown: 100 * time.Millisecond})
+		require.True(t, b.Failure())
+		time.Sleep(100 * time.Millisecond)
+		first, _, probe := b.Admit()
+		require.True(t, probe)
+		b.Success() // a call let through by Allow before the trip
+		require.Equal(t, Closed, b.State())
+		require.True(t, b.Failure())
+		time.Sleep(100 * time.Millisecond)
+		second, _, probe := b.Admit()
+		require.True(t, probe)
+
+		b.AbandonIn(first) // the first probe's caller gave up
+		assert.Equal(t, HalfOpen, b.State(), "the second probe is still under way")
+		_, ok, _ := b.Admit()
+		assert.False(t, ok, "no third call while it is")
+		b.AbandonIn(second)
+		_, ok, probe = b.Admit()
+		assert.True(t, ok && probe, "abandoned, the next call probes at once")
+	})
+}

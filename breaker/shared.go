@@ -367,7 +367,7 @@ func (b *Shared) run(ctx context.Context, key string, m *memo, in input, start i
 	} else {
 		rkey = b.Key(key)
 	}
-	r, err := b.eval(ctx, rkey, in, probe)
+	r, err := b.eval(ctx, rkey, in, probe, gen)
 	if err != nil {
 		var rerr *redisscript.Error
 		answered := errors.As(err, &rerr) || errors.Is(err, redisscript.ErrBadReply)
@@ -379,7 +379,7 @@ func (b *Shared) run(ctx context.Context, key string, m *memo, in input, start i
 		}
 		if cerr != nil && !answered {
 			if probe {
-				b.health.Abandon()
+				b.health.AbandonIn(gen)
 			}
 			return reply{}, m, callerError{cerr}
 		}
@@ -409,15 +409,15 @@ func (b *Shared) run(ctx context.Context, key string, m *memo, in input, start i
 var errStoreBreakerOpen = errors.New("store breaker open")
 
 // eval runs the script on rkey with in and reads its reply. A probe of the
-// store breaker that does not return, because the client panics or its
-// goroutine exits, is abandoned, or the breaker would stay half-open for
-// ever: the next call probes.
-func (b *Shared) eval(ctx context.Context, rkey string, in input, probe bool) (r reply, err error) {
+// store breaker (of generation gen) that does not return, because the
+// client panics or its goroutine exits, is abandoned, or the breaker would
+// stay half-open for ever: the next call probes.
+func (b *Shared) eval(ctx context.Context, rkey string, in input, probe bool, gen uint64) (r reply, err error) {
 	returned := false
 	if probe {
 		defer func() {
 			if !returned {
-				b.health.Abandon()
+				b.health.AbandonIn(gen)
 			}
 		}()
 	}
