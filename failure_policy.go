@@ -23,12 +23,12 @@ var errBreakerOpen = errors.New("circuit breaker open")
 // breaker, timed from start (the Limiter's clock). While it fails, the
 // failure policy decides instead.
 func (l *Limiter) ask(ctx context.Context, r *Result, o *op, start int64) error {
-	b := l.health.forKey(ctx, o.key, o.plans)
-	gen, ok, probe := b.Admit()
+	n := l.health.forKey(ctx, o.key, o.plans)
+	gen, ok, probe := n.b.Admit()
 	if !ok {
 		return l.degrade(ctx, r, o, errBreakerOpen)
 	}
-	callerErr, storeErr := l.call(ctx, r, pass{b, gen, probe, start}, func() (err error) {
+	callerErr, storeErr := l.call(ctx, r, pass{n, gen, probe, start}, func() (err error) {
 		*r, err = l.decider.decide(ctx, *o)
 		return err
 	})
@@ -42,12 +42,12 @@ func (l *Limiter) ask(ctx context.Context, r *Result, o *op, start int64) error 
 	return nil
 }
 
-// pass is a store call the breaker let through: the breaker, the
+// pass is a store call the breaker let through: the breaker's node, the
 // generation the call began in (its outcome counts only in that one),
 // whether the call is its probe, and when the decision asked, on the
 // Limiter's clock.
 type pass struct {
-	b     *breaker.Breaker
+	n     *node
 	gen   uint64
 	probe bool
 	start int64
@@ -58,7 +58,7 @@ type pass struct {
 // doing ended the call. It returns the error the caller gets instead of
 // an answer, or the store's failure, for the failure policy to answer.
 func (l *Limiter) call(ctx context.Context, r *Result, p pass, fn func() error) (callerErr, storeErr error) {
-	b, probe, start := p.b, p.probe, p.start
+	b, probe, start := p.n.b, p.probe, p.start
 	// A probe must end in SuccessIn, FailureIn or AbandonIn, or the breaker stays
 	// half-open for ever: also when the store panics or its goroutine
 	// exits (runtime.Goexit, which recover does not see). Every way out
@@ -77,8 +77,8 @@ func (l *Limiter) call(ctx context.Context, r *Result, p pass, fn func() error) 
 	elapsed := time.Duration(now - start)
 	if err == nil {
 		l.stats.storeCall(r, elapsed, nil)
-		if now-l.lastSuccess.Load() > int64(time.Millisecond) {
-			l.lastSuccess.Store(now) // to the ms: a write per call would make cores wait
+		if now-p.n.heard.Load() > int64(time.Millisecond) {
+			p.n.heard.Store(now) // to the ms: a write per call would make cores wait
 		}
 		b.SuccessIn(p.gen)
 		if l.outage.active() {
@@ -119,12 +119,13 @@ func (l *Limiter) call(ctx context.Context, r *Result, p pass, fn func() error) 
 }
 
 // askedSince returns the instant (the Limiter's clock) since which the
-// store has been asked without an answer, as far as call p can tell: the
-// last store call that succeeded or, for a probe, the probe's start, for
-// the breaker kept every call from the store until then and none could
-// succeed.
+// store, or p's master of it, has been asked without an answer, as far as
+// call p can tell: the last call through p's breaker that succeeded (on a
+// Cluster, another master's answers tell nothing of this one's) or, for a
+// probe, the probe's start, for the breaker kept every call from the store
+// until then and none could succeed.
 func (l *Limiter) askedSince(p pass) int64 {
-	since := l.lastSuccess.Load()
+	since := p.n.heard.Load()
 	if p.probe {
 		since = max(since, p.start)
 	}

@@ -20,8 +20,9 @@ type health struct {
 	// 0 when the store cannot tell (see callBudgeter).
 	budget time.Duration
 	// one serves every store but a Cluster, and a Cluster's keys whose
-	// master the client cannot name.
+	// master the client cannot name; single is its node.
 	one     *breaker.Breaker
+	single  node
 	masters mastersStore // the store, when it is spread over masters; else nil
 	// nodes maps a master's address, "" for keys whose master the client
 	// cannot name, to its *node.
@@ -39,6 +40,9 @@ type health struct {
 // back, gets a new breaker.
 type node struct {
 	b *breaker.Breaker
+	// heard is when a call to the store through b last succeeded, on the
+	// Limiter's clock, to the millisecond.
+	heard atomic.Int64
 	// asked is when a decision last asked for the breaker while it was not
 	// closed, and seen when forget first found it not closed (0 when
 	// closed), in UnixNano.
@@ -48,6 +52,7 @@ type node struct {
 // newHealth returns the breakers for store.
 func newHealth(store Store, s breaker.Settings) *health {
 	h := &health{one: breaker.New(s)}
+	h.single.b = h.one
 	h.settings = h.one.Settings() // with the defaults filled in
 	if cb, ok := store.(callBudgeter); ok {
 		h.budget = cb.callBudget()
@@ -58,12 +63,13 @@ func newHealth(store Store, s breaker.Settings) *health {
 	return h
 }
 
-// forKey returns the breaker for a decision on key's plans: the breaker of
-// the master that holds the key's slot, on a Cluster. Naming the master
-// reads the client's slot map, which it loads on its first call.
-func (h *health) forKey(ctx context.Context, key string, plans []Plan) *breaker.Breaker {
+// forKey returns the node whose breaker guards a decision on key's plans:
+// the node of the master that holds the key's slot, on a Cluster. Naming
+// the master reads the client's slot map, which it loads on its first
+// call.
+func (h *health) forKey(ctx context.Context, key string, plans []Plan) *node {
 	if h.masters == nil {
-		return h.one
+		return &h.single
 	}
 	addr, err := h.masters.masterOf(ctx, key, plans[0].Name)
 	if err != nil {
@@ -77,7 +83,7 @@ func (h *health) forKey(ctx context.Context, key string, plans []Plan) *breaker.
 	if n.b.State() != breaker.Closed {
 		n.asked.Store(time.Now().UnixNano())
 	}
-	return n.b
+	return n
 }
 
 // each calls f for every breaker.

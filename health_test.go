@@ -5,8 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -166,4 +168,57 @@ func TestOutageEndsWhenItsMasterIsGone(t *testing.T) {
 			assert.Equal(t, uint64(1), l.Stats().BreakerOpened, "the trip is still counted")
 		})
 	}
+}
+
+// hungMasterStore is a store spread over two masters: keys starting with
+// "hung" live on A, which answers nothing (a call waits until its
+// caller's context ends, and returns the context's error, as go-redis
+// does with ContextTimeoutEnabled), and the others on B, which is healthy.
+type hungMasterStore struct{ mem *MemoryStore }
+
+func (s hungMasterStore) Take(ctx context.Context, key string, cost int64, plans []Plan) (Result, error) {
+	if strings.HasPrefix(key, "hung") {
+		<-ctx.Done()
+		return Result{}, ctx.Err()
+	}
+	return s.mem.Take(ctx, key, cost, plans)
+}
+
+func (s hungMasterStore) Reset(ctx context.Context, key string, plans []Plan) error {
+	return s.mem.Reset(ctx, key, plans)
+}
+
+func (s hungMasterStore) spread() bool { return true }
+
+func (s hungMasterStore) masterOf(_ context.Context, key, _ string) (string, error) {
+	if strings.HasPrefix(key, "hung") {
+		return "A", nil
+	}
+	return "B", nil
+}
+
+// TestHungMasterTripsItsBreakerForImpatientCallers: a Cluster master that
+// hangs behind callers whose deadlines are shorter than its client's
+// timeouts answers nobody, and once it has for a cooldown its calls count
+// against it, as a hung standalone Redis's do: its breaker trips. Another
+// master's answers tell nothing of this one; were they counted, the hung
+// master's breaker never heard a failure, and every call of its keys
+// waited out its caller's whole deadline for good.
+func TestHungMasterTripsItsBreakerForImpatientCallers(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		l, err := New(hungMasterStore{NewMemoryStore()}, []Plan{{Name: "p", Capacity: 1 << 30, Rate: 1}},
+			WithLogger(nil), WithDenialCache(0), WithBreaker(breaker.Settings{Cooldown: 50 * time.Millisecond}))
+		require.NoError(t, err)
+		for range 100 {
+			r, err := l.Allow(context.Background(), "healthy")
+			require.NoError(t, err)
+			require.Equal(t, SourceStore, r.Source, "the healthy master's keys stay on Redis")
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Millisecond)
+			_, _ = l.Allow(ctx, "hung")
+			cancel()
+		}
+		st := l.Stats()
+		assert.Equal(t, uint64(1), st.BreakerOpened, "the hung master's breaker trips, once")
+		assert.Equal(t, breaker.Open, st.Breaker)
+	})
 }

@@ -83,13 +83,12 @@ type Limiter struct {
 	fleet     *fleet                    // WithFleet; nil: none
 	leases    *leases                   // Plan.Lease's, on a store that can fail; nil on others
 
-	epoch       time.Time // the Limiter's clock, and its denial cache's, counts from here
-	stats       counters
-	outage      outage
-	lastSuccess atomic.Int64 // the last store call that succeeded, on the Limiter's clock
-	backs       giveBacks    // the give-backs under way, which Close waits for
-	resets      resetMarks   // the Resets of keys, which void the refunds of reservations taken before them
-	book        permitBook   // the permits granted and not released, which it renews
+	epoch  time.Time // the Limiter's clock, and its denial cache's, counts from here
+	stats  counters
+	outage outage
+	backs  giveBacks  // the give-backs under way, which Close waits for
+	resets resetMarks // the Resets of keys, which void the refunds of reservations taken before them
+	book   permitBook // the permits granted and not released, which it renews
 }
 
 var _ RateLimiter = (*Limiter)(nil)

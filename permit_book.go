@@ -170,7 +170,7 @@ func (b *permitBook) pass(keys [][]*Permit, stop chan struct{}, timeout, lease t
 func (b *permitBook) movable(ctx context.Context, ps []*Permit) bool {
 	l := b.l
 	return l.health != nil && ps[0].grant.store == l.fallback &&
-		l.health.forKey(ctx, ps[0].key, ps[0].plans).State() == breaker.Closed
+		l.health.forKey(ctx, ps[0].key, ps[0].plans).b.State() == breaker.Closed
 }
 
 // adopt moves the permits ps of one key, which the fallback granted and

@@ -297,10 +297,10 @@ func (l *Limiter) settle(ctx context.Context, r *Reservation, actual int64, give
 // settles it, unless it is a give-back (giveBack), which then fails as
 // under FailClosed.
 func (l *Limiter) settleGuarded(ctx context.Context, o settleOp, giveBack bool) (st Settlement, status settleStatus, err error) {
-	b := l.health.forKey(ctx, o.key, o.plans)
+	n := l.health.forKey(ctx, o.key, o.plans)
 	cause := errBreakerOpen
-	if gen, ok, probe := b.Admit(); ok {
-		callerErr, storeErr := l.call(ctx, &st.Result, pass{b, gen, probe, l.now()}, func() (err error) {
+	if gen, ok, probe := n.b.Admit(); ok {
+		callerErr, storeErr := l.call(ctx, &st.Result, pass{n, gen, probe, l.now()}, func() (err error) {
 			st, status, err = o.hold.store.(settler).settle(ctx, o)
 			return err
 		})
