@@ -16,6 +16,7 @@ import (
 // It is safe for concurrent use.
 type health struct {
 	settings breaker.Settings
+	epoch    time.Time // of the Limiter's clock
 	// budget is the longest a store call takes while this process runs;
 	// 0 when the store cannot tell (see callBudgeter).
 	budget time.Duration
@@ -40,8 +41,9 @@ type health struct {
 // back, gets a new breaker.
 type node struct {
 	b *breaker.Breaker
-	// heard is when a call to the store through b last succeeded, on the
-	// Limiter's clock, to the millisecond.
+	// heard is when a call to the store through b last succeeded, to the
+	// millisecond, or when the node was made if none has: ns since the
+	// Limiter's epoch.
 	heard atomic.Int64
 	// asked is when a decision last asked for the breaker while it was not
 	// closed, and seen when forget first found it not closed (0 when
@@ -49,9 +51,10 @@ type node struct {
 	asked, seen atomic.Int64
 }
 
-// newHealth returns the breakers for store.
-func newHealth(store Store, s breaker.Settings) *health {
-	h := &health{one: breaker.New(s)}
+// newHealth returns the breakers for store, on the Limiter's clock, which
+// counts from epoch.
+func newHealth(store Store, s breaker.Settings, epoch time.Time) *health {
+	h := &health{one: breaker.New(s), epoch: epoch}
 	h.single.b = h.one
 	h.settings = h.one.Settings() // with the defaults filled in
 	if cb, ok := store.(callBudgeter); ok {
@@ -77,7 +80,9 @@ func (h *health) forKey(ctx context.Context, key string, plans []Plan) *node {
 	}
 	v, ok := h.nodes.Load(addr)
 	if !ok {
-		v, _ = h.nodes.LoadOrStore(addr, &node{b: breaker.New(h.settings)})
+		n := &node{b: breaker.New(h.settings)}
+		n.heard.Store(int64(time.Since(h.epoch))) // a new master is not silent yet
+		v, _ = h.nodes.LoadOrStore(addr, n)
 	}
 	n := v.(*node)
 	if n.b.State() != breaker.Closed {

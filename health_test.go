@@ -222,3 +222,24 @@ func TestHungMasterTripsItsBreakerForImpatientCallers(t *testing.T) {
 		assert.Equal(t, breaker.Open, st.Breaker)
 	})
 }
+
+// TestNewMasterIsNotSilentAtOnce: a master first asked long after the
+// Limiter began (a replica promoted by a failover, or a master whose keys
+// were not asked before) has not been silent for a cooldown: its first
+// calls cut short by their callers are the callers' doing, not failures.
+func TestNewMasterIsNotSilentAtOnce(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const cooldown = 50 * time.Millisecond
+		l, err := New(hungMasterStore{NewMemoryStore()}, []Plan{{Name: "p", Capacity: 1 << 30, Rate: 1}},
+			WithLogger(nil), WithDenialCache(0), WithBreaker(breaker.Settings{Failures: 3, Cooldown: cooldown}))
+		require.NoError(t, err)
+		time.Sleep(2 * cooldown)
+		for range 3 {
+			ctx, cancel := context.WithTimeout(context.Background(), time.Millisecond)
+			_, err := l.Allow(ctx, "hung")
+			cancel()
+			require.ErrorIs(t, err, context.DeadlineExceeded)
+		}
+		assert.Zero(t, l.Stats().BreakerOpened, "3 impatient callers are no outage")
+	})
+}

@@ -143,7 +143,7 @@ func (l *Limiter) wire(c config) {
 	if l.mem != nil {
 		keys = 0
 	} else {
-		l.health = newHealth(l.store, c.breaker)
+		l.health = newHealth(l.store, c.breaker, l.epoch)
 	}
 	if c.denialKeys != nil {
 		keys = *c.denialKeys
