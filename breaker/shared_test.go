@@ -4,10 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"log/slog"
 	"strconv"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -252,33 +250,6 @@ func TestSharedFencing(t *testing.T) {
 	assert.Equal(t, uint64(2), a.Stats().Stale)
 }
 
-// TestSharedOpenCostsNothing: an open breaker answers without Redis, and
-// without allocating, until its open time ends.
-func TestSharedOpenCostsNothing(t *testing.T) {
-	m := newMini(t)
-	b := m.shared(t, fastSettings)
-	trip(t, b, "k")
-	trips := b.Stats().RoundTrips
-	allocs := testing.AllocsPerRun(1000, func() {
-		tk, err := b.Acquire(ctx, "k")
-		if !errors.Is(err, ErrOpen) || tk.RetryAfter <= 0 || tk.RetryAfter > time.Second {
-			t.Fatalf("Acquire = %+v, %v", tk, err)
-		}
-	})
-	assert.Equal(t, 0.0, allocs)
-	assert.Equal(t, trips, b.Stats().RoundTrips, "no round trip while open")
-
-	m.advance(999 * time.Millisecond)
-	_, err := b.Acquire(ctx, "k")
-	require.ErrorIs(t, err, ErrOpen)
-	assert.Equal(t, trips, b.Stats().RoundTrips)
-	m.advance(time.Millisecond)
-	tk, err := b.Acquire(ctx, "k")
-	require.NoError(t, err)
-	assert.True(t, tk.Probe())
-	assert.Equal(t, trips+1, b.Stats().RoundTrips)
-}
-
 // TestSharedDeadProber: a prober that never reports loses its lease after
 // ProbeTimeout; another instance probes, and the old holder's late
 // success is ignored.
@@ -437,62 +408,6 @@ func TestSharedSeedInterface(t *testing.T) {
 	assert.Equal(t, Closed, st)
 }
 
-// TestSharedCacheClosed: with CacheClosedFor, a closed breaker costs at
-// most 0.05 round trips per call, and the outcomes still trip it.
-func TestSharedCacheClosed(t *testing.T) {
-	m := newMini(t)
-	set := SharedSettings{MinCalls: 20, FailureRate: 0.5, OpenFor: time.Second, CacheClosedFor: 50 * time.Millisecond}
-	b := m.shared(t, set)
-	const calls = 2000
-	for i := range calls {
-		if i%100 == 0 {
-			m.advance(50 * time.Millisecond) // 100 calls per 50 ms
-		}
-		require.NoError(t, call(t, b, "k", Success))
-	}
-	perCall := float64(b.Stats().RoundTrips) / calls
-	assert.LessOrEqual(t, perCall, 0.05)
-	t.Logf("%.4f round trips per call", perCall)
-
-	// The last 100 successes go with the next round trip, so they count
-	// in the window then: outcomes arrive up to CacheClosedFor late.
-	m.advance(11 * time.Second)
-	for range 200 {
-		require.NoError(t, call(t, b, "k", Failure), "the cache grants for up to 50 ms")
-	}
-	m.advance(50 * time.Millisecond)
-	_, err := b.Acquire(ctx, "k")
-	require.ErrorIs(t, err, ErrOpen, "the batch sent with the next round trip trips it")
-}
-
-// TestSharedCallerContextIsNotAnOutage: a caller's ended context is the
-// caller's error, and counts neither against Redis nor against the
-// downstream.
-func TestSharedCallerContextIsNotAnOutage(t *testing.T) {
-	m := newMini(t)
-	b := m.shared(t, fastSettings, WithFailurePolicy(FailClosed))
-	cctx, cancel := context.WithCancel(ctx)
-	cancel()
-	_, err := b.Acquire(cctx, "k")
-	require.ErrorIs(t, err, context.Canceled)
-
-	// Cancelled while Redis is working on it.
-	hooked := redis.NewClient(&redis.Options{Addr: m.mr.Addr()})
-	t.Cleanup(func() { _ = hooked.Close() })
-	hooked.AddHook(cancelHook{})
-	hb, err := NewShared(hooked, fastSettings, WithLogger(nil), WithStoreBreaker(Settings{Failures: 1}))
-	require.NoError(t, err)
-	for range 5 {
-		cctx, cancel := context.WithCancel(ctx)
-		_, err = hb.Acquire(context.WithValue(cctx, cancelKey{}, cancel), "k")
-		require.ErrorIs(t, err, context.Canceled)
-	}
-	s := hb.Stats()
-	assert.Equal(t, uint64(0), s.StoreErrors)
-	assert.Equal(t, Closed, s.Store, "the store breaker heard nothing")
-	assert.Equal(t, uint64(0), s.Degraded)
-}
-
 type cancelKey struct{}
 
 // cancelHook cancels the context of a script call as it is sent.
@@ -511,99 +426,6 @@ func (cancelHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 }
 func (cancelHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
 	return next
-}
-
-// TestSharedOutagePolicies: with Redis down, Fallback keeps an open
-// breaker open until its open time ends, then probes locally; FailOpen
-// grants; FailClosed refuses; decisions return to Redis on recovery.
-func TestSharedOutagePolicies(t *testing.T) {
-	m := newMini(t)
-	fast := WithStoreBreaker(Settings{Failures: 1, Cooldown: time.Millisecond})
-	fb := m.shared(t, fastSettings, fast)
-	open := m.shared(t, fastSettings, fast, WithFailurePolicy(FailOpen))
-	closed := m.shared(t, fastSettings, fast, WithFailurePolicy(FailClosed))
-	trip(t, fb, "down")
-	_, err := fb.State(ctx, "fresh") // a closed key this instance has read
-	require.NoError(t, err)
-
-	m.mr.SetError("LOADING Redis is loading the dataset in memory")
-	for range 3 {
-		_, err = fb.Acquire(ctx, "down")
-		require.ErrorIs(t, err, ErrOpen, "open stays open without Redis")
-	}
-	tk, err := fb.Acquire(ctx, "fresh")
-	require.NoError(t, err, "a closed breaker decides locally")
-	require.NoError(t, tk.Done(ctx, Success))
-	m.advance(time.Second)
-	probe, err := fb.Acquire(ctx, "down")
-	require.NoError(t, err, "its open time is up: a local probe")
-	require.True(t, probe.Probe())
-	_, err = fb.Acquire(ctx, "down")
-	require.ErrorIs(t, err, ErrOpen, "one local probe")
-	require.NoError(t, probe.Done(ctx, Failure))
-	_, err = fb.Acquire(ctx, "down")
-	require.ErrorIs(t, err, ErrOpen, "the failed local probe opened it again")
-	st, err := fb.State(ctx, "down")
-	require.NoError(t, err)
-	assert.Equal(t, Open, st)
-
-	_, err = open.Acquire(ctx, "other")
-	require.NoError(t, err, "FailOpen grants")
-	_, err = closed.Acquire(ctx, "other")
-	require.ErrorIs(t, err, ErrStoreUnavailable, "FailClosed refuses")
-	assert.NotContains(t, err.Error(), "other", "no key in errors")
-	require.True(t, fb.Stats().Outage)
-	require.Positive(t, fb.Stats().Degraded)
-
-	m.mr.SetError("")
-	time.Sleep(2 * time.Millisecond) // the store breaker's cool-down
-	trips := fb.Stats().RoundTrips
-	p, err := fb.Acquire(ctx, "down")
-	require.NoError(t, err, "Redis's state wins again: its breaker's open time is up")
-	assert.True(t, p.Probe())
-	assert.Equal(t, trips+1, fb.Stats().RoundTrips)
-	assert.False(t, fb.Stats().Outage)
-	require.NoError(t, p.Done(ctx, Success))
-	st, err = fb.State(ctx, "down")
-	require.NoError(t, err)
-	assert.Equal(t, Closed, st)
-}
-
-// TestSharedLogsOncePerTransition: one line per transition, by the
-// instance that made it, and never the key.
-func TestSharedLogsOncePerTransition(t *testing.T) {
-	m := newMini(t)
-	var mu sync.Mutex
-	var lines []string
-	log := slog.New(slog.NewTextHandler(writerFunc(func(p []byte) (int, error) {
-		mu.Lock()
-		defer mu.Unlock()
-		lines = append(lines, string(p))
-		return len(p), nil
-	}), nil))
-	a, err := NewShared(m.c, fastSettings, WithLogger(log))
-	require.NoError(t, err)
-	a.now = m.clock.now
-	b := m.shared(t, fastSettings)
-	trip(t, a, "secret@example.com")
-	_, err = b.Acquire(ctx, "secret@example.com")
-	require.ErrorIs(t, err, ErrOpen)
-	m.advance(time.Second)
-	p, err := a.Acquire(ctx, "secret@example.com")
-	require.NoError(t, err)
-	require.NoError(t, p.Done(ctx, Success))
-	mu.Lock()
-	defer mu.Unlock()
-	require.Len(t, lines, 3, "%q", lines)
-	assert.Contains(t, lines[0], "closed → open")
-	assert.Contains(t, lines[1], "open → half-open")
-	assert.Contains(t, lines[2], "half-open → closed")
-	for _, l := range lines {
-		assert.NotContains(t, l, "secret")
-	}
-	assert.Equal(t, uint64(1), a.Stats().Trips)
-	assert.Equal(t, [3]uint64{1, 1, 1}, a.Stats().Entered)
-	assert.Equal(t, [3]uint64{}, b.Stats().Entered)
 }
 
 type writerFunc func([]byte) (int, error)
@@ -705,26 +527,4 @@ func (p *panickyScripter) EvalSha(ctx context.Context, sha string, keys []string
 		panic("a client hook panics")
 	}
 	return p.Scripter.EvalSha(ctx, sha, keys, args...)
-}
-
-// TestSharedStoreProbeThatPanicsIsAbandoned: the store breaker's probe
-// whose client panics ends, or the store breaker would stay half-open for
-// ever and every call would go to the failure policy: the next call after
-// it probes, and closes the store breaker.
-func TestSharedStoreProbeThatPanicsIsAbandoned(t *testing.T) {
-	m := newMini(t)
-	pc := &panickyScripter{Scripter: m.c}
-	const cooldown = 10 * time.Millisecond
-	b, err := NewShared(pc, fastSettings, WithLogger(nil), WithStoreBreaker(Settings{Failures: 1, Cooldown: cooldown}))
-	require.NoError(t, err)
-	pc.mode.Store(1)
-	_, _ = b.Acquire(ctx, "k")
-	require.Equal(t, Open, b.health.State(), "a failure trips the store breaker")
-	time.Sleep(2 * cooldown)
-	pc.mode.Store(2)
-	require.Panics(t, func() { _, _ = b.Acquire(ctx, "k") }, "the probe panics")
-	pc.mode.Store(0)
-	_, err = b.Acquire(ctx, "k")
-	require.NoError(t, err)
-	assert.Equal(t, Closed, b.health.State(), "the next call probes and closes it")
 }
