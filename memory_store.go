@@ -214,7 +214,11 @@ func (m *MemoryStore) self() Store { return m }
 // wiringError implements wiredStore: an option of another constructor.
 func (m *MemoryStore) wiringError() error { return m.err }
 
-// Reset implements Store: it drops the buckets, which then read as full.
+// Reset implements Store: it drops the buckets and windows, which then
+// read as full and empty, but never a concurrency plan's permits, which
+// are their holders' until released, as the RedisStore keeps them: a
+// plan of the name in another Limiter sharing the store may be of
+// another kind.
 func (m *MemoryStore) Reset(_ context.Context, key string, plans []Plan) error {
 	if err := checkKey(key); err != nil {
 		return err
@@ -230,7 +234,7 @@ func (m *MemoryStore) Reset(_ context.Context, key string, plans []Plan) error {
 	defer e.mu.Unlock()
 	kept := e.buckets[:0]
 	for _, b := range e.buckets {
-		if !slices.ContainsFunc(plans, func(p Plan) bool { return p.Name == b.plan.Name }) {
+		if b.sem != nil || !slices.ContainsFunc(plans, func(p Plan) bool { return p.Name == b.plan.Name }) {
 			kept = append(kept, b)
 		}
 	}

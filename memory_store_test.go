@@ -369,3 +369,30 @@ func TestEvictionKeepsAVersionAsRedisWould(t *testing.T) {
 		assert.False(t, r.Allowed, "run %d: the reset applied again", run)
 	}
 }
+
+// TestResetKeepsPermitsOfAPlanOfAnotherKind has one Limiter hold the only
+// permit of concurrency plan "x" while another, whose "x" is a window,
+// resets the key: the permit is still held in both stores, as the script
+// keeps a concurrency plan's permits, so a second is refused.
+func TestResetKeepsPermitsOfAPlanOfAnotherKind(t *testing.T) {
+	for _, name := range []string{"memory", "redis"} {
+		t.Run(name, func(t *testing.T) {
+			ctx := context.Background()
+			var s Store = NewMemoryStore()
+			if name == "redis" {
+				s, _, _ = newMiniredisStore(t)
+			}
+			held, err := New(s, []Plan{{Name: "x", Capacity: 1, Concurrency: true}})
+			require.NoError(t, err)
+			windowed, err := New(s, []Plan{{Name: "x", Capacity: 5, Window: time.Second}})
+			require.NoError(t, err)
+			p, err := held.Acquire(ctx, "k", 1, "x")
+			require.NoError(t, err)
+			require.True(t, p.OK())
+			require.NoError(t, windowed.Reset(ctx, "k", "x"))
+			q, err := held.Acquire(ctx, "k", 1, "x")
+			require.NoError(t, err)
+			assert.False(t, q.OK(), "a second permit of a capacity of 1")
+		})
+	}
+}
