@@ -44,16 +44,16 @@ type lease struct {
 	// the one caller that gives the lease back and takes the next.
 	renew chan struct{}
 
-	mu       sync.Mutex   // guards what follows
-	r        *Reservation // nil: no lease held
-	left     int64        // tokens not yet handed out
-	ends     int64        // when the lease stops serving, on the Limiter's clock
-	ended    bool         // the sweeper found it past ends
-	next     *Reservation // the lease taken ahead, to serve when r runs out
-	fetching bool         // a goroutine is taking next
-	backoff  int64        // until when no lease is taken, after Redis had too few tokens
-	gone     bool         // dropped from the map: look the lease up again
-	dropped  bool         // by Reset: what it held, or a take under way brings, is not given back
+	mu      sync.Mutex    // guards what follows
+	r       *Reservation  // nil: no lease held
+	left    int64         // tokens not yet handed out
+	ends    int64         // when the lease stops serving, on the Limiter's clock
+	ended   bool          // the sweeper found it past ends
+	next    *Reservation  // the lease taken ahead, to serve when r runs out
+	fetched chan struct{} // non-nil while a goroutine takes next; closed when it is done
+	backoff int64         // until when no lease is taken, after Redis had too few tokens
+	gone    bool          // dropped from the map: look the lease up again
+	dropped bool          // by Reset: what it held, or a take under way brings, is not given back
 }
 
 // reservation returns a lease's reservation of n tokens of key. Its hold
@@ -188,8 +188,8 @@ func (ls *leases) spend(e *lease, r *Result, a *leaseAsk) (served, backingOff bo
 	}
 	e.left -= cost
 	e.result(r, SourceLease)
-	if size := plans[0].Lease; e.next == nil && !e.fetching && e.left <= size/2 {
-		e.fetching = true
+	if size := plans[0].Lease; e.next == nil && e.fetched == nil && e.left <= size/2 {
+		e.fetched = make(chan struct{})
 		ls.done.Add(1)
 		go ls.fetch(e, e.r, size-e.left, *a)
 	}
@@ -197,7 +197,9 @@ func (ls *leases) spend(e *lease, r *Result, a *leaseAsk) (served, backingOff bo
 }
 
 // fetch takes the next lease of e, of n tokens, ahead of need, to follow
-// the lease cur; if cur is gone meanwhile, it gives it back.
+// the lease cur; if cur is gone meanwhile, it gives it back. A lease the
+// sweeper ended keeps it as next all the same, for the take or the sweep
+// that gives cur back to give it back with cur.
 func (ls *leases) fetch(e *lease, cur *Reservation, n int64, a leaseAsk) {
 	defer ls.done.Done()
 	ctx, cancel := context.WithTimeout(context.Background(), ls.ttl+time.Second)
@@ -207,9 +209,10 @@ func (ls *leases) fetch(e *lease, cur *Reservation, n int64, a leaseAsk) {
 	ok := err == nil && rv.result.Allowed && rv.result.Source == SourceStore
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	e.fetching = false
+	close(e.fetched)
+	e.fetched = nil
 	switch {
-	case ok && !e.gone && e.r == cur && !e.ended:
+	case ok && !e.gone && e.r == cur:
 		e.next = rv
 	case e.dropped: // by Reset, which filled the bucket: given back, it would overfill it
 	case err == nil && rv.result.Allowed:
@@ -252,6 +255,16 @@ func (ls *leases) take(ctx context.Context, e *lease, r *Result, q *leaseAsk, w 
 		return false, false, nil
 	}
 	old, left, next, stale := e.r, e.left, e.next, !e.fits(&q.plans[0])
+	if f := e.fetched; stale && f != nil && ctx.Err() == nil {
+		// The lease being taken ahead is the old plan's too: wait for it,
+		// so that it goes back with the rest before the new plan decides.
+		e.mu.Unlock()
+		select {
+		case <-f:
+		case <-ctx.Done():
+		}
+		return ls.take(ctx, e, r, q, w)
+	}
 	e.r, e.left, e.next, e.ended = nil, 0, nil, false
 	e.mu.Unlock()
 	ls.retire(ctx, old, left, next, stale)

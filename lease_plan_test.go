@@ -5,7 +5,10 @@ import (
 	"fmt"
 	"sync/atomic"
 	"testing"
+	"time"
 
+	"github.com/alicebob/miniredis/v2"
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -201,4 +204,82 @@ func TestNewVersionRetiresTheLease(t *testing.T) {
 	assert.LessOrEqual(t, admitted, next.Capacity, "the reset's capacity, once, and no lease of version 1")
 	assert.GreaterOrEqual(t, admitted, next.Capacity-next.Lease, "less at most a lease in flight")
 	assert.Equal(t, next.Capacity-admitted, remaining(t, rs, "k"))
+}
+
+// gateHook, once armed, holds back the reply of the next script call,
+// after Redis ran it, until released; held is closed once it does.
+type gateHook struct {
+	armed   atomic.Bool
+	held    chan struct{}
+	release chan struct{}
+}
+
+func (h *gateHook) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (h *gateHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		err := next(ctx, cmd)
+		if isScriptCmd(cmd) && h.armed.CompareAndSwap(true, false) {
+			close(h.held)
+			<-h.release
+		}
+		return err
+	}
+}
+
+func (h *gateHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+
+// TestPlanChangeWaitsForTheLeaseTakenAhead: a lease of 50 of 100 has
+// handed out 25, so the next lease, of 25, is being taken ahead when the
+// plan becomes one of 10. Redis ran that take (the bucket holds 25) but
+// its reply is late. The lease taken ahead is the old plan's too: its
+// tokens must be back before the new plan decides, or their refund lands
+// on the bucket the new plan drained and refills it (before: 20 admitted
+// at one instant under a plan of 10).
+func TestPlanChangeWaitsForTheLeaseTakenAhead(t *testing.T) {
+	ctx := context.Background()
+	big := Plan{Name: "hot", Capacity: 100, Rate: 1, Lease: 50}
+	small := Plan{Name: "hot", Capacity: 10, Rate: 1}
+	mr := miniredis.RunT(t)
+	mr.SetTime(time.UnixMicro(t0))
+	c := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	t.Cleanup(func() { _ = c.Close() })
+	gate := &gateHook{held: make(chan struct{}), release: make(chan struct{})}
+	c.AddHook(gate)
+	rs := NewRedisStore(c, WithoutBatching())
+	l, err := New(rs, []Plan{big}, WithLogger(nil))
+	require.NoError(t, err)
+	require.EqualValues(t, 24, countAdmitted(t, l, "k", 24))
+	gate.armed.Store(true)
+	r, err := l.Allow(ctx, "k") // leaves 25 of the lease: the next is taken ahead
+	require.NoError(t, err)
+	require.Equal(t, SourceLease, r.Source)
+	<-gate.held
+	require.NoError(t, l.SetPlans([]Plan{small}))
+	done := make(chan int64)
+	go func() { done <- countAdmitted(t, l, "k", 30) }()
+	select {
+	case admitted := <-done: // a store that decided before the lease taken ahead came back
+		close(gate.release)
+		require.NoError(t, l.Close())
+		admitted += countAdmitted(t, plainLimiter(t, rs, small), "k", 30)
+		assert.LessOrEqual(t, admitted, small.Capacity, "admitted under the plan of 10, at one instant")
+	case <-time.After(100 * time.Millisecond): // waits for it: let it come back
+		close(gate.release)
+		admitted := <-done
+		require.NoError(t, l.Close())
+		admitted += countAdmitted(t, plainLimiter(t, rs, small), "k", 30)
+		assert.Equal(t, small.Capacity, admitted, "admitted under the plan of 10, at one instant")
+	}
+}
+
+// plainLimiter returns a Limiter of plan on rs that remembers no denial.
+func plainLimiter(t *testing.T, rs *RedisStore, plan Plan) *Limiter {
+	t.Helper()
+	l, err := New(rs, []Plan{plan}, WithDenialCache(0), WithLogger(nil))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = l.Close() })
+	return l
 }
