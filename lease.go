@@ -100,6 +100,9 @@ func (ls *leases) serve(ctx context.Context, r *Result, q *request) (bool, error
 		return false, nil
 	}
 	a := leaseAsk{key: q.key, cost: q.n, plans: q.plans, given: q.given}
+	if ls.l.denials != nil {
+		a.pk = planKey(q)
+	}
 	if ls.l.resolver != nil {
 		a.as = resolverKey(ctx, q.key)
 	}
@@ -259,10 +262,7 @@ func (ls *leases) take(ctx context.Context, e *lease, r *Result, q *leaseAsk, w 
 		// The lease being taken ahead is the old plan's too: wait for it,
 		// so that it goes back with the rest before the new plan decides.
 		e.mu.Unlock()
-		select {
-		case <-f:
-		case <-ctx.Done():
-		}
+		awaitClosed(ctx, f)
 		return ls.take(ctx, e, r, q, w)
 	}
 	e.r, e.left, e.next, e.ended = nil, 0, nil, false
@@ -270,6 +270,9 @@ func (ls *leases) take(ctx context.Context, e *lease, r *Result, q *leaseAsk, w 
 	ls.retire(ctx, old, left, next, stale)
 	if !leasing {
 		return false, false, nil
+	}
+	if q.pk != "" { // asked of the store: denials under the plan's other parameters are stale
+		ls.l.denials.Supersede(q.key, q.pk)
 	}
 	size := q.plans[0].Lease
 	rv := ls.reservation(q, size)
@@ -292,6 +295,14 @@ func (ls *leases) take(ctx context.Context, e *lease, r *Result, q *leaseAsk, w 
 		return false, false, nil
 	}
 	return ls.install(e, rv, r, q.cost, w), false, nil
+}
+
+// awaitClosed returns once ch is closed or ctx ends.
+func awaitClosed(ctx context.Context, ch <-chan struct{}) {
+	select {
+	case <-ch:
+	case <-ctx.Done():
+	}
 }
 
 // giveBack settles a lease that handed out all but left of its tokens,

@@ -283,3 +283,55 @@ func plainLimiter(t *testing.T, rs *RedisStore, plan Plan) *Limiter {
 	t.Cleanup(func() { _ = l.Close() })
 	return l
 }
+
+// TestLeasedTierRoundTripForgetsRememberedDenials: a denial remembered
+// under the free tier, then a gold tier whose requests a lease serves,
+// then the free tier again once the bucket refilled. The gold tier's
+// requests are requests under the plan's other parameters, lease or not:
+// they forget the free tier's denials, which the bucket, refilled under
+// gold, no longer bears out (before: the 10 tokens Redis held were denied
+// from the cache for the free denial's 6 minutes).
+func TestLeasedTierRoundTripForgetsRememberedDenials(t *testing.T) {
+	ctx := context.Background()
+	free := Plan{Name: "api", Capacity: 10, Rate: Per(10, time.Hour)}
+	gold := Plan{Name: "api", Capacity: 100, Rate: 1, Lease: 10}
+	rs, _, setTime := newMiniredisStore(t)
+	var isGold atomic.Bool
+	l, err := New(rs, []Plan{free}, WithLogger(nil), WithPlanResolver(func(_ context.Context, _ string, p Plan) (Plan, error) {
+		if isGold.Load() {
+			return gold, nil
+		}
+		return p, nil
+	}))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = l.Close() })
+	time.Sleep(time.Millisecond) // off the instant of New: see testDenialCacheSparesTheStore
+	require.EqualValues(t, 10, countAdmitted(t, l, "k", 10))
+	for _, src := range []Source{SourceStore, SourceCache} {
+		r, err := l.Allow(ctx, "k")
+		require.NoError(t, err)
+		require.False(t, r.Allowed)
+		require.Equal(t, src, r.Source, "the free tier's denial is remembered")
+	}
+	setTime(t0 + 10e6) // 10 tokens under gold: one lease, and none to take ahead
+	isGold.Store(true)
+	require.EqualValues(t, 10, countAdmitted(t, l, "k", 10), "a lease of 10")
+	waitFetched(t, l, "k", "api")
+	setTime(t0 + 10e6 + time.Hour.Microseconds()) // full under free
+	isGold.Store(false)
+	r, err := l.Allow(ctx, "k")
+	require.NoError(t, err)
+	assert.True(t, r.Allowed, "10 in Redis; denied by %v", r.Source)
+	assert.EqualValues(t, 9, countAdmitted(t, l, "k", 12))
+}
+
+// waitFetched waits until no lease of key's plan is being taken ahead.
+func waitFetched(t *testing.T, l *Limiter, key, plan string) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		e := l.leases.lookup(key, plan, false)
+		e.mu.Lock()
+		defer e.mu.Unlock()
+		return e.fetched == nil
+	}, 5*time.Second, time.Millisecond)
+}

@@ -14,6 +14,7 @@ type leaseAsk struct {
 	plans []Plan
 	given bool
 	as    string // the key a plan resolver was given (ResolveAs), for the lease's settlement
+	pk    string // the denial cache's name for the plan; empty when the cache is off
 }
 
 // leasable reports whether a decision of cost on plan p takes a lease:
