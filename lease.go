@@ -88,15 +88,19 @@ func newLeases(l *Limiter, ttl time.Duration) *leases {
 	return &leases{l: l, ttl: ttl, m: map[leaseKey]*lease{}, stop: make(chan struct{})}
 }
 
-// decide serves a decision of cost on plans, one plan, from the lease of
+// serve serves a decision of cost on plans, one plan, from the lease of
 // key, taking a new lease when it has too few tokens, if the plan leases
 // (leasable). A lease of the plan's name taken for another plan is given
-// back first, whether the plan leases or not. It reports whether it
-// decided into *r; when not, the request goes to the store as usual:
-// the plan takes no lease, Redis had fewer tokens than a lease, or the
-// Limiter is closed.
+// back first, whether the plan leases or not; so it is for each plan of a
+// chain or a Reserve, which no lease serves (retireOthers). It reports
+// whether it decided into *r; when not, the request goes to the store as
+// usual: the plan takes no lease, Redis had fewer tokens than a lease, or
+// the Limiter is closed.
 func (ls *leases) serve(ctx context.Context, r *Result, q *request) (bool, error) {
-	if len(q.plans) != 1 || !leasable(&q.plans[0], q.n) && !ls.leased(q.plans[0].Name) {
+	if len(q.plans) != 1 || q.mode != modeTake {
+		return false, ls.retireOthers(ctx, q)
+	}
+	if !leasable(&q.plans[0], q.n) && !ls.leased(q.plans[0].Name) {
 		return false, nil
 	}
 	a := leaseAsk{key: q.key, cost: q.n, plans: q.plans, given: q.given}
@@ -112,8 +116,8 @@ func (ls *leases) serve(ctx context.Context, r *Result, q *request) (bool, error
 // decide is serve for a, a decision on one plan. a goes by value: a
 // decision the lease serves, the common case, allocates nothing.
 func (ls *leases) decide(ctx context.Context, r *Result, a leaseAsk) (bool, error) {
-	key, cost, plans := a.key, a.cost, a.plans
-	leasing := leasable(&plans[0], cost)
+	key, plans := a.key, a.plans
+	leasing := a.leasing()
 	for {
 		e := ls.lookup(key, plans[0].Name, leasing)
 		if e == nil {
@@ -239,7 +243,7 @@ func (e *lease) result(r *Result, src Source) {
 // must look the lease up again. The caller holds e.renew; ctx is the
 // take's own.
 func (ls *leases) take(ctx context.Context, e *lease, r *Result, q *leaseAsk, w *handoff) (decided, again bool, err error) {
-	now, leasing := ls.l.now(), leasable(&q.plans[0], q.cost)
+	now, leasing := ls.l.now(), q.leasing()
 	e.mu.Lock()
 	if e.gone {
 		e.mu.Unlock()

@@ -84,3 +84,21 @@ func (ls *leases) drop(key string, plans []Plan) {
 		e.mu.Unlock()
 	}
 }
+
+// retireOthers gives back, before the store decides q, a decision no
+// lease serves (a chain, a Reserve), the key's leases of q's plans' names
+// that were taken for other plans: their rest goes back before the store
+// decides under the plans in force, as for a decision a lease serves.
+func (ls *leases) retireOthers(ctx context.Context, q *request) error {
+	var r Result // written by no take that leases none
+	for i := range q.plans {
+		if !ls.leased(q.plans[i].Name) {
+			continue
+		}
+		a := leaseAsk{key: q.key, cost: q.n, plans: q.plans[i : i+1], given: q.given, keep: true}
+		if _, err := ls.decide(ctx, &r, a); err != nil {
+			return err
+		}
+	}
+	return nil
+}

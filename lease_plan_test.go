@@ -335,3 +335,53 @@ func waitFetched(t *testing.T, l *Limiter, key, plan string) {
 		return e.fetched == nil
 	}, 5*time.Second, time.Millisecond)
 }
+
+// TestPlanChangeRetiresTheLeaseBeforeDecisionsNoLeaseServes: after a
+// downgrade, the first decision under the new plan is a Reserve or a
+// chain, which no lease serves. The old lease must go back before it too,
+// or its rest, given back later (here by Close), refills the bucket the
+// new plan drained (before: 20 admitted at one instant under a plan of
+// 10).
+func TestPlanChangeRetiresTheLeaseBeforeDecisionsNoLeaseServes(t *testing.T) {
+	ctx := context.Background()
+	big := Plan{Name: "hot", Capacity: 100, Rate: 1, Lease: 50}
+	small := Plan{Name: "hot", Capacity: 10, Rate: 1}
+	other := Plan{Name: "other", Capacity: 1000, Rate: 1}
+	for name, drain := range map[string]func(l *Limiter) int64{
+		"Reserve": func(l *Limiter) int64 {
+			rv, err := l.Reserve(ctx, "k", small.Capacity)
+			require.NoError(t, err)
+			if !rv.Result().Allowed {
+				return 0
+			}
+			_, err = rv.Settle(ctx, small.Capacity)
+			require.NoError(t, err)
+			return small.Capacity
+		},
+		"chain": func(l *Limiter) int64 {
+			var admitted int64
+			for range 30 {
+				r, err := l.Allow(ctx, "k", "hot", "other")
+				require.NoError(t, err)
+				if r.Allowed {
+					admitted++
+				}
+			}
+			return admitted
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			rs, _, _ := newMiniredisStore(t)
+			l, err := New(rs, []Plan{big, other}, WithLogger(nil))
+			require.NoError(t, err)
+			r, err := l.Allow(ctx, "k")
+			require.NoError(t, err)
+			require.Equal(t, SourceStore, r.Source, "a lease of 50 taken")
+			require.NoError(t, l.SetPlans([]Plan{small, other}))
+			admitted := drain(l)
+			require.NoError(t, l.Close())
+			admitted += countAdmitted(t, plainLimiter(t, rs, small), "k", 30)
+			assert.Equal(t, small.Capacity, admitted, "admitted under the plan of 10, at one instant")
+		})
+	}
+}
