@@ -64,13 +64,28 @@ func (e *memEntry) bucket(p *Plan, now int64) TokenBucket {
 }
 
 // bringBack writes back b, plan p's bucket as e.bucket reads it, refilled
-// to now, if its stamp is too far ahead (TokenBucket.Refill): a decision
-// that is not allowed writes nothing else, and the stamp must not stay out
-// of reach of a clock that only catches up with it. e may be nil: its
-// buckets read as full, never too far ahead.
+// to now, if its stamp is too far ahead (TokenBucket.Refill), or as read
+// if it was read from a window of the name ahead of now: a decision that
+// is not allowed writes nothing else, and neither must stay out of reach
+// of a clock that only catches up with it. e may be nil: its buckets read
+// as full, never too far ahead.
 func (e *memEntry) bringBack(p *Plan, b TokenBucket, now int64) {
 	if b.tooFarAhead(p, now) {
 		e.store(p, b.refill(p, now))
+	} else if b.Stamp == now { // as a bucket read from a window is stamped
+		if eb := e.find(p); eb != nil && eb.win.ahead(now) {
+			e.store(p, b) // a window of the name, ahead, reads as b
+		}
+	}
+}
+
+// bringBackWindow writes back plan p's window as e.window reads it, if the
+// window kept for p's name is ahead of now: its counts move into now's
+// sub-window, where they leave one window later, as a decision that is
+// not allowed writes nothing else. e may be nil: a key without state.
+func (e *memEntry) bringBackWindow(p *Plan, now int64) {
+	if eb := e.find(p); eb != nil && eb.win.ahead(now) {
+		e.storeWindow(p, now).add(p, now, 0, 0)
 	}
 }
 

@@ -61,7 +61,8 @@ func (e *memEntry) readChain(d *outcome, windows []*window) {
 // describeChain sets what the Result of the decision d tells of each
 // plan, under the key's lock: the state of each window and concurrency
 // plan into d.windows, and each bucket that nothing was taken from as
-// stored, then brought back if its stamp is too far ahead. e may be nil.
+// stored. A decision that asks for tokens then brings back a bucket whose
+// stamp is too far ahead, and a window ahead of now. e may be nil.
 func (e *memEntry) describeChain(d *outcome, windows []*window) {
 	now, cost := d.now, d.cost
 	taken := d.allowed && cost > 0
@@ -72,6 +73,9 @@ func (e *memEntry) describeChain(d *outcome, windows []*window) {
 		case p.isWindow():
 			// Windows change in place: they are described under the lock.
 			d.windows[i] = describeWindow(p, windows[i], now, cost, d.allowed && d.wd&(1<<i) == 0)
+			if cost > 0 {
+				e.bringBackWindow(p, now)
+			}
 		case !taken || d.wd&(1<<i) != 0:
 			// A denial, a read, or a shadowed plan that would deny leaves
 			// the bucket as it was, and is described so, but a decision

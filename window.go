@@ -32,25 +32,34 @@ type window struct {
 	sumAdmitted, sumOffered int64
 }
 
+// ahead reports whether the newest sub-window of w lies more than k
+// sub-windows ahead of now's: the clock stepped back by more than a
+// window, or the window is garbage. Such a window counts everything it
+// holds as if it lay in now's sub-window, as add moves it there, so that
+// no step back forgets what was admitted and garbage blocks for at most
+// one window. A nil window is never ahead.
+func (w *window) ahead(now int64) bool {
+	return w != nil && w.admitted != nil && w.newest > now/w.width+w.slots
+}
+
 // span returns the first and last sub-windows of w that count at now:
-// none (first > last) if w is empty, or if its newest sub-window lies more
-// than a window ahead of now, which no clock step explains (garbage, or a
-// clock stepped back so far that the window would have emptied anyway).
+// none (first > last) if w is empty, or ahead, whose counts all count in
+// now's sub-window, which its ring does not hold.
 func (w *window) span(now int64) (first, last int64) {
-	if w == nil || w.admitted == nil {
-		return 1, 0
-	}
-	k, b := w.slots, now/w.width
-	if w.newest > b+k {
+	if w == nil || w.admitted == nil || w.ahead(now) {
 		return 1, 0
 	}
 	// After a clock step back, sub-windows later than b still count.
+	k, b := w.slots, now/w.width
 	return max(b-k, w.newest-k), w.newest
 }
 
 // counts returns the tokens admitted and offered in the sub-windows that
-// count at now. A nil window counts nothing.
+// count at now: all it holds if it is ahead. A nil window counts nothing.
 func (w *window) counts(now int64) (admitted, offered int64) {
+	if w.ahead(now) {
+		return w.sumAdmitted, w.sumOffered
+	}
 	first, last := w.span(now)
 	if first > last {
 		return 0, 0
@@ -68,11 +77,15 @@ func (w *window) counts(now int64) (admitted, offered int64) {
 // readyAt returns the first time, in µs, at which cost more tokens fit
 // under the plan's Capacity, if nothing else is admitted: now if they fit
 // now, otherwise the moment the oldest sub-windows that must leave have
-// left. cost must not exceed p.Capacity.
+// left, for a window ahead of now once a decision has moved its counts
+// into now's sub-window (add). cost must not exceed p.Capacity.
 func (w *window) readyAt(p *Plan, now, cost int64) int64 {
 	total, _ := w.counts(now)
 	if total+cost <= p.Capacity {
 		return now
+	}
+	if w.ahead(now) { // all its counts leave with now's sub-window
+		return w.leaves(now / w.width)
 	}
 	first, last := w.span(now)
 	for i := first; i < last; i++ {
@@ -99,9 +112,12 @@ func (w *window) leaves(i int64) int64 {
 }
 
 // resetAt returns the time, in µs, at which the window counts nothing
-// admitted: when the newest sub-window with a count leaves, or now if
-// none counts.
+// admitted: when the newest sub-window with a count leaves (now's, if the
+// window is ahead), or now if none counts.
 func (w *window) resetAt(now int64) int64 {
+	if w.ahead(now) && w.sumAdmitted != 0 {
+		return w.leaves(now / w.width)
+	}
 	first, last := w.span(now)
 	for i := last; i >= first; i-- {
 		if w.admitted[w.slot(i)] != 0 {
@@ -122,8 +138,9 @@ func (w *window) emptyAt() int64 {
 }
 
 // add records admitted and offered tokens in the sub-window of now,
-// allocating the ring on the first write and clearing sub-windows that
-// no longer count.
+// allocating the ring on the first write, clearing sub-windows that no
+// longer count, and moving the counts of a window ahead of now into
+// now's sub-window, where they count for one more window.
 func (w *window) add(p *Plan, now, admitted, offered int64) {
 	if w.admitted == nil {
 		w.width, w.slots = p.width(), p.slots()
@@ -137,10 +154,13 @@ func (w *window) add(p *Plan, now, admitted, offered int64) {
 			w.offered = make([]int64, n)
 		}
 		w.newest = b
-	case w.newest > b+k: // garbage: start again
+	case w.newest > b+k: // ahead: its sums stay, in now's sub-window
 		clear(w.admitted)
 		clear(w.offered)
-		w.sumAdmitted, w.sumOffered = 0, 0
+		w.admitted[b%n] = w.sumAdmitted
+		if w.offered != nil {
+			w.offered[b%n] = w.sumOffered
+		}
 		w.newest = b
 	case b > w.newest:
 		for i := w.newest + 1; i <= min(b, w.newest+n); i++ {

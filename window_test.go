@@ -6,7 +6,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"math"
 	"os"
 	"os/exec"
 	"slices"
@@ -24,9 +23,13 @@ import (
 )
 
 // takeWindow decides cost on window plan p alone, as the stores do, and
-// writes what they would write.
+// writes what they would write: a window ahead of now is written back
+// into now's sub-window by any decision that asks for tokens.
 func takeWindow(w *window, p Plan, now, cost int64, u uint64) bool {
 	ok, _ := chain([]Plan{p}, make([]TokenBucket, 1), []*window{w}, now, cost, u)
+	if cost > 0 && w.ahead(now) {
+		w.add(&p, now, 0, 0)
+	}
 	if cost > 0 && (ok || p.Suppress != 0) {
 		admitted := int64(0)
 		if ok {
@@ -89,9 +92,11 @@ func TestWindowSteps(t *testing.T) {
 			{750 * ms, 3, true, 750 * ms, 3},
 			{100 * ms, 1, false, 2000 * ms, 3},
 		}},
-		{"a window far ahead of the clock is garbage", []step{
+		{"a window far ahead of the clock counts in now's sub-window", []step{
 			{10_000 * ms, 3, true, 10_000 * ms, 3},
-			{0, 3, true, 0, 3},
+			{0, 3, false, 1250 * ms, 3}, // the denial writes the counts back at 0
+			{1250*ms - 1, 1, false, 1250 * ms, 3},
+			{1250 * ms, 3, true, 1250 * ms, 3},
 		}},
 	}
 	for _, tt := range tests {
@@ -169,10 +174,13 @@ func TestSuppressionSteps(t *testing.T) {
 // than Capacity; a refusal of a plain window is justified, the log
 // holding more than Capacity − cost over the last (k+1)·g µs (Window +
 // Window/k, and up to k µs more where g is rounded up); readyAt is the
-// first µs at which the request passes; and nothing is ever negative. A
-// clock step back starts a new log, since a window that reads as garbage
-// after it starts afresh, and ends the check of refusals, since the window
-// still counts what the new log forgets. The suppressed form never passes
+// first µs at which the request passes; and nothing is ever negative.
+// The bound on admissions holds in real time, which a clock step back
+// does not move: a second log stamps each admission with the time elapsed
+// in steps forward, and no span of Window of it holds more than Capacity,
+// however far the clock stepped back. A step back ends the check of
+// refusals, since the window still counts what was admitted at clock
+// times the clock now reaches again. The suppressed form never passes
 // its hard limit.
 func FuzzWindow(f *testing.F) {
 	f.Add(int64(3), uint32(1_000_000), uint8(4), false, []byte{0, 1, 0, 1, 1, 1, 0, 1, 2, 0, 9, 1, 3, 1, 0, 0})
@@ -198,11 +206,12 @@ func FuzzWindow(f *testing.F) {
 		w := &window{}
 		now := t0
 		type admission struct{ at, cost int64 }
-		var log []admission
-		monotonic := true                            // no step back yet: the log holds every count
-		within := func(from, to int64) (sum int64) { // admitted in (from, to]
+		var log, lived []admission                            // by the clock, and by real time
+		monotonic := true                                     // no step back yet: the log holds every count
+		elapsed := int64(0)                                   // real time: the sum of the steps forward
+		in := func(log []admission, from int64) (sum int64) { // admitted after from
 			for _, a := range log {
-				if a.at > from && a.at <= to {
+				if a.at > from {
 					sum += a.cost
 				}
 			}
@@ -216,7 +225,9 @@ func FuzzWindow(f *testing.F) {
 			if delta < 0 {
 				log, monotonic = nil, false // a new log: see the doc comment
 			}
+			was := now
 			now = min(max(now+delta, 0), t0+maxRefillPeriod.Microseconds())
+			elapsed += max(now-was, 0)
 			cost := min(int64(op[2]), p.Capacity)
 			u := uint64(op[3]) << 45
 
@@ -225,11 +236,14 @@ func FuzzWindow(f *testing.F) {
 				t.Fatalf("step %d: readyAt %d before now %d", step, ready, now)
 			}
 			if !suppress && cost > 0 && ready > now {
-				probe := w.clone()
-				if !takeWindow(probe, p, ready, cost, u) {
+				// After the refusal at now, which writes back a window
+				// ahead of now.
+				refused := w.clone()
+				takeWindow(refused, p, now, cost, u)
+				if !takeWindow(refused.clone(), p, ready, cost, u) {
 					t.Fatalf("step %d: refused at readyAt %d", step, ready)
 				}
-				if ready-1 > now && takeWindow(w.clone(), p, ready-1, cost, u) {
+				if ready-1 > now && takeWindow(refused, p, ready-1, cost, u) {
 					t.Fatalf("step %d: passes at %d, before readyAt %d", step, ready-1, ready)
 				}
 			}
@@ -246,12 +260,12 @@ func FuzzWindow(f *testing.F) {
 				continue
 			}
 			if ok {
-				log = append(log, admission{now, cost})
-				if sum := within(now-W, math.MaxInt64); sum > limit {
-					t.Fatalf("step %d: %d admitted in the window ending %d, limit %d", step, sum, now, limit)
+				log, lived = append(log, admission{now, cost}), append(lived, admission{elapsed, cost})
+				if sum := in(lived, elapsed-W); sum > limit {
+					t.Fatalf("step %d: %d admitted in the Window of real time ending %d, limit %d", step, sum, elapsed, limit)
 				}
-			} else if !suppress && monotonic && within(now-lookBack, math.MaxInt64)+cost <= p.Capacity {
-				t.Fatalf("step %d: refused %d with %d admitted in the last (k+1)·g µs", step, cost, within(now-lookBack, math.MaxInt64))
+			} else if !suppress && monotonic && in(log, now-lookBack)+cost <= p.Capacity {
+				t.Fatalf("step %d: refused %d with %d admitted in the last (k+1)·g µs", step, cost, in(log, now-lookBack))
 			}
 		}
 	})
@@ -615,11 +629,11 @@ func takeFromFullWindow(t *testing.T, s *RedisStore, key string, p Plan) Result 
 
 // TestWindowReplacesForeignData plants what a window plan's key may hold
 // that is not its own window (another type, a bucket of the same name,
-// a window of another width whose counts have all left, garbage counts,
-// counts far ahead of the clock): it reads as an empty window, a refusal
-// writes nothing, and the next admission replaces it with the window
-// alone. A window of another shape that still counts is carried over
-// (TestWindowShapeChangeCarriesCounts).
+// a window of another width whose counts have all left, garbage counts):
+// it reads as an empty window, a refusal writes nothing, and the next
+// admission replaces it with the window alone. A window of another shape
+// that still counts is carried over (TestWindowShapeChangeCarriesCounts),
+// and counts far ahead of the clock count (TestWindowFarAheadGarbage).
 func TestWindowReplacesForeignData(t *testing.T) {
 	ctx := context.Background()
 	win := Plan{Name: "api", Capacity: 3, Window: time.Second, Slots: 4} // v = w250000/4
@@ -658,9 +672,6 @@ func TestWindowReplacesForeignData(t *testing.T) {
 		}},
 		{"a stranger field", func(c *redis.Client, key string) error {
 			return c.HSet(ctx, key, "v", "w250000/4", "t", "3").Err()
-		}},
-		{"counts far ahead of the clock", func(c *redis.Client, key string) error {
-			return c.HSet(ctx, key, "v", "w250000/4", strconv.FormatInt(t0/250_000+100, 10), "3").Err()
 		}},
 	}
 	for _, tt := range tests {
@@ -845,4 +856,168 @@ func FuzzChangeOfKind(f *testing.F) {
 			}
 		}
 	})
+}
+
+// TestWindowClockFarBackKeepsCounts takes a window's capacity, steps the
+// clock back by more than a Window (a failover to a server whose clock is
+// behind, an NTP step), and asks for as much again at once, on both stores:
+// nothing more is admitted. The counts move into the current sub-window of
+// the new clock, a read reports them and writes nothing, the first denial
+// writes them back there, and they leave one Window (and a sub-window)
+// later, not when the clock catches up with them. A step back of half a
+// Window keeps the counts where they were.
+func TestWindowClockFarBackKeepsCounts(t *testing.T) {
+	ctx := context.Background()
+	p := Plan{Name: "w", Capacity: 10, Window: time.Second} // 20 sub-windows of 50 ms
+	for _, back := range []int64{1_040_000, 500_000, 3_600_000_000} {
+		t.Run(fmt.Sprint(back), func(t *testing.T) {
+			rs, mr, setTime := newMiniredisStore(t)
+			now := t0
+			ms := newClockedMemoryStore(&now)
+			take := func(cost int64) Result {
+				t.Helper()
+				setTime(now)
+				got, err := rs.Take(ctx, "k", cost, []Plan{p})
+				require.NoError(t, err)
+				want, err := ms.Take(ctx, "k", cost, []Plan{p})
+				require.NoError(t, err)
+				require.Equal(t, want, got, "Lua and MemoryStore disagree")
+				assertSameWindow(t, rs, ms, "k", p, now)
+				return got
+			}
+			for range 10 {
+				require.True(t, take(1).Allowed)
+			}
+			now -= back
+			before := mr.Dump()
+			r := take(0)
+			assert.Equal(t, int64(0), r.Remaining, "a read after the step back still counts all 10")
+			assert.Equal(t, before, mr.Dump(), "a read writes nothing")
+			for i := range 10 {
+				assert.False(t, take(1).Allowed, "request %d after a step back of %d µs", i, back)
+			}
+			if back > p.Window.Microseconds() {
+				// Written back into now's sub-window: it leaves when the
+				// sub-window k+1 later begins.
+				leaves := (now/p.width() + 1 + p.slots()) * p.width()
+				assert.Equal(t, time.Duration(leaves-now)*time.Microsecond, take(1).RetryAfter)
+				now = leaves - 1
+				assert.False(t, take(1).Allowed, "a µs before the counts leave")
+				now = leaves
+				assert.True(t, take(1).Allowed, "the counts have left, one Window after the denial wrote them back")
+			}
+		})
+	}
+}
+
+// TestWindowFarAheadGarbage plants a window whose counts lie 100
+// sub-windows ahead of the clock, as garbage or a clock stepped back far
+// would leave it: a read counts them and writes nothing, a refusal writes
+// them back into now's sub-window, to expire with it, and they leave one
+// Window and a sub-window later, not when the clock reaches them.
+func TestWindowFarAheadGarbage(t *testing.T) {
+	ctx := context.Background()
+	win := Plan{Name: "api", Capacity: 3, Window: time.Second, Slots: 4} // v = w250000/4
+	s, mr, setTime := newMiniredisStore(t)
+	c := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	defer c.Close()
+	key := s.Key("k", win.Name)
+	require.NoError(t, c.HSet(ctx, key, "v", "w250000/4", strconv.FormatInt(t0/250_000+100, 10), "3").Err())
+	before := mr.Dump()
+
+	r, err := s.Take(ctx, "k", 0, []Plan{win})
+	require.NoError(t, err)
+	assert.Equal(t, int64(0), r.Remaining, "counts ahead of the clock count")
+	assert.Equal(t, before, mr.Dump(), "a read writes nothing")
+	r, err = s.Take(ctx, "k", 1, []Plan{win})
+	require.NoError(t, err)
+	require.False(t, r.Allowed)
+	assert.Equal(t, 1250*time.Millisecond, r.RetryAfter)
+	fields, err := c.HGetAll(ctx, key).Result()
+	require.NoError(t, err)
+	assert.Equal(t, map[string]string{"v": "w250000/4", "c": "3", strconv.FormatInt(t0/250_000, 10): "3"}, fields,
+		"the refusal wrote the counts back into now's sub-window")
+	assert.Positive(t, mr.TTL(key), "and the key expires with it")
+
+	setTime(t0 + 1_250_000 - 1)
+	r, err = s.Take(ctx, "k", 1, []Plan{win})
+	require.NoError(t, err)
+	assert.False(t, r.Allowed)
+	setTime(t0 + 1_250_000)
+	r, err = s.Take(ctx, "k", 3, []Plan{win})
+	require.NoError(t, err)
+	assert.True(t, r.Allowed, "the counts left one Window and a sub-window after the refusal")
+}
+
+// TestWindowFarBackAcrossAChange fills a window, steps the clock back an
+// hour, and decides on a plan of the name of another shape or kind, on
+// both stores: the new plan counts what the window holds, its refusal
+// writes that back, so it admits again after its own RetryAfter, a Window
+// or a refill, not an hour later.
+func TestWindowFarBackAcrossAChange(t *testing.T) {
+	ctx := context.Background()
+	win := Plan{Name: "w", Capacity: 10, Window: time.Second}
+	for _, other := range []Plan{
+		{Name: "w", Capacity: 10, Window: 2 * time.Second},
+		{Name: "w", Capacity: 10, Window: time.Second, Suppress: 1.5},
+		{Name: "w", Capacity: 10, Rate: 10},
+	} {
+		t.Run(fmt.Sprint(other.Window, other.Suppress, other.Rate), func(t *testing.T) {
+			rs, _, setTime := newMiniredisStore(t)
+			now := t0
+			ms := newClockedMemoryStore(&now)
+			rs.random, ms.random = sameDraws(), sameDraws()
+			take := func(cost int64, p Plan) Result {
+				t.Helper()
+				setTime(now)
+				got, err := rs.Take(ctx, "k", cost, []Plan{p})
+				require.NoError(t, err)
+				want, err := ms.Take(ctx, "k", cost, []Plan{p})
+				require.NoError(t, err)
+				require.Equal(t, want, got, "Lua and MemoryStore disagree")
+				return got
+			}
+			require.True(t, take(10, win).Allowed)
+			now -= time.Hour.Microseconds()
+			r := take(10, other)
+			require.False(t, r.Allowed, "the window's 10 still count")
+			require.LessOrEqual(t, r.RetryAfter, 3*time.Second)
+			now += r.RetryAfter.Microseconds()
+			assert.True(t, take(1, other).Allowed, "the refusal wrote the counts back: the wait counts down")
+		})
+	}
+}
+
+// TestWindowFarAheadOnRealRedis plants, on a real Redis, a full window
+// whose counts lie 100 sub-windows ahead of Redis's clock, as a server
+// whose clock is behind finds a window after a failover: the script
+// counts them, refuses, and writes them back into the sub-window of its
+// now, with the key set to expire with it.
+func TestWindowFarAheadOnRealRedis(t *testing.T) {
+	c := redistest.NewClient(t, &redis.Options{Addr: redistest.Addr(t)})
+	ctx := context.Background()
+	s := NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix()))
+	p := Plan{Name: "ahead", Capacity: 3, Window: 10 * time.Second, Slots: 4} // v = w2500000/4
+	key := s.Key("k", p.Name)
+	require.NoError(t, c.Del(ctx, key).Err())
+	from := redistest.Time(t, c) / p.width()
+	require.NoError(t, c.HSet(ctx, key, "v", "w2500000/4", strconv.FormatInt(from+100, 10), "3").Err())
+	r, err := s.Take(ctx, "k", 1, []Plan{p})
+	require.NoError(t, err)
+	to := redistest.Time(t, c) / p.width()
+	assert.False(t, r.Allowed, "counts ahead of the clock count")
+	assert.Equal(t, int64(0), r.Remaining)
+	fields, err := c.HGetAll(ctx, key).Result()
+	require.NoError(t, err)
+	assert.Len(t, fields, 3, "v, c and one sub-window: %v", fields)
+	assert.Equal(t, "3", fields["c"])
+	found := false
+	for b := from; b <= to; b++ {
+		found = found || fields[strconv.FormatInt(b, 10)] == "3"
+	}
+	assert.True(t, found, "written back into now's sub-window, %d to %d: %v", from, to, fields)
+	ttl, err := c.PTTL(ctx, key).Result()
+	require.NoError(t, err)
+	assert.Greater(t, ttl, 9*time.Second, "the key expires after the sub-window leaves, some 10 s on")
+	assert.LessOrEqual(t, ttl, 12500*time.Millisecond+2*time.Millisecond)
 }

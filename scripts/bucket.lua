@@ -89,10 +89,12 @@ end
 
 -- windowCounts returns what a window's hash h, as HGETALL lists it,
 -- counts at now in its own shape: the tokens admitted and offered (its
--- admitted ones if it was not suppressed), and its capacity in tokens, or
--- nil if it has none; or nothing if h is not a window. It is window.counts
--- for a window that limit.lua carries into another shape (ADR 16) or
--- another kind (ADR 31).
+-- admitted ones if it was not suppressed), its capacity in tokens, or
+-- nil if it has none, and whether it is ahead: its newest sub-window more
+-- than k ahead of now's, when it counts all it holds (ADR 29); or nothing
+-- if h is not a window. It is window.counts for a window that limit.lua
+-- carries into another shape (ADR 16), another kind (ADR 31), or now's
+-- sub-window.
 local function windowCounts(h, now)
   local v, c
   for j = 1, #h, 2 do
@@ -113,9 +115,8 @@ local function windowCounts(h, now)
       end
     end
   end
-  if newest and newest > b + k then admitted, offered = 0, 0 end -- garbage ahead of the clock
   if string.byte(v) == 119 then offered = admitted end -- 'w': no offered counts
-  return admitted, offered, c and tonumber(c)
+  return admitted, offered, c and tonumber(c), newest ~= nil and newest > b + k
 end
 
 -- readBucket returns the bucket at key as stored, full at now if it is
@@ -127,7 +128,8 @@ end
 -- most full, with pv -1: such a bucket inherits nothing (ADR 31). Last,
 -- it returns the bytes it read if they hold the bucket it returns, a
 -- bucket's bytes (nil if it returns a full bucket or one made from a
--- window).
+-- window), and whether it read a window ahead of now (windowCounts),
+-- which a decision that asks for tokens writes back as the bucket read.
 local function readBucket(key, full, now)
   -- GET answers a string, false if the key is missing, or an error
   -- (WRONGTYPE) as a table, whose length, 0, is no bucket's: a bucket
@@ -143,9 +145,9 @@ local function readBucket(key, full, now)
   end
   if type(s) == 'table' then
     local h = redis.pcall('HGETALL', key)
-    local admitted, _, c = windowCounts(h.err and {} or h, now)
+    local admitted, _, c, ahead = windowCounts(h.err and {} or h, now)
     if not admitted then return full, now, 0 end
-    return math.min(full, math.max(0, (c or full / 1000000) - admitted) * 1000000), now, -1
+    return math.min(full, math.max(0, (c or full / 1000000) - admitted) * 1000000), now, -1, nil, nil, ahead
   end
   return full, now, 0
 end

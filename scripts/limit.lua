@@ -76,7 +76,11 @@
 -- floor(now / g) - k on count, and those after it: the oldest counts in
 -- full until it lies wholly outside the window. A plain window is written
 -- only when tokens are taken; a suppressed one whenever tokens are asked.
--- It expires when its newest sub-window stops counting.
+-- A window ahead, its newest sub-window more than k ahead of the current
+-- one (the clock stepped back that far, or garbage), counts all it holds
+-- in the current sub-window, where a decision that asks for tokens
+-- writes it back, allowed or not (ADR 29). It expires when its newest
+-- sub-window stops counting.
 --
 -- Concurrency plan: a sorted set of permits, members '<holder id>.<j>'
 -- for j = 1..n, scored by when their lease ends, in µs. Every decision on
@@ -131,7 +135,9 @@ end
 local after = {} -- bucket plans: the state refilled to now, full and rate
 local foreign -- window plans whose key holds data not ours, replaced on write
 local pvs -- bucket plans with a version: the version and capacity to write
-local back -- bucket plans whose stamp Refill brought back: written, allowed or not
+-- Plans brought back: buckets whose stamp Refill brought back or that
+-- were read from a window ahead, and windows ahead; written, allowed or not.
+local back
 -- Window plans, by plan: the current sub-window (b), the counts (adm,
 -- off), the newest sub-window (newest), the newest with an admitted count
 -- (last), stale fields to delete (stale), and the fields read (xs).
@@ -150,7 +156,7 @@ for i = 1, plans do
     -- A bucket: refill, exactly as bucket.go does it.
     local full, rate = cap * 1000000, ARGV[a + 1] + 0
     local vs = wide and tonumber(ARGV[a + 3]) or 0
-    local t, ts, pv, oc = readBucket(KEYS[i], full, now)
+    local t, ts, pv, oc, _, ahead = readBucket(KEYS[i], full, now)
     if vs > 0 then
       t, ts = inherit(t, ts, full, now, vs, pv, oc)
       pv, oc = math.max(floor(vs / 4), pv), cap
@@ -160,7 +166,7 @@ for i = 1, plans do
       pvs[2 * i - 1], pvs[2 * i] = pv, oc
     end
     reply[2 * i + 1], reply[2 * i + 2] = t, ts
-    if cost > 0 and tooFarAhead(ts, full, rate, now) then
+    if cost > 0 and (ahead or tooFarAhead(ts, full, rate, now)) then
       back = back or {}
       back[i] = true
     end
@@ -226,8 +232,10 @@ for i = 1, plans do
         end
       end
     end
-    -- A newest sub-window more than a window ahead is no clock step: the
-    -- window reads as empty, as window.go's span says.
+    -- A newest sub-window more than a window ahead (a clock stepped back
+    -- that far, or garbage): its counts move into the current sub-window,
+    -- as window.go's add moves them, and a decision that asks for tokens
+    -- writes them back there, allowed or not (ADR 29).
     if not ok or (#h > 0 and version ~= id) or (nw and nw > bi + k) then
       if not ok or #h > 0 then
         foreign = foreign or {}
@@ -244,12 +252,18 @@ for i = 1, plans do
           ca = cap - math.min(cap, floor(t / 1000000))
           co = ca
         end
-      elseif ok and version ~= id then
-        -- A window of another shape (the plan changed): what it still
-        -- counts moves into the current sub-window, where it stays
-        -- longer, as window.go's carry does. Offered counts come along
-        -- if it had them, or its admitted ones stand for them.
-        ca, co = windowCounts(h, now)
+      elseif ok then
+        -- A window of another shape (the plan changed), or of this one
+        -- ahead: what it still counts moves into the current sub-window,
+        -- where it stays longer, as window.go's carry does. Offered
+        -- counts come along if it had them, or its admitted ones stand
+        -- for them.
+        local _, ahead
+        ca, co, _, ahead = windowCounts(h, now)
+        if ahead and cost > 0 then
+          back = back or {}
+          back[i] = true
+        end
       end
       if ca then
         carry = carry or {}
@@ -335,7 +349,7 @@ for i = 1, plans do
     end
     out[n + 1], out[n + 2], out[n + 3] = adm[i], off[i], ready
     local l = last[i]
-    if take or cost > 0 and hard > 0 then
+    if take or cost > 0 and (hard > 0 or back and back[i]) then
       -- Field names are formatted here: Lua's own number-to-string
       -- conversion turns 10^14 into '1e+14'.
       local field = string.format('%d', bi)

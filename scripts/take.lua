@@ -42,15 +42,16 @@
 -- bucket's bytes that hold them, if it wrote or read such bytes.
 local function take(key, cost, cap, rate, now)
   local full, need = cap * 1000000, cost * 1000000
-  local t, ts, pv, c, s = readBucket(key, full, now)
+  local t, ts, pv, c, s, ahead = readBucket(key, full, now)
   local rt, rts = refill(t, ts, full, rate, now)
   if need > 0 and rt >= need then
     rt = rt - need
     return 1, rt, rts, writeBucket(key, rt, rts, full, rate, now, pv, c)
   end
   -- A stamp too far ahead is brought back by a decision that asks for
-  -- tokens, allowed or not (ADR 29).
-  if cost > 0 and tooFarAhead(ts, full, rate, now) then
+  -- tokens, allowed or not, and a window ahead of now that it read as a
+  -- bucket is written as that bucket (ADR 29).
+  if cost > 0 and (ahead or tooFarAhead(ts, full, rate, now)) then
     writeBucket(key, rt, rts, full, rate, now, pv, c)
   end
   return rt >= need and 1 or 0, t, ts, s
