@@ -20,8 +20,9 @@ type health struct {
 	// budget is the longest a store call takes while this process runs;
 	// 0 when the store cannot tell (see callBudgeter).
 	budget time.Duration
-	// one serves every store but a Cluster, and a Cluster's keys whose
-	// master the client cannot name; single is its node.
+	// one serves every store but a Cluster; single is its node. A
+	// Cluster's keys whose master the client cannot name have a node of
+	// their own, under "" in nodes.
 	one     *breaker.Breaker
 	single  node
 	masters mastersStore // the store, when it is spread over masters; else nil
