@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/alicebob/miniredis/v2"
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -858,6 +859,38 @@ func FuzzChangeOfKind(f *testing.F) {
 	})
 }
 
+// bothStores is a RedisStore on miniredis and a MemoryStore on one clock,
+// now, in µs, which each take sets on both.
+type bothStores struct {
+	rs      *RedisStore
+	mr      *miniredis.Miniredis
+	setTime func(int64)
+	ms      *MemoryStore
+	now     int64
+}
+
+// newBothStores returns both stores at t0.
+func newBothStores(t *testing.T) *bothStores {
+	b := &bothStores{now: t0}
+	b.rs, b.mr, b.setTime = newMiniredisStore(t)
+	b.ms = newClockedMemoryStore(&b.now)
+	return b
+}
+
+// take takes cost of key "k" on plan p in both stores at now, and demands
+// the same Result of both.
+func (b *bothStores) take(t *testing.T, cost int64, p Plan) Result {
+	t.Helper()
+	ctx := context.Background()
+	b.setTime(b.now)
+	got, err := b.rs.Take(ctx, "k", cost, []Plan{p})
+	require.NoError(t, err)
+	want, err := b.ms.Take(ctx, "k", cost, []Plan{p})
+	require.NoError(t, err)
+	require.Equal(t, want, got, "Lua and MemoryStore disagree")
+	return got
+}
+
 // TestWindowClockFarBackKeepsCounts takes a window's capacity, steps the
 // clock back by more than a Window (a failover to a server whose clock is
 // behind, an NTP step), and asks for as much again at once, on both stores:
@@ -867,28 +900,21 @@ func FuzzChangeOfKind(f *testing.F) {
 // later, not when the clock catches up with them. A step back of half a
 // Window keeps the counts where they were.
 func TestWindowClockFarBackKeepsCounts(t *testing.T) {
-	ctx := context.Background()
 	p := Plan{Name: "w", Capacity: 10, Window: time.Second} // 20 sub-windows of 50 ms
 	for _, back := range []int64{1_040_000, 500_000, 3_600_000_000} {
 		t.Run(fmt.Sprint(back), func(t *testing.T) {
-			rs, mr, setTime := newMiniredisStore(t)
-			now := t0
-			ms := newClockedMemoryStore(&now)
+			b := newBothStores(t)
+			rs, mr, now := b.rs, b.mr, &b.now
 			take := func(cost int64) Result {
 				t.Helper()
-				setTime(now)
-				got, err := rs.Take(ctx, "k", cost, []Plan{p})
-				require.NoError(t, err)
-				want, err := ms.Take(ctx, "k", cost, []Plan{p})
-				require.NoError(t, err)
-				require.Equal(t, want, got, "Lua and MemoryStore disagree")
-				assertSameWindow(t, rs, ms, "k", p, now)
+				got := b.take(t, cost, p)
+				assertSameWindow(t, rs, b.ms, "k", p, *now)
 				return got
 			}
 			for range 10 {
 				require.True(t, take(1).Allowed)
 			}
-			now -= back
+			*now -= back
 			before := mr.Dump()
 			r := take(0)
 			assert.Equal(t, int64(0), r.Remaining, "a read after the step back still counts all 10")
@@ -899,11 +925,11 @@ func TestWindowClockFarBackKeepsCounts(t *testing.T) {
 			if back > p.Window.Microseconds() {
 				// Written back into now's sub-window: it leaves when the
 				// sub-window k+1 later begins.
-				leaves := (now/p.width() + 1 + p.slots()) * p.width()
-				assert.Equal(t, time.Duration(leaves-now)*time.Microsecond, take(1).RetryAfter)
-				now = leaves - 1
+				leaves := (*now/p.width() + 1 + p.slots()) * p.width()
+				assert.Equal(t, time.Duration(leaves-*now)*time.Microsecond, take(1).RetryAfter)
+				*now = leaves - 1
 				assert.False(t, take(1).Allowed, "a µs before the counts leave")
-				now = leaves
+				*now = leaves
 				assert.True(t, take(1).Allowed, "the counts have left, one Window after the denial wrote them back")
 			}
 		})
@@ -955,7 +981,6 @@ func TestWindowFarAheadGarbage(t *testing.T) {
 // writes that back, so it admits again after its own RetryAfter, a Window
 // or a refill, not an hour later.
 func TestWindowFarBackAcrossAChange(t *testing.T) {
-	ctx := context.Background()
 	win := Plan{Name: "w", Capacity: 10, Window: time.Second}
 	for _, other := range []Plan{
 		{Name: "w", Capacity: 10, Window: 2 * time.Second},
@@ -963,27 +988,15 @@ func TestWindowFarBackAcrossAChange(t *testing.T) {
 		{Name: "w", Capacity: 10, Rate: 10},
 	} {
 		t.Run(fmt.Sprint(other.Window, other.Suppress, other.Rate), func(t *testing.T) {
-			rs, _, setTime := newMiniredisStore(t)
-			now := t0
-			ms := newClockedMemoryStore(&now)
-			rs.random, ms.random = sameDraws(), sameDraws()
-			take := func(cost int64, p Plan) Result {
-				t.Helper()
-				setTime(now)
-				got, err := rs.Take(ctx, "k", cost, []Plan{p})
-				require.NoError(t, err)
-				want, err := ms.Take(ctx, "k", cost, []Plan{p})
-				require.NoError(t, err)
-				require.Equal(t, want, got, "Lua and MemoryStore disagree")
-				return got
-			}
-			require.True(t, take(10, win).Allowed)
-			now -= time.Hour.Microseconds()
-			r := take(10, other)
+			b := newBothStores(t)
+			b.rs.random, b.ms.random = sameDraws(), sameDraws()
+			require.True(t, b.take(t, 10, win).Allowed)
+			b.now -= time.Hour.Microseconds()
+			r := b.take(t, 10, other)
 			require.False(t, r.Allowed, "the window's 10 still count")
 			require.LessOrEqual(t, r.RetryAfter, 3*time.Second)
-			now += r.RetryAfter.Microseconds()
-			assert.True(t, take(1, other).Allowed, "the refusal wrote the counts back: the wait counts down")
+			b.now += r.RetryAfter.Microseconds()
+			assert.True(t, b.take(t, 1, other).Allowed, "the refusal wrote the counts back: the wait counts down")
 		})
 	}
 }
