@@ -70,12 +70,11 @@ func (e *memEntry) bucket(p *Plan, now int64) TokenBucket {
 // of a clock that only catches up with it. e may be nil: its buckets read
 // as full, never too far ahead.
 func (e *memEntry) bringBack(p *Plan, b TokenBucket, now int64) {
-	if b.tooFarAhead(p, now) {
+	switch kept := e.find(p); {
+	case kept != nil && kept.win.ahead(now): // a window of the name, ahead, reads as b
+		e.store(p, b)
+	case b.tooFarAhead(p, now):
 		e.store(p, b.refill(p, now))
-	} else if b.Stamp == now { // as a bucket read from a window is stamped
-		if eb := e.find(p); eb != nil && eb.win.ahead(now) {
-			e.store(p, b) // a window of the name, ahead, reads as b
-		}
 	}
 }
 
