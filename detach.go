@@ -6,9 +6,12 @@ import (
 	"time"
 )
 
-// reserveTimeout bounds a Reserve's store call once its caller has given
-// up waiting for it: the hold is then given back.
-const reserveTimeout = 2 * time.Second
+// detachTimeout bounds a store call made on a context of its own (detach)
+// beyond its caller's deadline: a Reserve's once its caller has given up
+// waiting for it (the hold is then given back), a Settle's and a
+// Release's, so that a caller whose context ended (a client that hung up)
+// still settles or gives its permits back.
+const detachTimeout = 2 * time.Second
 
 // handoff settles who owns the outcome of a store call made on a context
 // of its own for a caller that may give up waiting: the caller, if the
@@ -81,7 +84,7 @@ func (l *Limiter) reserveDetached(ctx context.Context, r *Reservation, plans []s
 	}
 	w := &handoff{done: make(chan struct{})}
 	var err error // the decision's, the caller's once w.done is closed
-	rctx, cancel := detach(ctx, reserveTimeout)
+	rctx, cancel := detach(ctx, detachTimeout)
 	l.backs.add() // Close waits for a hold that may be given back
 	go func() {
 		defer l.backs.done()

@@ -22,11 +22,6 @@ const (
 	maxPermitLease = time.Hour
 )
 
-// releaseTimeout bounds a release's store call: Release runs on a context
-// of its own, so that a caller whose context ended (a client that hung
-// up) still gives its permits back.
-const releaseTimeout = 2 * time.Second
-
 // Permit is the outcome of Acquire: when granted, n permits of each
 // concurrency plan of a key, held until Release, and the tokens of the
 // other plans, taken. It is safe for concurrent use; it is released at
@@ -189,7 +184,7 @@ func (p *Permit) Release(ctx context.Context) error {
 		return err
 	}
 	p.l.book.remove(p)
-	ctx, cancel := detach(ctx, releaseTimeout)
+	ctx, cancel := detach(ctx, detachTimeout)
 	defer cancel()
 	reply, err := store.(permitStore).permits(ctx, opOf([]*Permit{p}, 0))
 	p.l.stats.permits.reclaimed.Add(uint64(reply.reclaimed))

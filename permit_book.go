@@ -317,7 +317,7 @@ func byStore(ps []*Permit) [][]*Permit {
 }
 
 // close stops the renewals and releases the permits still held, within
-// releaseTimeout in all. A permit granted after it is renewed again,
+// detachTimeout in all. A permit granted after it is renewed again,
 // until the next close.
 func (b *permitBook) close() {
 	b.closing.Lock()
@@ -345,7 +345,7 @@ func (b *permitBook) close() {
 			return false
 		})
 	}
-	b.pass(keys, nil, releaseTimeout, 0)
+	b.pass(keys, nil, detachTimeout, 0)
 }
 
 // lessHeld returns plans, the fallback's share of an Acquire's plans on

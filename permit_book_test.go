@@ -406,7 +406,7 @@ func TestReleaseWaitsForNoMove(t *testing.T) {
 	time.Sleep(3200 * time.Millisecond) // the first pass's move hangs on the store
 	start := time.Now()
 	require.NoError(t, p.Release(context.Background()))
-	require.Less(t, time.Since(start), releaseTimeout, "a release waits for no move")
+	require.Less(t, time.Since(start), detachTimeout, "a release waits for no move")
 }
 
 // TestCloseWaitsForNoHungPass has a renewal pass hang on a store: Close
@@ -420,7 +420,7 @@ func TestCloseWaitsForNoHungPass(t *testing.T) {
 	time.Sleep(3100 * time.Millisecond) // a pass, of 3 s, hangs on the store
 	start := time.Now()
 	require.NoError(t, l.Close())
-	require.Less(t, time.Since(start), releaseTimeout+time.Second, "the hung pass is cut short")
+	require.Less(t, time.Since(start), detachTimeout+time.Second, "the hung pass is cut short")
 }
 
 // fallbackPermit returns a Limiter on miniredis with a concurrency plan

@@ -221,7 +221,7 @@ func (r *Reservation) settle(ctx context.Context, actual int64, giveBack bool) (
 	if actual < 0 || actual > maxCapacity {
 		return Settlement{}, fmt.Errorf("%w: %d tokens used is out of range", ErrInvalidCost, actual)
 	}
-	ctx, cancel := detach(ctx, settleTimeout)
+	ctx, cancel := detach(ctx, detachTimeout)
 	defer cancel()
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -234,11 +234,6 @@ func (r *Reservation) settle(ctx context.Context, actual int64, giveBack bool) (
 	}
 	return st, err
 }
-
-// settleTimeout bounds a settlement's store call beyond its caller's
-// deadline: Settle runs on a context of its own, so that a caller whose
-// context ended still refunds the rest, or is charged the excess.
-const settleTimeout = 2 * time.Second
 
 // Cancel is Settle with 0 tokens used: it refunds the whole reservation.
 func (r *Reservation) Cancel(ctx context.Context) (Settlement, error) {
