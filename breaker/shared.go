@@ -57,7 +57,10 @@ type Shared struct {
 	probes map[string][]Ticket      // by key: the probe tickets of Allow
 	nlocal atomic.Int32             // len(local), read without the lock
 	outage atomic.Int64             // wall ns when Redis began failing; 0: not failing
-	stats  sharedCounters
+	// heard is when a call to Redis last succeeded, to the millisecond, on
+	// the instance's clock; 0, when the breaker was made, if none has.
+	heard atomic.Int64
+	stats sharedCounters
 }
 
 // NewShared returns a Shared breaker on the Redis client c (a *redis.Client,

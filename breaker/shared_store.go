@@ -21,9 +21,9 @@ const deadlineSlack = time.Millisecond
 
 // run runs the script for key with in, behind the store breaker, and
 // updates the key's memo from the reply. It returns the reply and the memo
-// (created if m was nil and the call succeeded). A failure of the caller's
-// doing comes back as a callerError; any other error is Redis's, already
-// counted.
+// (created if m was nil and the call succeeded). A call cut short by its
+// caller comes back as a callerError; any other error is Redis's. Each is
+// counted as failed says.
 func (b *Shared) run(ctx context.Context, key string, m *memo, in input, start int64) (reply, *memo, error) {
 	gen, ok, probe := b.health.Admit()
 	if !ok {
@@ -37,26 +37,10 @@ func (b *Shared) run(ctx context.Context, key string, m *memo, in input, start i
 	}
 	r, err := b.eval(ctx, rkey, in, probe, gen)
 	if err != nil {
-		var rerr *redisscript.Error
-		answered := errors.As(err, &rerr) || errors.Is(err, redisscript.ErrBadReply)
-		cerr := ctx.Err()
-		if cerr == nil && !answered {
-			if dl, ok := ctx.Deadline(); ok && time.Until(dl) <= deadlineSlack {
-				cerr = context.DeadlineExceeded
-			}
-		}
-		if cerr != nil && !answered {
-			if probe {
-				b.health.AbandonIn(gen)
-			}
-			return reply{}, m, callerError{cerr}
-		}
-		b.stats.storeErrors.Add(1)
-		if b.health.FailureIn(gen) && b.outage.CompareAndSwap(0, time.Now().UnixNano()) {
-			b.log.Warn("tollgate/breaker: Redis failing; deciding by failure policy until it recovers",
-				"policy", b.policy.String(), "error", err)
-		}
-		return reply{}, m, err
+		return reply{}, m, b.failed(ctx, err, probe, gen, start)
+	}
+	if now := b.now(); now-b.heard.Load() > int64(time.Millisecond) {
+		b.heard.Store(now) // to the ms: a write per call would make cores wait
 	}
 	b.health.SuccessIn(gen)
 	if b.health.State() == Closed {
@@ -75,6 +59,54 @@ func (b *Shared) run(ctx context.Context, key string, m *memo, in input, start i
 }
 
 var errStoreBreakerOpen = errors.New("store breaker open")
+
+// failed judges a call to Redis of the store breaker's generation gen,
+// begun at start (the instance's clock), that failed with err, and returns
+// the error run returns. A call cut short by its caller's context is the
+// caller's: it comes back as a callerError, and the store breaker hears
+// nothing, so that impatient callers cannot open it on a healthy Redis.
+// Unless Redis has been asked for a cooldown without an answer (silent):
+// then it is hung or too slow for every caller, and the store breaker
+// hears a failure too. Any other failure is Redis's.
+func (b *Shared) failed(ctx context.Context, err error, probe bool, gen uint64, start int64) error {
+	var rerr *redisscript.Error
+	answered := errors.As(err, &rerr) || errors.Is(err, redisscript.ErrBadReply)
+	cerr := ctx.Err()
+	if cerr == nil && !answered {
+		if dl, ok := ctx.Deadline(); ok && time.Until(dl) <= deadlineSlack {
+			cerr = context.DeadlineExceeded
+		}
+	}
+	cut := cerr != nil && !answered
+	if cut && !b.silent(probe, start) {
+		if probe {
+			b.health.AbandonIn(gen)
+		}
+		return callerError{cerr}
+	}
+	b.stats.storeErrors.Add(1)
+	if b.health.FailureIn(gen) && b.outage.CompareAndSwap(0, time.Now().UnixNano()) {
+		b.log.Warn("tollgate/breaker: Redis failing; deciding by failure policy until it recovers",
+			"policy", b.policy.String(), "error", err)
+	}
+	if cut {
+		return callerError{cerr}
+	}
+	return err
+}
+
+// silent reports whether Redis has been asked for a store breaker's
+// cooldown without an answer, as far as a call begun at start can tell:
+// since the last call that succeeded, or the Shared breaker was made, or,
+// for a probe, since the probe began, for the store breaker kept every
+// call from Redis until then.
+func (b *Shared) silent(probe bool, start int64) bool {
+	since := b.heard.Load()
+	if probe {
+		since = max(since, start)
+	}
+	return b.now()-since >= int64(b.health.Settings().Cooldown)
+}
 
 // eval runs the script on rkey with in and reads its reply. A probe of the
 // store breaker (of generation gen) that does not return, because the

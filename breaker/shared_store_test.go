@@ -2,6 +2,7 @@ package breaker
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -58,4 +59,53 @@ func TestSharedStoreProbeThatPanicsIsAbandoned(t *testing.T) {
 	_, err = b.Acquire(ctx, "k")
 	require.NoError(t, err)
 	assert.Equal(t, Closed, b.health.State(), "the next call probes and closes it")
+}
+
+// TestSharedHungStoreTripsForImpatientCallers: a Redis that answers
+// nothing, asked only by callers whose deadlines are shorter than its
+// silence, trips the store breaker once it has been asked for a cooldown
+// without an answer, or every call would wait its caller's whole
+// deadline for ever. The callers still get their own context's error.
+func TestSharedHungStoreTripsForImpatientCallers(t *testing.T) {
+	m := newMini(t)
+	pc := &panickyScripter{Scripter: m.c}
+	const cooldown = 20 * time.Millisecond
+	b, err := NewShared(pc, fastSettings, WithLogger(nil), WithStoreBreaker(Settings{Failures: 3, Cooldown: cooldown}))
+	require.NoError(t, err)
+	_, err = b.Acquire(ctx, "k0")
+	require.NoError(t, err, "Redis answers")
+	pc.mode.Store(3)
+	waits := 0
+	for i := 1; i <= 100 && b.health.State() == Closed; i++ {
+		cctx, cancel := context.WithTimeout(ctx, 2*time.Millisecond)
+		_, err := b.Acquire(cctx, fmt.Sprintf("k%d", i))
+		cancel()
+		require.ErrorIs(t, err, context.DeadlineExceeded, "the caller gets its own error")
+		waits++
+	}
+	assert.Equal(t, Open, b.health.State(), "the hung Redis trips the store breaker, after %d waits", waits)
+	cctx, cancel := context.WithTimeout(ctx, time.Second)
+	defer cancel()
+	_, err = b.Acquire(cctx, "after")
+	assert.NotErrorIs(t, err, context.DeadlineExceeded, "the failure policy answers at once")
+}
+
+// TestSharedImpatientCallersWithinACooldownAreNoOutage: callers cut short
+// by their deadline, on a Shared breaker that has not heard from Redis
+// yet but was made less than a cooldown ago, are the callers' doing: they
+// do not trip the store breaker.
+func TestSharedImpatientCallersWithinACooldownAreNoOutage(t *testing.T) {
+	m := newMini(t)
+	pc := &panickyScripter{Scripter: m.c}
+	pc.mode.Store(3)
+	b, err := NewShared(pc, fastSettings, WithLogger(nil), WithStoreBreaker(Settings{Failures: 1, Cooldown: time.Hour}))
+	require.NoError(t, err)
+	for i := range 3 {
+		cctx, cancel := context.WithTimeout(ctx, time.Millisecond)
+		_, err := b.Acquire(cctx, fmt.Sprintf("k%d", i))
+		cancel()
+		require.ErrorIs(t, err, context.DeadlineExceeded)
+	}
+	assert.Equal(t, Closed, b.health.State())
+	assert.Zero(t, b.Stats().StoreErrors)
 }

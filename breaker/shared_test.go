@@ -510,8 +510,9 @@ func TestSharedFarOpenTimeIsBroughtBack(t *testing.T) {
 	})
 }
 
-// panickyScripter is a client whose EvalSha fails (mode 1) or panics
-// (mode 2), as a client's hook may, or passes on (mode 0).
+// panickyScripter is a client whose EvalSha fails (mode 1), panics
+// (mode 2), as a client's hook may, hangs until its caller gives up (mode
+// 3), as a client of a hung Redis does, or passes on (mode 0).
 type panickyScripter struct {
 	redis.Scripter
 	mode atomic.Int32
@@ -525,6 +526,11 @@ func (p *panickyScripter) EvalSha(ctx context.Context, sha string, keys []string
 		return c
 	case 2:
 		panic("a client hook panics")
+	case 3:
+		<-ctx.Done()
+		c := redis.NewCmd(ctx)
+		c.SetErr(ctx.Err())
+		return c
 	}
 	return p.Scripter.EvalSha(ctx, sha, keys, args...)
 }
