@@ -286,3 +286,86 @@ func TestNewVersionsResetVoidsTheRefundsOfEarlierReservations(t *testing.T) {
 		})
 	}
 }
+
+// TestAResetBetweenVersionsVoidsTheRefund: a reservation of 1,000 of a
+// plan of 1,000 at version 1, then SetPlans to version 2 with
+// InheritReset, whose first decisions fill the bucket and admit 1,000,
+// then SetPlans to version 3, which inherits otherwise, or by way of a
+// table without the name, before the reservation is cancelled. The plan
+// in force at the Cancel does not reset, but version 2 did in between:
+// the refund would fill the bucket a second time. Whatever is admitted
+// after the Cancel, at the same instant, is beyond the capacity. A
+// reservation taken under version 2 keeps its refund; one whose version
+// 2 never wrote the bucket is refunded nothing too, which under-admits.
+func TestAResetBetweenVersionsVoidsTheRefund(t *testing.T) {
+	ctx := context.Background()
+	v := func(version uint32, how Inheritance) Plan {
+		return Plan{Name: "tpm", Capacity: 1000, Rate: llm.Rate, Version: version, Inherit: how}
+	}
+	other := Plan{Name: "rpm", Capacity: 10, Rate: 1}
+	for _, tt := range []struct {
+		name     string
+		at       Plan     // the plan at Reserve
+		then     [][]Plan // the tables put in force before the Cancel, the last in force at it
+		admit    bool     // whether 1,000 are admitted under the first of then, which applies its inheritance
+		refunded int64
+	}{
+		{"as-is", v(1, 0), [][]Plan{{v(2, InheritReset)}, {v(3, 0)}}, true, 0},
+		{"proportional", v(1, 0), [][]Plan{{v(2, InheritReset)}, {v(3, InheritProportional)}}, true, 0},
+		{"a table without the name", v(1, 0), [][]Plan{{v(2, InheritReset)}, {other}, {v(3, 0)}}, true, 0},
+		{"reset never written", v(1, 0), [][]Plan{{v(2, InheritReset)}, {v(3, 0)}}, false, 0},
+		{"reserved under the reset", v(2, InheritReset), [][]Plan{{v(3, 0)}}, false, 1000},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			eachStore(t, []Plan{tt.at}, func(t *testing.T, l clockedLimiter) {
+				r, err := l.Reserve(ctx, "k", 1000)
+				require.NoError(t, err)
+				require.True(t, r.OK())
+				var admitted int64
+				for i, plans := range tt.then {
+					require.NoError(t, l.SetPlans(plans))
+					if i == 0 && tt.admit {
+						a, err := l.AllowN(ctx, "k", 1000)
+						require.NoError(t, err)
+						require.True(t, a.Allowed, "the new version's first decision fills the bucket")
+						admitted += 1000
+					}
+				}
+				st, err := r.Cancel(ctx)
+				require.NoError(t, err)
+				assert.Equal(t, tt.refunded, st.Refunded)
+				var after int64
+				for range 2000 {
+					a, err := l.Allow(ctx, "k")
+					require.NoError(t, err)
+					if !a.Allowed {
+						break
+					}
+					after++
+				}
+				t.Logf("refunded %d; %d admitted before the Cancel, %d after", st.Refunded, admitted, after)
+				assert.LessOrEqual(t, admitted+after, int64(1000), "admitted since the reservation, of a capacity of 1,000")
+				assert.Equal(t, tt.refunded, after, "the refund, and nothing more, admitted after the Cancel")
+			}, WithDenialCache(0))
+		})
+	}
+}
+
+// TestResetVersionsStayBounded: tables of reset plans of ever new names
+// carry at most maxResetNames names over; the versions of those they
+// drop still count, for every name.
+func TestResetVersionsStayBounded(t *testing.T) {
+	var old *planTable
+	for round := range 3 {
+		plans := make([]Plan, maxResetNames)
+		for i := range plans {
+			plans[i] = Plan{Name: fmt.Sprint(round, "/", i), Capacity: 1, Rate: 1, Version: uint32(round + 1), Inherit: InheritReset}
+		}
+		old = &planTable{plans: plans, resets: resetsAfter(old, plans)}
+		assert.LessOrEqual(t, len(old.resets.byName), maxResetNames, "round %d", round)
+	}
+	for round := range 3 {
+		assert.GreaterOrEqual(t, old.resets.of(fmt.Sprint(round, "/0")), uint32(round+1), "round %d's version, or the floor of those dropped", round)
+	}
+	assert.Equal(t, uint32(2), old.resets.floor, "the dropped names' highest version")
+}

@@ -205,9 +205,12 @@ func (r *Reservation) Result() Result {
 // alone. A reservation of a key that this Limiter reset (Limiter.Reset)
 // since it was taken, or, on a RedisStore, that any instance reset, is
 // refunded nothing, and its excess still charged: the buckets Reset
-// filled hold its tokens already. So is one whose plan in force has a
-// higher Version than it was reserved under, with InheritReset, which
-// fills the bucket as Reset does.
+// filled hold its tokens already. So is one reserved under a lower
+// Version of a plan than a plan of its name with InheritReset, which
+// fills the bucket as Reset does, that is in force at Settle or that the
+// Limiter's plans (New, SetPlans) held at any time, even one replaced
+// before it wrote the bucket: plans taken back to a lower version
+// refund nothing to the reservations taken under it.
 func (r *Reservation) Settle(ctx context.Context, actual int64) (Settlement, error) {
 	return r.settle(ctx, actual, false)
 }
@@ -256,7 +259,7 @@ func (l *Limiter) settle(ctx context.Context, r *Reservation, actual int64, give
 	order.RLock()
 	defer order.RUnlock()
 	// Reset, or a new version's reset, filled the buckets without the rest.
-	if l.resets.since(r.key, r.resets) || resetsByVersion(r.hold.plans, o.plans, h.skip) {
+	if l.resets.since(r.key, r.resets) || resetsByVersion(r.hold.plans, o.plans, h.skip, &l.table.Load().resets) {
 		o.used = max(actual, r.n)
 	}
 	var status settleStatus

@@ -13,6 +13,7 @@ type planTable struct {
 	byName   map[string]*planEntry
 	plans    []Plan // in the order given
 	defaults *planEntry
+	resets   versionResets // reset versions of this table's plans and those before it
 }
 
 // planEntry is a plan as a Limiter looks it up: a plan of its table, a
@@ -166,6 +167,7 @@ func (l *Limiter) SetPlans(plans []Plan) error {
 		if err := l.replaces(old, t); err != nil {
 			return err
 		}
+		t.resets = resetsAfter(old, t.plans)
 		if l.table.CompareAndSwap(old, t) { // else another SetPlans landed: check against its table
 			break
 		}
