@@ -2,6 +2,7 @@ package tollgate
 
 import (
 	"hash/maphash"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -19,9 +20,8 @@ import (
 type resetMarks struct {
 	seq atomic.Uint64 // counts Resets; a reservation notes it when taken
 
-	mu     sync.Mutex
-	keys   map[string]resetMark // each key's latest Reset, while a hold taken before it may be settled
-	forgot uint64               // seq when keys was last cleared
+	mu   sync.Mutex
+	book markBook // each key's latest Reset, as seq after it, while a hold taken before it may be settled
 
 	// orders puts each key's Resets and settlements in one order (order):
 	// a settlement reads its key's lock from its look at the marks until
@@ -43,14 +43,12 @@ func (m *resetMarks) order(key string) *sync.RWMutex {
 	return &m.orders[maphash.String(orderSeed, key)%resetOrders]
 }
 
-// resetMark is a key's latest Reset: seq after it, and when it was counted.
-type resetMark struct {
-	seq uint64
-	at  time.Time
-}
+// marksEpoch is the origin of the clock resetMarks keeps its Resets'
+// times on: monotonic, as time.Now reads it.
+var marksEpoch = time.Now()
 
 // maxResetMarks is how many keys' Resets resetMarks keeps before it
-// forgets the older ones.
+// forgets the older ones, and how many a MemoryStore keeps in all.
 const maxResetMarks = 1 << 16
 
 // taken returns the mark a reservation notes when it is taken.
@@ -61,27 +59,8 @@ func (m *resetMarks) taken() uint64 { return m.seq.Load() }
 func (m *resetMarks) reset(key string, now time.Time, keep time.Duration) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if len(m.keys) >= maxResetMarks {
-		m.prune(now.Add(-keep))
-	}
-	if m.keys == nil {
-		m.keys = make(map[string]resetMark)
-	}
-	m.keys[key] = resetMark{seq: m.seq.Add(1), at: now}
-}
-
-// prune forgets the Resets counted before since. If more than half of
-// maxResetMarks remain, it forgets them all, so that it scans the keys
-// once per maxResetMarks/2 Resets at most.
-func (m *resetMarks) prune(since time.Time) {
-	for k, r := range m.keys {
-		if r.at.Before(since) {
-			delete(m.keys, k)
-		}
-	}
-	if len(m.keys) > maxResetMarks/2 {
-		m.keys, m.forgot = nil, m.seq.Load()
-	}
+	at := int64(now.Sub(marksEpoch))
+	m.book.set(key, bookMark{mark: int64(m.seq.Add(1)), until: at + int64(keep)}, at, maxResetMarks)
 }
 
 // since reports whether key was reset after a reservation that noted
@@ -89,8 +68,66 @@ func (m *resetMarks) prune(since time.Time) {
 func (m *resetMarks) since(key string, mark uint64) bool {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	r, ok := m.keys[key]
-	return mark < m.forgot || ok && r.seq > mark
+	since, _ := m.book.since(key, int64(mark)+1) // the count of the first Reset after it
+	return since
+}
+
+// markBook keeps each key's latest mark, a count or a time that only
+// grows, for as long as it may void a refund. Its memory is bounded by
+// the limit its caller gives: with that many keys marked, the marks past
+// their time go, and if more than half the limit is left, all go, and
+// the largest stands in for them, so that every mark up to it still
+// counts: that voids more refunds, never fewer. The zero value is empty;
+// its caller locks it.
+type markBook struct {
+	marks  map[string]bookMark
+	forgot int64 // the largest mark forgotten before its time
+}
+
+// bookMark is a key's latest mark, kept until until at least, on the
+// clock of its caller's now.
+type bookMark struct{ mark, until int64 }
+
+// set marks key with m at now, or with the later mark and the later
+// until of m and the key's mark, if it has one. With limit keys marked,
+// it forgets marks first (prune).
+func (b *markBook) set(key string, m bookMark, now int64, limit int) {
+	if len(b.marks) >= limit {
+		b.prune(now, limit)
+	}
+	if b.marks == nil {
+		b.marks = make(map[string]bookMark)
+	}
+	if old, ok := b.marks[key]; ok {
+		m = bookMark{mark: max(m.mark, old.mark), until: max(m.until, old.until)}
+	} else {
+		key = strings.Clone(key) // not the caller's buffer
+	}
+	b.marks[key] = m
+}
+
+// prune forgets the marks kept until before now. If more than half of
+// limit remain, it forgets them all, and keeps the largest, so that it
+// scans the keys once per limit/2 marks set at most.
+func (b *markBook) prune(now int64, limit int) {
+	for k, m := range b.marks {
+		if m.until < now {
+			delete(b.marks, k)
+		}
+	}
+	if len(b.marks) > limit/2 {
+		for _, m := range b.marks {
+			b.forgot = max(b.forgot, m.mark)
+		}
+		b.marks = nil
+	}
+}
+
+// since reports whether key was marked at from or after, or may have
+// been: a mark that was forgotten counts; and whether key has a mark.
+func (b *markBook) since(key string, from int64) (since, marked bool) {
+	m, ok := b.marks[key]
+	return from <= b.forgot || ok && m.mark >= from, ok
 }
 
 // longestHold returns the longest a hold the Limiter took may still be

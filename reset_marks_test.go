@@ -36,14 +36,14 @@ func TestResetMarksStayBounded(t *testing.T) {
 		m.reset("old-"+strconv.Itoa(i), t0, time.Minute)
 	}
 	m.reset("new", t0.Add(2*time.Minute), time.Minute)
-	assert.Len(t, m.keys, 1, "the Resets older than the hold TTL are forgotten")
+	assert.Len(t, m.book.marks, 1, "the Resets older than the hold TTL are forgotten")
 	assert.False(t, m.since("k", mark), "forgotten with its hold TTL: no hold taken before it is left")
 
 	recent := m.taken()
 	for i := range maxResetMarks {
 		m.reset("recent-"+strconv.Itoa(i), t0.Add(2*time.Minute), time.Minute)
 	}
-	assert.LessOrEqual(t, len(m.keys), maxResetMarks/2+1)
+	assert.LessOrEqual(t, len(m.book.marks), maxResetMarks/2+1)
 	assert.True(t, m.since("k", recent), "a forgotten Reset may have been k's: no refund")
 	assert.False(t, m.since("k", m.taken()), "a reservation taken since keeps its refund")
 }
