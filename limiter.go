@@ -239,9 +239,10 @@ func (l *Limiter) PeekN(ctx context.Context, key string, n int64, plans ...strin
 // bucket is full without it. For the same reason the reservations of key
 // taken before it are refunded nothing when they settle, and it waits for
 // the settlements of key under way (and of the few keys that share a lock
-// with it) to reach the store. On a RedisStore this holds for every
-// instance's reservations and leases: the store marks the key as reset,
-// for the Limiter's hold TTL or 15 minutes, whichever is longer. With no plan
+// with it) to reach the store. On a RedisStore or a MemoryStore this
+// holds for the reservations and leases of every Limiter that shares the
+// store: the store marks the key as reset, for the Limiter's hold TTL or
+// 15 minutes, whichever is longer. With no plan
 // named, it resets every plan of the Limiter but its concurrency plans,
 // whose permits are their holders' until released: naming one is
 // ErrInvalidPlan. Other instances' denial caches see the Reset once the

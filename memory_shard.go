@@ -16,7 +16,9 @@ type memShard struct {
 	mu    sync.Mutex
 	table atomic.Pointer[memTable]
 	n     int      // keys in the table, under mu
-	_     [40]byte // keeps neighbouring shards off one cache line
+	_     [40]byte // keeps the reset marks, and neighbouring shards, off this cache line
+	marks memMarks // the reset marks of the shard's keys (MemoryStore.Reset)
+	_     [40]byte
 }
 
 // evictSample is how many keys an insertion into a shard at its bound

@@ -4,7 +4,6 @@ import (
 	"context"
 	"hash/maphash"
 	"math/bits"
-	"slices"
 	"time"
 )
 
@@ -139,22 +138,23 @@ func (m *MemoryStore) decide(_ context.Context, o op) (r Result, _ error) {
 func (m *MemoryStore) decideIn(r *Result, o *op) {
 	// A chain of buckets alone skips the windows' bookkeeping, which it
 	// would otherwise pay for nothing.
+	var now int64
 	if windowIn(o.plans) || o.mode == modeAcquire {
-		m.takeChain(r, o)
+		now = m.takeChain(r, o)
 	} else {
-		m.takeBuckets(r, o.key, o.cost(), o.plans)
+		now = m.takeBuckets(r, o.key, o.cost(), o.plans)
 	}
 	switch {
 	case o.mode == modeHold:
-		m.dateHold(o.hold)
+		m.dateHold(o.hold, now)
 	case o.mode == modeAcquire && r.Allowed:
 		o.grant.store = m
 	}
 }
 
 // takeBuckets is decideIn for a chain of bucket plans: cost is the op's
-// (see op.cost).
-func (m *MemoryStore) takeBuckets(r *Result, key string, cost int64, plans []Plan) {
+// (see op.cost). It returns the time it decided at, µs.
+func (m *MemoryStore) takeBuckets(r *Result, key string, cost int64, plans []Plan) int64 {
 	// A fixed array keeps up to four plans off the heap.
 	var buf [4]TokenBucket
 	var buckets []TokenBucket
@@ -199,49 +199,21 @@ func (m *MemoryStore) takeBuckets(r *Result, key string, cost int64, plans []Pla
 	} else {
 		r.describe(&outcome{plans: plans, buckets: buckets, now: now, cost: cost, allowed: allowed, wd: wd})
 	}
+	return now
 }
 
 // inProcess implements localStore: a MemoryStore cannot fail.
 func (*MemoryStore) inProcess() {}
 
-// dateHold dates the expiry of a hold it granted.
-func (m *MemoryStore) dateHold(h *hold) {
-	h.granted(m, m.now()+h.ttl.Microseconds())
+// dateHold dates a hold it granted, decided at now (µs): when it was
+// taken, which a Reset of its key after it voids the refund of
+// (resetHolds), and when it expires.
+func (m *MemoryStore) dateHold(h *hold, now int64) {
+	h.at = now
+	h.granted(m, now+h.ttl.Microseconds())
 }
 
 func (m *MemoryStore) self() Store { return m }
 
 // wiringError implements wiredStore: an option of another constructor.
 func (m *MemoryStore) wiringError() error { return m.err }
-
-// Reset implements Store: it drops the buckets and windows, which then
-// read as full and empty, but never a concurrency plan's permits, which
-// are their holders' until released, as the RedisStore keeps them: a
-// plan of the name in another Limiter sharing the store may be of
-// another kind.
-func (m *MemoryStore) Reset(_ context.Context, key string, plans []Plan) error {
-	if err := checkKey(key); err != nil {
-		return err
-	}
-	s, h := m.shard(key)
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	e, i := s.table.Load().lookup(key, h)
-	if e == nil {
-		return nil
-	}
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	kept := e.buckets[:0]
-	for _, b := range e.buckets {
-		if b.sem != nil || !slices.ContainsFunc(plans, func(p Plan) bool { return p.Name == b.plan.Name }) {
-			kept = append(kept, b)
-		}
-	}
-	clear(e.buckets[len(kept):]) // the dropped plans' windows go with them
-	e.buckets = kept
-	if len(kept) == 0 {
-		s.drop(e, i)
-	}
-	return nil
-}

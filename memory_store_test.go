@@ -282,20 +282,6 @@ func TestMemoryStoreChainIsOneKey(t *testing.T) {
 	assert.Equal(t, 1, m.Len(), "the plans of one key count as one key against the bound")
 }
 
-func TestMemoryStoreReset(t *testing.T) {
-	ctx := context.Background()
-	m := NewMemoryStore()
-	other := Plan{Name: "other", Capacity: 4, Rate: 1}
-	_, err := m.Take(ctx, "k", 4, []Plan{gold, other})
-	require.NoError(t, err)
-	require.NoError(t, m.Reset(ctx, "k", []Plan{gold}))
-	r, err := m.Take(ctx, "k", 0, []Plan{gold, other})
-	require.NoError(t, err)
-	assert.Equal(t, []int64{4, 0}, []int64{r.PlanResults()[0].Remaining, r.PlanResults()[1].Remaining}, "only the named plan resets")
-	require.NoError(t, m.Reset(ctx, "k", []Plan{other}))
-	assert.Equal(t, 0, m.Len())
-}
-
 func TestMemoryStoreTakeDoesNotAllocate(t *testing.T) {
 	ctx := context.Background()
 	m := NewMemoryStore()

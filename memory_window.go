@@ -1,8 +1,8 @@
 package tollgate
 
 // takeChain is decide for a chain with window or concurrency plans, and
-// the Result is built in *r.
-func (m *MemoryStore) takeChain(r *Result, o *op) {
+// the Result is built in *r. It returns the time it decided at, µs.
+func (m *MemoryStore) takeChain(r *Result, o *op) int64 {
 	plans := o.plans
 	// Fixed arrays keep a decision on up to four chained plans off the heap.
 	var bbuf [4]TokenBucket
@@ -37,6 +37,7 @@ func (m *MemoryStore) takeChain(r *Result, o *op) {
 	e.describeChain(&d, windows)
 	lk.unlock()
 	r.describe(&d)
+	return now
 }
 
 // readChain reads, for the decision d at d.now, the window of each window

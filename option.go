@@ -140,9 +140,10 @@ func WithDenialCache(keys int) Option {
 // after it refunds nothing, and charges only the tokens used beyond the
 // reservation (ErrHoldExpired). In Redis a settled hold leaves a tombstone
 // for as long again, so that a retried Settle changes nothing. A Reset on a
-// RedisStore voids the refunds of every instance's holds taken before it
-// for the resetting Limiter's hold TTL, or 15 minutes if that is longer:
-// give the instances that share a Redis the same one. It must be 1ms to
+// RedisStore or a MemoryStore voids the refunds of the holds taken before
+// it by every Limiter that shares the store, for the resetting Limiter's
+// hold TTL, or 15 minutes if that is longer: give the Limiters that share
+// a store the same one. It must be 1ms to
 // 100 years. The default is 15 minutes.
 func WithHoldTTL(d time.Duration) Option {
 	return Option{name: "WithHoldTTL", taker: takerNew, apply: func(c *config) { c.holdTTL = d }}

@@ -46,7 +46,7 @@ type hold struct {
 
 	store   Store  // the store that granted it; nil when none did (FailOpen)
 	id      string // a RedisStore's name for it
-	at      int64  // a RedisStore's: when its call ran, µs on Redis's clock; 0 if unknown
+	at      int64  // when the store decided it, µs on its clock (Redis's for a RedisStore); 0 if unknown
 	expires int64  // a MemoryStore's: when it expires, µs on its clock
 
 	backs *giveBacks // the Limiter's, which a give-back of the hold joins
@@ -203,14 +203,15 @@ func (r *Reservation) Result() Result {
 // whose name is gone, or that the resolver now exempts or fails on, is
 // settled as it was reserved, and one whose name is a window now is left
 // alone. A reservation of a key that this Limiter reset (Limiter.Reset)
-// since it was taken, or, on a RedisStore, that any instance reset, is
-// refunded nothing, and its excess still charged: the buckets Reset
-// filled hold its tokens already. So is one reserved under a lower
-// Version of a plan than a plan of its name with InheritReset, which
-// fills the bucket as Reset does, that is in force at Settle or that the
-// Limiter's plans (New, SetPlans) held at any time, even one replaced
-// before it wrote the bucket: plans taken back to a lower version
-// refund nothing to the reservations taken under it.
+// since it was taken, or that any Limiter sharing its RedisStore or
+// MemoryStore reset, or the store's own Reset, is refunded nothing, and
+// its excess still charged: the buckets Reset filled hold its tokens
+// already. So is one reserved under a lower Version of a plan than a
+// plan of its name with InheritReset, which fills the bucket as Reset
+// does, that is in force at Settle or that the Limiter's plans (New,
+// SetPlans) held at any time, even one replaced before it wrote the
+// bucket: plans taken back to a lower version refund nothing to the
+// reservations taken under it.
 func (r *Reservation) Settle(ctx context.Context, actual int64) (Settlement, error) {
 	return r.settle(ctx, actual, false)
 }

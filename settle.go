@@ -51,9 +51,10 @@ func settleDelta(n, actual int64, status settleStatus) int64 {
 // settle settles the hold of o: a reservation of o.n tokens on o.plans
 // for o.key, of which o.used were used, with a hold that expires at
 // hold.expires (µs on the store's clock; 0 for one held elsewhere, which
-// reads as gone). Bit i of hold.skip leaves plan i alone: the reservation
-// took nothing from it. The hold itself is the Reservation, in this
-// process, which settles only once.
+// reads as gone), taken at hold.at. A hold taken at or before its key's
+// latest Reset (resetHolds) is refunded nothing. Bit i of hold.skip
+// leaves plan i alone: the reservation took nothing from it. The hold
+// itself is the Reservation, in this process, which settles only once.
 func (m *MemoryStore) settle(_ context.Context, o settleOp) (Settlement, settleStatus, error) {
 	key, plans, skip, n, actual := o.key, o.plans, o.hold.skip, o.n, o.used
 	var buf [4]TokenBucket
@@ -61,8 +62,11 @@ func (m *MemoryStore) settle(_ context.Context, o settleOp) (Settlement, settleS
 	lk, now := m.lock(key)
 	e := lk.e
 	status := holdLive
-	if now >= o.hold.expires { // as a key with that expiry would have gone
+	switch {
+	case now >= o.hold.expires: // as a key with that expiry would have gone
 		status = holdGone
+	case lk.s.marks.voids(key, o.hold.at, now): // under the key's lock, as Reset marks it
+		status = holdReset
 	}
 	delta := settleDelta(n, actual, status)
 	if delta != 0 && e == nil {

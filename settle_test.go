@@ -13,10 +13,12 @@ import (
 
 // FuzzHold feeds the same reservations, settlements, decisions and clock
 // steps to a MemoryStore and to the scripts on miniredis, and demands the
-// same answers: Go and Lua agree on refunds, charges and debt. Each op is
-// three bytes: what, a number, and a reservation to settle.
+// same answers: Go and Lua agree on refunds, charges and debt, and on
+// the refunds a Reset voids. Each op is three bytes: what, a number, and
+// a reservation to settle.
 func FuzzHold(f *testing.F) {
 	f.Add(uint8(10), 0.5, []byte{0, 7, 0, 1, 2, 0, 2, 200, 0, 3, 3, 0})
+	f.Add(uint8(10), 0.5, []byte{0, 7, 0, 2, 3, 0, 4, 0, 0, 0, 2, 0, 2, 1, 0, 0, 5, 0, 1, 2, 0, 1, 1, 1, 1, 0, 2, 3, 4, 0})
 	f.Add(uint8(3), 1000.0, []byte{0, 3, 0, 0, 3, 0, 1, 9, 0, 1, 0, 1, 2, 50, 0})
 	f.Add(uint8(50), 0.01, []byte{0, 50, 0, 1, 120, 0, 3, 0, 0, 2, 255, 0, 1, 1, 0})
 	f.Fuzz(func(t *testing.T, capacity uint8, rate float64, ops []byte) {
@@ -62,7 +64,7 @@ func runHoldOps(t *testing.T, capacity uint8, rate float64, ops []byte, backward
 	}
 	var holds []*pair
 	for i := 0; i+2 < len(ops); i += 3 {
-		what, x, which := ops[i]%4, int64(ops[i+1]), int(ops[i+2])
+		what, x, which := ops[i]%5, int64(ops[i+1]), int(ops[i+2])
 		cost := min(x%(plans[0].Capacity+1), 40)
 		switch what {
 		case 0: // reserve
@@ -104,6 +106,9 @@ func runHoldOps(t *testing.T, capacity uint8, rate float64, ops []byte, backward
 			rres, err := rs.Take(ctx, "k", cost, plans)
 			require.NoError(t, err)
 			require.Equal(t, mres, rres, "op %d: take %d", i/3, cost)
+		case 4: // a Reset of the key, which voids the refunds of the holds taken before
+			require.NoError(t, ms.Reset(ctx, "k", plans))
+			require.NoError(t, rs.Reset(ctx, "k", plans))
 		}
 	}
 }

@@ -103,6 +103,7 @@ var (
 	_ wiredStore   = (*RedisStore)(nil)
 	_ wiredStore   = (*MemoryStore)(nil)
 	_ checkedStore = (*RedisStore)(nil)
+	_ holdResetter = (*MemoryStore)(nil)
 	_ holdResetter = (*RedisStore)(nil)
 	_ mastersStore = (*RedisStore)(nil)
 	_ fleetStore   = (*RedisStore)(nil)
