@@ -159,14 +159,32 @@ func redisOptions(flagURL string, getenv func(string) string) (*redis.Options, e
 	}
 	opts, err := redis.ParseURL(u)
 	if err != nil {
-		// A *url.Error quotes the URL, which may hold a password.
-		if ue := (*url.Error)(nil); errors.As(err, &ue) {
-			err = ue.Err
-		}
-		return nil, usagef("bad Redis URL: %v", err)
+		return nil, usagef("bad Redis URL: %v", urlError(u, err))
 	}
 	opts.DialerRetries = 1 // go-redis otherwise dials 5 times, 100 ms apart
 	return opts, nil
+}
+
+// urlError returns err, the error of parsing the Redis URL u, without the
+// URL's user name and password. A *url.Error quotes the whole URL, and
+// the error it wraps may quote part of it: a password holding '/', '?'
+// or '#' ends the host early, and net/url quotes the rest of the password
+// as a bad port. So the error of a URL with a user part is that of the
+// URL without it, or, if that parses, a fixed text.
+func urlError(u string, err error) error {
+	ue := (*url.Error)(nil)
+	if !errors.As(err, &ue) {
+		return err // go-redis's own, which quote no password
+	}
+	scheme, rest, ok := strings.Cut(u, "://")
+	at := strings.LastIndexByte(rest, '@')
+	if !ok || at < 0 {
+		return ue.Err
+	}
+	if _, err := url.Parse(scheme + "://" + rest[at+1:]); errors.As(err, &ue) {
+		return ue.Err
+	}
+	return errors.New("the user name or password does not parse: percent-encode '/', '?', '#', '%' and spaces in them")
 }
 
 // checkBucketArgs checks what inspect and reset are given, with the

@@ -75,6 +75,10 @@ func TestUsageAndExitCodes(t *testing.T) {
 		{name: "plan twice", args: []string{"reset", "alice", "gold", "gold"}, code: exitUsage, stderr: `plan name "gold" is given twice`},
 		{name: "flag after KEY", args: []string{"reset", "alice", "-prefix", "staging", "gold"}, code: exitUsage, stderr: `flag-like argument "-prefix" after KEY: flags go before KEY`},
 		{name: "bad URL hides password", args: []string{"inspect", "-redis", "redis://u:secret@[::1", "alice", "gold"}, code: exitUsage, stderr: "bad Redis URL: missing ']' in host", notInPrint: "secret"},
+		// A password holding '/', '?' or '#' ends the authority early, and
+		// net/url's error quotes what it took for the port: the password.
+		{name: "bad URL hides a password with a slash", args: []string{"inspect", "-redis", "redis://u:pa55/word@localhost:6379/0", "alice", "gold"}, code: exitUsage, stderr: "bad Redis URL: the user name or password does not parse: percent-encode", notInPrint: "pa55"},
+		{name: "bad URL hides a password with a hash", args: []string{"inspect", "-redis", "redis://u:pa55#word@localhost:6379/0", "alice", "gold"}, code: exitUsage, stderr: "bad Redis URL: the user name or password does not parse: percent-encode", notInPrint: "pa55"},
 		{name: "bad scheme", args: []string{"inspect", "-redis", "http://localhost", "alice", "gold"}, code: exitUsage, stderr: "bad Redis URL"},
 		{name: "Redis down", args: []string{"inspect", "-redis", "redis://u:secret@" + dead, "alice", "gold"}, code: exitError, stderr: "connection refused", notInPrint: "secret"},
 		{name: "bench: bad plans", args: []string{"bench", "-plans", "x:1"}, code: exitUsage, stderr: `-plans: "x:1" is not NAME:CAPACITY:RATE or NAME:CAPACITY:WINDOW`},
