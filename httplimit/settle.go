@@ -1,7 +1,9 @@
 package httplimit
 
 import (
+	"bufio"
 	"context"
+	"net"
 	"net/http"
 
 	"github.com/tollgate-go/tollgate"
@@ -30,7 +32,10 @@ type Response struct {
 // beyond it charged as debt (see tollgate.Reservation.Settle). The
 // settlement ignores the request's cancellation, since the response is
 // sent; if it fails, the reservation stays charged in full, which errs on
-// the safe side. A handler that panics is not settled.
+// the safe side. A handler that panics is not settled. The handler's
+// writer counts what it writes and passes Flush and Hijack (http.Flusher,
+// http.Hijacker) on to the server's; Hijack fails where the server's
+// cannot, as on HTTP/2.
 //
 // Middleware panics if its RateLimiter is not a Reserver.
 func WithSettle(final func(r *http.Request, resp Response) int64) Option {
@@ -50,8 +55,9 @@ func (m *middleware) serveHeld(ctx context.Context, w http.ResponseWriter, r *ht
 }
 
 // countingWriter notes the status and counts the body bytes of a
-// response. Unwrap lets http.ResponseController reach the writer's other
-// methods, such as Flush.
+// response. Flush and Hijack pass through to the writer beneath, which
+// handlers find by asserting http.Flusher and http.Hijacker; Unwrap lets
+// http.ResponseController reach its other methods.
 type countingWriter struct {
 	http.ResponseWriter
 	status int
@@ -76,4 +82,17 @@ func (w *countingWriter) Write(b []byte) (int, error) {
 
 func (w *countingWriter) Unwrap() http.ResponseWriter {
 	return w.ResponseWriter
+}
+
+// Flush sends what was written so far, if the writer beneath can.
+func (w *countingWriter) Flush() {
+	_ = http.NewResponseController(w.ResponseWriter).Flush()
+}
+
+// Hijack lets the handler take over the connection, if the writer beneath
+// can (HTTP/1); otherwise it returns an error wrapping
+// http.ErrNotSupported. The request is then settled with what was
+// written before, and status 200 if nothing was.
+func (w *countingWriter) Hijack() (net.Conn, *bufio.ReadWriter, error) {
+	return http.NewResponseController(w.ResponseWriter).Hijack()
 }

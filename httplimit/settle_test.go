@@ -2,6 +2,7 @@ package httplimit
 
 import (
 	"context"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -81,4 +82,60 @@ func TestWithSettleNeedsAReserver(t *testing.T) {
 	assert.Panics(t, func() {
 		Middleware(notReserver, ByIP(), WithSettle(func(*http.Request, Response) int64 { return 1 }))
 	})
+}
+
+// TestWithSettlePassesFlushAndHijack: a handler behind WithSettle still
+// finds the http.Flusher and http.Hijacker of the writer beneath, as
+// streaming (server-sent events) and websocket handlers assert them, and
+// its request is settled.
+func TestWithSettlePassesFlushAndHijack(t *testing.T) {
+	l, err := tollgate.New(tollgate.NewMemoryStore(), []tollgate.Plan{{Name: "p", Capacity: 10, Rate: 0.001}})
+	require.NoError(t, err)
+	settled := make(chan Response, 2) // the hijacked request settles on the server's goroutine
+	h := Middleware(l, ByHeader("X-Key"), WithCost(func(*http.Request) int64 { return 5 }),
+		WithSettle(func(_ *http.Request, resp Response) int64 {
+			settled <- resp
+			return 1
+		}),
+	)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/hijack" {
+			hj, ok := w.(http.Hijacker)
+			if !assert.True(t, ok, "the writer is no http.Hijacker") {
+				return
+			}
+			conn, buf, err := hj.Hijack()
+			if !assert.NoError(t, err) {
+				return
+			}
+			defer conn.Close()
+			_, _ = buf.WriteString("HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nhi")
+			_ = buf.Flush()
+			return
+		}
+		_, _ = w.Write([]byte("event"))
+		f, ok := w.(http.Flusher)
+		if assert.True(t, ok, "the writer is no http.Flusher") {
+			f.Flush()
+		}
+	}))
+
+	req := httptest.NewRequest(http.MethodGet, "/events", nil)
+	req.Header.Set("X-Key", "k")
+	rec := httptest.NewRecorder()
+	h.ServeHTTP(rec, req)
+	assert.True(t, rec.Flushed, "the handler's Flush reached the recorder")
+	assert.Equal(t, Response{Status: http.StatusOK, Bytes: 5}, <-settled)
+
+	srv := httptest.NewServer(h)
+	defer srv.Close()
+	req, err = http.NewRequest(http.MethodGet, srv.URL+"/hijack", nil)
+	require.NoError(t, err)
+	req.Header.Set("X-Key", "k")
+	resp, err := srv.Client().Do(req)
+	require.NoError(t, err)
+	body, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	resp.Body.Close()
+	assert.Equal(t, "hi", string(body))
+	assert.Equal(t, Response{Status: http.StatusOK}, <-settled, "a hijacked request settles too")
 }
