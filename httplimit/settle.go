@@ -64,8 +64,11 @@ type countingWriter struct {
 	bytes  int64
 }
 
+// WriteHeader notes the first final status: an informational one (1xx,
+// such as 103 Early Hints, but not 101 Switching Protocols) comes before
+// it, as net/http sends it.
 func (w *countingWriter) WriteHeader(code int) {
-	if w.status == 0 {
+	if w.status == 0 && (code >= 200 || code == http.StatusSwitchingProtocols) {
 		w.status = code
 	}
 	w.ResponseWriter.WriteHeader(code)

@@ -77,6 +77,32 @@ func TestWithSettleSeesTheStatus(t *testing.T) {
 	assert.Equal(t, int64(5), p.Remaining, "only the good response was charged")
 }
 
+// TestWithSettleSeesTheFinalStatus: an informational 103 Early Hints
+// before the response is not its status.
+func TestWithSettleSeesTheFinalStatus(t *testing.T) {
+	l, err := tollgate.New(tollgate.NewMemoryStore(), []tollgate.Plan{{Name: "p", Capacity: 6, Rate: 0.001}})
+	require.NoError(t, err)
+	var statuses []int
+	h := Middleware(l, ByHeader("X-Key"), WithSettle(func(_ *http.Request, resp Response) int64 {
+		statuses = append(statuses, resp.Status)
+		return 1
+	}))(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Link", "</style.css>; rel=preload; as=style")
+		w.WriteHeader(http.StatusEarlyHints)
+		if r.URL.Path == "/fail" {
+			w.WriteHeader(http.StatusBadGateway)
+			return
+		}
+		_, _ = w.Write([]byte("ok"))
+	}))
+	for _, path := range []string{"/fail", "/ok"} {
+		req := httptest.NewRequest(http.MethodGet, path, nil)
+		req.Header.Set("X-Key", "k")
+		h.ServeHTTP(httptest.NewRecorder(), req)
+	}
+	assert.Equal(t, []int{http.StatusBadGateway, http.StatusOK}, statuses)
+}
+
 func TestWithSettleNeedsAReserver(t *testing.T) {
 	var notReserver tollgate.RateLimiter = struct{ tollgate.RateLimiter }{newLimiter(t)}
 	assert.Panics(t, func() {
