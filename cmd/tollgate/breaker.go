@@ -49,7 +49,6 @@ func runBreakerCommand(ctx context.Context, args []string, stdout, stderr io.Wri
 	if err != nil {
 		return usageError{strings.TrimPrefix(err.Error(), "tollgate/breaker: ")}
 	}
-	fmt.Fprintf(stdout, "%s\n", strconv.Quote(b.Key(key)))
 	switch action {
 	case "reset":
 		err = b.Reset(ctx, key)
@@ -62,12 +61,14 @@ func runBreakerCommand(ctx context.Context, args []string, stdout, stderr io.Wri
 		return err
 	}
 	snap, err := b.Inspect(ctx, key)
-	if errors.Is(err, breaker.ErrForeignValue) {
+	foreign := errors.Is(err, breaker.ErrForeignValue)
+	if err != nil && !foreign {
+		return err // nothing on stdout: errors go to stderr alone
+	}
+	fmt.Fprintf(stdout, "%s\n", strconv.Quote(b.Key(key)))
+	if foreign {
 		fmt.Fprintln(stdout, "  foreign data at this key: reads as closed; the next call or admin action replaces it")
 		return nil
-	}
-	if err != nil {
-		return err
 	}
 	printSnapshot(stdout, snap)
 	return nil

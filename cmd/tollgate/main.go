@@ -118,11 +118,21 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv fu
 	case err == nil, errors.Is(err, flag.ErrHelp):
 		return exitOK
 	case errors.As(err, &ue):
-		fmt.Fprintf(stderr, "tollgate: %v\nRun 'tollgate help' for usage.\n", err)
+		fmt.Fprintf(stderr, "%s\nRun 'tollgate help' for usage.\n", errorLine(err))
 		return exitUsage
 	}
-	fmt.Fprintf(stderr, "tollgate: %v\n", err)
+	fmt.Fprintln(stderr, errorLine(err))
 	return exitError
+}
+
+// errorLine returns err as the line the command prints: after "tollgate: ",
+// unless the library's own prefix ("tollgate: ", "tollgate/breaker: ")
+// begins it already.
+func errorLine(err error) string {
+	if msg := err.Error(); strings.HasPrefix(msg, "tollgate") {
+		return msg
+	}
+	return "tollgate: " + err.Error()
 }
 
 // newFlagSet returns a FlagSet for a subcommand that reports errors as

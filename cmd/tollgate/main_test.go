@@ -84,6 +84,7 @@ func TestUsageAndExitCodes(t *testing.T) {
 		{name: "bench: zero duration", args: []string{"bench", "-duration", "0s"}, code: exitUsage, stderr: "-duration and -progress must be positive"},
 		{name: "bench: argument", args: []string{"bench", "extra"}, code: exitUsage, stderr: `bench takes no arguments, got "extra"`},
 		{name: "bench: Redis down", args: []string{"bench", "-redis", "redis://" + dead}, code: exitError, stderr: "tollgate: ping " + dead},
+		{name: "breaker: Redis down", args: []string{"breaker", "show", "-redis", "redis://" + dead, "x"}, code: exitError, stderr: "tollgate: store unavailable", notInPrint: "tollgate: tollgate"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
