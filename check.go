@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"time"
 )
 
 // Check makes one real decision through the store, on a key reserved for
@@ -13,19 +14,25 @@ import (
 // rather than as a silent fallback for ever. Call it once at startup, after
 // New, with a deadline.
 //
-// For a RedisStore the decision runs the script and writes a bucket that
-// expires within milliseconds. Its error wraps ErrStoreUnavailable and
-// names the cause: authentication, an ACL that forbids a command the
-// script needs, a Cluster that is down, a script rejected (EVALSHA or EVAL
-// disabled or renamed), a read-only replica, a server out of memory, a
-// Redis older than 5.0, or no connection. A MemoryStore always passes; any
-// other Store is asked to read a bucket.
+// For a RedisStore the decision runs the script on a token bucket and, if
+// the Limiter's plans (New, SetPlans) hold a sliding window or a
+// concurrency plan, on one of each too, whose state expires within
+// milliseconds; with WithFleet it also records one heartbeat. Its error
+// wraps ErrStoreUnavailable and names the cause: authentication, an ACL
+// that forbids a command the script or the heartbeat needs, a Cluster
+// that is down, a script rejected (EVALSHA or EVAL disabled or renamed),
+// a read-only replica, a server out of memory, a Redis older than 5.0, or
+// no connection. A MemoryStore always passes; any other Store is asked to
+// read a bucket.
 func (l *Limiter) Check(ctx context.Context) error {
 	var err error
 	if c, ok := l.store.(checkedStore); ok {
-		err = c.check(ctx)
+		err = c.check(ctx, checkPlans(l.table.Load().plans))
 	} else if l.mem == nil {
 		_, err = l.store.Take(ctx, reservedKey, 0, []Plan{checkPlan})
+	}
+	if err == nil && l.fleet != nil {
+		err = l.fleet.check(ctx)
 	}
 	if err == nil || ctx.Err() != nil {
 		return err
@@ -33,24 +40,60 @@ func (l *Limiter) Check(ctx context.Context) error {
 	return fmt.Errorf("%w: %s: %w", ErrStoreUnavailable, checkCause(err), err)
 }
 
-// reservedKey and checkPlan are what Check decides on. A RedisStore writes
-// its bucket under a Redis key no caller's key maps to (see Key).
+// reservedKey is the key whose bucket Check reads in a store of another
+// package. A RedisStore decides Check's plans under Redis keys no
+// caller's key maps to (see Key).
 const reservedKey = "tollgate-check"
 
-var checkPlan = Plan{Name: "check", Capacity: 1, Rate: 1000}
+// checkPlan, checkWindow and checkPermits are the plans of each kind that
+// Check decides on: checkPlan always, the others for a Limiter whose plans
+// hold one of their kind. Each admits far more than the Checks of a fleet
+// that starts at once, so that no Check is denied, which would write
+// nothing and so try no command that writes; what each writes is gone
+// within milliseconds.
+var (
+	checkPlan    = Plan{Name: "check", Capacity: 1_000_000, Rate: 1_000_000}
+	checkWindow  = Plan{Name: "check-w", Capacity: 1_000_000, Window: minWindow}
+	checkPermits = Plan{Name: "check-c", Capacity: maxPermits, Concurrency: true}
+)
 
-// check runs the script on the store's reserved key, and checks the
-// server's version if the script fails.
-func (s *RedisStore) check(ctx context.Context) error {
+// checkPlans returns the plans Check decides on for a Limiter of plans: a
+// bucket, and a window and a concurrency plan if plans hold one, so that
+// the commands each kind's decisions need are tried.
+func checkPlans(plans []Plan) []Plan {
+	out := []Plan{checkPlan}
+	if windowIn(plans) {
+		out = append(out, checkWindow)
+	}
+	if permitsIn(plans) {
+		out = append(out, checkPermits)
+	}
+	return out
+}
+
+// checkLease is how long the permit that Check's decision on a
+// concurrency plan may take lives: the key expires with it.
+const checkLease = time.Millisecond
+
+// check runs the script on plans, for the store's reserved key, and checks
+// the server's version if the script fails.
+func (s *RedisStore) check(ctx context.Context, plans []Plan) error {
 	if s.err != nil {
 		return s.err
 	}
-	// "=" opens a base64 key, and the empty key is no caller's: the
-	// encoding of the empty key, "=", is reserved.
-	plans := []Plan{checkPlan}
 	c := newScriptCall()
-	c.Keys = append(c.keys[:0], s.prefix+":{=}:"+checkPlan.Name)
-	c.Args = s.appendArgs(c.args[:0], 1, plans)
+	c.Keys = c.keys[:0]
+	for i := range plans {
+		// "=" opens a base64 key, and the empty key is no caller's: the
+		// encoding of the empty key, "=", is reserved.
+		c.Keys = append(c.Keys, s.prefix+":{=}:"+plans[i].Name)
+	}
+	if permitsIn(plans) {
+		o := op{n: 1, plans: plans, mode: modeAcquire, grant: &permit{id: newPermitID(), lease: checkLease}}
+		c.Args = s.appendPermitArgs(c.args[:0], &o)
+	} else {
+		c.Args = s.appendArgs(c.args[:0], 1, plans)
+	}
 	_, err := s.run(ctx, c, 1, plans)
 	if err == nil {
 		return nil
@@ -87,7 +130,7 @@ func checkCause(err error) string {
 	case "NOAUTH", "WRONGPASS":
 		return "Redis refused the credentials: check the client's Username and Password"
 	case "NOPERM":
-		return "the ACL user may not run a command the script needs (EVALSHA, EVAL, TIME, GET and SET for buckets and holds, HGETALL, HSET, HINCRBY, HDEL, PEXPIRE and DEL for windows) on the key prefix"
+		return "the ACL user may not run a command the script needs (EVALSHA, EVAL, TIME, GET and SET for buckets and holds, HGETALL, HSET, HINCRBY, HDEL, PEXPIRE and DEL for windows, ZREMRANGEBYSCORE, ZCARD, ZADD, ZRANGE, ZSCORE, ZREM, PEXPIRE and DEL for concurrency plans and the fleet) on the key prefix"
 	case "CLUSTERDOWN", "MASTERDOWN":
 		return "the Redis Cluster or its master is down"
 	case "READONLY":

@@ -76,3 +76,43 @@ func TestCheckReturnsTheCallersContextError(t *testing.T) {
 	cancel()
 	assert.ErrorIs(t, l.Check(ctx), context.Canceled)
 }
+
+// TestCheckTriesEveryKindThePlansUse: an ACL that forbids the commands of
+// a kind of plan (a window's hashes, a concurrency plan's sorted sets) or
+// of the fleet's heartbeat (sorted sets) fails Check on a Limiter that
+// uses it, rather than sending every such decision to the fallback for
+// ever, or leaving the fleet uncounted; a Limiter that uses none of them
+// passes Check on the same server. Checks in a row are not denied, which
+// would try no command that writes.
+func TestCheckTriesEveryKindThePlansUse(t *testing.T) {
+	ctx := context.Background()
+	bucket := Plan{Name: "b", Capacity: 10, Rate: 1}
+	window := Plan{Name: "w", Capacity: 10, Window: time.Minute}
+	permits := Plan{Name: "c", Capacity: 10, Concurrency: true}
+	for _, tc := range []struct {
+		name, forbid string
+		plans        []Plan
+		opts         []Option
+	}{
+		{"a window", "-@hash", []Plan{bucket, window}, nil},
+		{"a concurrency plan", "-@sortedset", []Plan{permits, bucket}, nil},
+		{"the fleet", "-@sortedset", []Plan{bucket}, []Option{WithFleet(time.Hour)}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			srv := redistest.StartServer(t)
+			require.NoError(t, srv.Client(t).Do(ctx, "ACL", "SETUSER", "default", "on", "nopass", "~*", "+@all", tc.forbid).Err())
+			store := NewRedisStore(redistest.NewClient(t, redistest.FailFast(srv.Addr())))
+			assert.NoError(t, checkOf(t, store), "a Limiter of buckets alone needs none of it")
+			l, err := New(store, tc.plans, append([]Option{WithLogger(nil)}, tc.opts...)...)
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = l.Close() })
+			cctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+			defer cancel()
+			for i := range 2 { // the second right after the first, which must not deny it
+				err = l.Check(cctx)
+				require.ErrorIs(t, err, ErrStoreUnavailable, "Check %d", i+1)
+				assert.NotContains(t, err.Error(), "{=}", "no key in the error")
+			}
+		})
+	}
+}

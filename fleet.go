@@ -95,6 +95,15 @@ func (f *fleet) beat(ctx context.Context) error {
 	return nil
 }
 
+// check records one heartbeat, as beat does, but leaves the size as it
+// was: Limiter.Check's proof that the fleet can count this instance.
+func (f *fleet) check(ctx context.Context) error {
+	if _, err := f.store.heartbeat(ctx, f.id, f.ttl); err != nil {
+		return fmt.Errorf("the fleet's heartbeat: %w", err)
+	}
+	return nil
+}
+
 // close stops the heartbeat, ends a heartbeat under way, and waits for
 // it; later calls return at once.
 func (f *fleet) close() {

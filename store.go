@@ -64,9 +64,10 @@ type wiredStore interface {
 	wiringError() error
 }
 
-// checkedStore is a store whose Limiter.Check runs a check of its own.
+// checkedStore is a store whose Limiter.Check runs a check of its own: a
+// decision on plans.
 type checkedStore interface {
-	check(ctx context.Context) error
+	check(ctx context.Context, plans []Plan) error
 }
 
 // mastersStore is a store spread over masters that fail alone (a Redis
