@@ -129,6 +129,16 @@ func shareOf(plans []Plan, n, cost int64) []Plan {
 	return shares
 }
 
+// fallbackShare returns the plans a settlement on the fallback adjusts:
+// this instance's share of each (WithFleet), as the fallback decides one
+// token. Not the share a reservation of n was decided on, whose capacity
+// share lifts to n: a debt as long as that capacity allows would be more
+// than the next decision's share could read, which brings it back to one
+// refill of the share and forgives the rest.
+func (l *Limiter) fallbackShare(plans []Plan) []Plan {
+	return shareOf(plans, l.fleetSize(), 1)
+}
+
 // fleetSize returns the instances alive last seen: 1 without WithFleet or
 // before the first heartbeat.
 func (l *Limiter) fleetSize() int64 {

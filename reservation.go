@@ -97,8 +97,8 @@ type Settlement struct {
 // Reserve the most a request may cost, and no more than the smallest
 // capacity of its plans (ErrInvalidCost): a reservation larger than a
 // bucket never passes. Reservations take token-bucket plans only; a window
-// plan gets ErrInvalidPlan. A store other than a MemoryStore or RedisStore,
-// or a fallback store other than a MemoryStore, gets errors.ErrUnsupported.
+// plan gets ErrInvalidPlan. A store, or a fallback store, other than a
+// MemoryStore or RedisStore gets errors.ErrUnsupported.
 //
 // Errors are AllowN's. A caller whose context ends while the store takes
 // the hold gets its context's error, and the hold, if granted, is given
@@ -264,12 +264,8 @@ func (l *Limiter) settle(ctx context.Context, r *Reservation, actual int64, give
 		o.used = max(actual, r.n)
 	}
 	var status settleStatus
-	if isLocal(h.store) {
-		if h.store == l.fallback { // it decided on this instance's share
-			o.plans = l.fallbackShare(o.plans)
-		}
-		st, status, err = h.store.(settler).settle(ctx, o)
-		st.Source = r.result.Source
+	if isLocal(h.store) || h.store == l.fallback {
+		st, status, err = l.settleWhereHeld(ctx, o, r.result.Source)
 	} else {
 		st, status, err = l.settleGuarded(ctx, o, giveBack)
 	}
@@ -289,6 +285,24 @@ func (l *Limiter) settle(ctx context.Context, r *Reservation, actual int64, give
 		return st, fmt.Errorf("%w: the hold held data tollgate did not write", ErrHoldExpired)
 	}
 	return st, nil
+}
+
+// settleWhereHeld settles o on the store that granted its hold, a store
+// of this process or the fallback store, without the store's breaker: the
+// fallback, which decided on this instance's share (WithFleet), may
+// answer while the store fails, and its failures and successes tell
+// nothing of the store. The Settlement reports src, the Source of the
+// reservation.
+func (l *Limiter) settleWhereHeld(ctx context.Context, o settleOp, src Source) (Settlement, settleStatus, error) {
+	if o.hold.store == l.fallback {
+		o.plans = l.fallbackShare(o.plans)
+	}
+	st, status, err := o.hold.store.(settler).settle(ctx, o)
+	if err != nil { // only a fallback of another process fails
+		return Settlement{}, 0, fmt.Errorf("%w: the fallback store failed: %w", ErrStoreUnavailable, err)
+	}
+	st.Source = src
+	return st, status, nil
 }
 
 // settleGuarded settles o on the store that granted its hold, one that
@@ -386,14 +400,4 @@ func (l *Limiter) plansInForce(ctx context.Context, r *Reservation) (_ []Plan, s
 		return was, skip
 	}
 	return now, skip
-}
-
-// fallbackShare returns the plans a settlement on the fallback adjusts:
-// this instance's share of each (WithFleet), as the fallback decides one
-// token. Not the share a reservation of n was decided on, whose capacity
-// share lifts to n: a debt as long as that capacity allows would be more
-// than the next decision's share could read, which brings it back to one
-// refill of the share and forgives the rest.
-func (l *Limiter) fallbackShare(plans []Plan) []Plan {
-	return shareOf(plans, l.fleetSize(), 1)
 }

@@ -1092,3 +1092,55 @@ func TestSettleOfACallerWhoLeftStillSettles(t *testing.T) {
 		})
 	}
 }
+
+// TestSettleOfARedisFallbacksHold: a hold that a RedisStore given as the
+// fallback (WithFallback) granted during an outage is settled there, as a
+// MemoryStore fallback's is, whatever the store's breaker says: while the
+// store is still down its refund is not dropped, and once the store is
+// back, a failure of the fallback does not count against the store's
+// breaker, nor would a success of the fallback close it.
+func TestSettleOfARedisFallbacksHold(t *testing.T) {
+	ctx := context.Background()
+	setup := func(t *testing.T, cooldown time.Duration) (*Limiter, *miniredis.Miniredis, *miniredis.Miniredis) {
+		rs, mr, _ := newMiniredisStore(t)
+		fallback, fmr, _ := newMiniredisStore(t)
+		l, err := New(rs, []Plan{llm}, WithLogger(nil), WithDenialCache(0), WithFallback(fallback),
+			WithBreaker(breaker.Settings{Failures: 1, Cooldown: cooldown}))
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = l.Close() })
+		mr.SetError("LOADING Redis is loading the dataset in memory")
+		return l, mr, fmr
+	}
+	t.Run("refunded while the store is down", func(t *testing.T) {
+		l, _, _ := setup(t, time.Hour)
+		r, err := l.Reserve(ctx, "k", 600)
+		require.NoError(t, err)
+		require.Equal(t, SourceFallback, r.Result().Source)
+		require.Equal(t, breaker.Open, l.health.one.State())
+		st, err := r.Settle(ctx, 100)
+		require.NoError(t, err)
+		assert.Equal(t, int64(500), st.Refunded, "settled where it was held")
+		assert.Equal(t, int64(900), st.Remaining)
+	})
+	t.Run("the fallback's failure is not the store's", func(t *testing.T) {
+		l, mr, fmr := setup(t, 10*time.Millisecond)
+		r, err := l.Reserve(ctx, "k", 600)
+		require.NoError(t, err)
+		require.Equal(t, SourceFallback, r.Result().Source)
+		mr.SetError("")
+		require.Eventually(t, func() bool {
+			p, err := l.Peek(ctx, "other") // the probe that closes the breaker
+			return err == nil && p.Source == SourceStore
+		}, 5*time.Second, 5*time.Millisecond)
+		opened := l.Stats().BreakerOpened
+		fmr.SetError("LOADING Redis is loading the dataset in memory")
+		_, err = r.Settle(ctx, 100)
+		require.ErrorIs(t, err, ErrStoreUnavailable)
+		assert.Equal(t, breaker.Closed, l.health.one.State(), "the store answers")
+		assert.Equal(t, opened, l.Stats().BreakerOpened)
+		fmr.SetError("")
+		st, err := r.Settle(ctx, 100)
+		require.NoError(t, err, "settled once the fallback answers")
+		assert.Equal(t, int64(500), st.Refunded)
+	})
+}
