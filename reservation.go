@@ -334,8 +334,9 @@ func (l *Limiter) settleGuarded(ctx context.Context, o settleOp, giveBack bool) 
 		return Settlement{}, 0, fmt.Errorf("%w: %w", ErrStoreUnavailable, cause)
 	}
 	// The fallback store holds no hold of the store's: it charges the
-	// excess as for a hold gone, and the refund is dropped.
-	gone := hold{skip: o.hold.skip}
+	// excess as for a hold gone (named anew, so that no tombstone of an
+	// earlier one in a RedisStore answers for it), and drops the refund.
+	gone := hold{skip: o.hold.skip, id: newHoldID(), ttl: time.Millisecond}
 	o.hold, o.plans = &gone, l.fallbackShare(o.plans)
 	st, _, err = l.fallback.(settler).settle(ctx, o)
 	if err != nil {

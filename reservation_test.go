@@ -1144,3 +1144,31 @@ func TestSettleOfARedisFallbacksHold(t *testing.T) {
 		assert.Equal(t, int64(500), st.Refunded)
 	})
 }
+
+// TestSettleDuringAnOutageOnARedisFallback: while the store is down, the
+// Fallback policy settles a hold the store granted on a RedisStore given
+// as the fallback as on a MemoryStore: the excess is charged there, every
+// time, and the refund dropped; no settlement fails.
+func TestSettleDuringAnOutageOnARedisFallback(t *testing.T) {
+	ctx := context.Background()
+	rs, mr, _ := newMiniredisStore(t)
+	fallback, _, _ := newMiniredisStore(t)
+	l, err := New(rs, []Plan{llm}, WithLogger(nil), WithDenialCache(0), WithFallback(fallback))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = l.Close() })
+	var held []*Reservation
+	for range 3 {
+		r, err := l.Reserve(ctx, "k", 100)
+		require.NoError(t, err)
+		require.Equal(t, SourceStore, r.Result().Source)
+		held = append(held, r)
+	}
+	mr.SetError("LOADING Redis is loading the dataset in memory")
+	for i, r := range held {
+		st, err := r.Settle(ctx, 300)
+		require.NoError(t, err, "settlement %d", i+1)
+		assert.Equal(t, SourceFallback, st.Source)
+		assert.Equal(t, int64(200), st.Charged)
+		assert.Equal(t, int64(1000-200*int64(i+1)), st.Remaining, "settlement %d: each excess charged to the fallback", i+1)
+	}
+}

@@ -96,7 +96,7 @@ func (s *RedisStore) hold(ctx context.Context, key string, cost int64, plans []P
 	if s.err != nil {
 		return Result{}, s.err
 	}
-	h.id = strconv.FormatUint(rand.Uint64(), 36)
+	h.id = newHoldID()
 	r, err := s.holdAs(ctx, key, cost, plans, h)
 	switch {
 	case err == nil:
@@ -105,6 +105,11 @@ func (s *RedisStore) hold(ctx context.Context, key string, cost int64, plans []P
 		s.giveBackLater(ctx, settleOp{key: key, plans: plans, hold: h, n: cost})
 	}
 	return r, err
+}
+
+// newHoldID returns a new random name for a hold in Redis.
+func newHoldID() string {
+	return strconv.FormatUint(rand.Uint64(), 36)
 }
 
 // holdAs runs the script for the hold h, named h.id, of cost tokens of key
