@@ -156,8 +156,21 @@ func (l *Limiter) blame(ctx context.Context, err error, now, since int64) (calle
 	if isCallerError(err) {
 		return err, false
 	}
+	callerErr, answered := cutShort(ctx, err)
+	if callerErr == nil {
+		return nil, true
+	}
+	starved := now-since >= int64(l.health.settings.Cooldown)
+	return callerErr, answered || starved
+}
+
+// cutShort judges a store call under ctx that failed with err: it returns
+// the error its caller gets if the caller's context cut it short (see
+// blame), else nil, and whether the store answered err (an error Redis
+// answered, or a bad reply), which no deadline produced.
+func cutShort(ctx context.Context, err error) (callerErr error, answered bool) {
 	var rerr *redisscript.Error
-	answered := errors.As(err, &rerr) || errors.Is(err, redisscript.ErrBadReply)
+	answered = errors.As(err, &rerr) || errors.Is(err, redisscript.ErrBadReply)
 	if c := callerOf(ctx); c.Err() == nil {
 		ctx = c // a detached call's own bound ending is not its waiting caller's doing
 	}
@@ -169,19 +182,18 @@ func (l *Limiter) blame(ctx context.Context, err error, now, since int64) (calle
 	}
 	switch {
 	case cerr == nil:
-		return nil, true
+		return nil, answered
 	case errors.Is(err, cerr):
-		callerErr = err
-	default:
-		callerErr = cerr
+		return err, answered
 	}
-	starved := now-since >= int64(l.health.settings.Cooldown)
-	return callerErr, answered || starved
+	return cerr, answered
 }
 
 // degrade decides o by the failure policy, without the store, into *r.
 // The fallback store decides on this instance's share of each plan
-// (WithFleet), which holds at least the tokens asked about.
+// (WithFleet), which holds at least the tokens asked about. A fallback of
+// another process whose call the caller's context cut short gives the
+// caller its context's error, as the store would.
 func (l *Limiter) degrade(ctx context.Context, r *Result, o *op, cause error) error {
 	switch l.policy {
 	case breaker.FailOpen:
@@ -205,6 +217,9 @@ func (l *Limiter) degrade(ctx context.Context, r *Result, o *op, cause error) er
 	var err error
 	if *r, err = l.fallbackDecider.decide(ctx, share); err != nil {
 		*r = Result{}
+		if callerErr, _ := cutShort(ctx, err); callerErr != nil {
+			return callerErr // a fallback of another process cut short by its caller
+		}
 		return fmt.Errorf("%w: fallback store failed too: %w", ErrStoreUnavailable, err)
 	}
 	r.Source = SourceFallback

@@ -352,3 +352,25 @@ func TestProbeCutShortByItsCallerIsAbandoned(t *testing.T) {
 		})
 	}
 }
+
+// TestCallersDeadlineOnAFallbackOfAnotherProcess: a caller whose deadline
+// passes while a fallback of another process (a RedisStore given to
+// WithFallback) decides gets its context's error, as it would from the
+// store, not ErrStoreUnavailable: its own deadline is no outage.
+func TestCallersDeadlineOnAFallbackOfAnotherProcess(t *testing.T) {
+	mr := miniredis.RunT(t)
+	mr.SetError("LOADING Redis is loading the dataset in memory")
+	store := NewRedisStore(redis.NewClient(&redis.Options{Addr: mr.Addr(), MaxRetries: -1}))
+	hung := redis.NewClient(&redis.Options{Addr: silentServer(t), MaxRetries: -1, ContextTimeoutEnabled: true})
+	t.Cleanup(func() { _ = hung.Close() })
+	l, err := New(store, testPlans, WithLogger(nil), WithDenialCache(0), WithFallback(NewRedisStore(hung)),
+		WithBreaker(breaker.Settings{Failures: 1, Cooldown: time.Hour}))
+	require.NoError(t, err)
+	for i := range 2 { // the store fails, then its breaker is open
+		ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+		_, err = l.Allow(ctx, "k")
+		cancel()
+		require.ErrorIs(t, err, context.DeadlineExceeded, "call %d", i+1)
+		assert.NotErrorIs(t, err, ErrStoreUnavailable, "call %d", i+1)
+	}
+}
