@@ -210,9 +210,10 @@ type leanEnv struct {
 	at func(t *testing.T, now int64) *decisionScripts
 	// wait lets the keys planted with a millisecond's expiry expire.
 	wait func()
-	// ttlSlack is how far the expiries of two keys written with the
-	// same PX may differ: the time between their writes.
-	ttlSlack time.Duration
+	// realClock tells that the keys' expiries run on the real clock, where
+	// two keys written with the same PX a moment apart differ by that
+	// moment; miniredis's stands still.
+	realClock bool
 }
 
 // leanEnvs returns miniredis, whose clock the test sets, and a real
@@ -243,8 +244,8 @@ func leanEnvs(t *testing.T) map[string]leanEnv {
 			}
 			return byNow[now]
 		},
-		wait:     func() { time.Sleep(5 * time.Millisecond) },
-		ttlSlack: 50 * time.Millisecond,
+		wait:      func() { time.Sleep(5 * time.Millisecond) },
+		realClock: true,
 	}
 	return envs
 }
@@ -273,13 +274,20 @@ func storedAs(t *testing.T, c redis.Cmdable, rk string) (string, time.Duration) 
 	return typ + ":" + fmt.Sprintf("%q", v), c.PTTL(ctx, rk).Val()
 }
 
-// sameStored demands that the keys a and b hold the same.
-func sameStored(t *testing.T, env leanEnv, a, b string, msg string) {
+// sameStored demands that the keys a and b, written since since, hold
+// the same, and expire at the same time: on a real clock, within the
+// time since then, which separates their writes and the reads of their
+// expiries.
+func sameStored(t *testing.T, env leanEnv, since time.Time, a, b string, msg string) {
 	t.Helper()
 	va, ta := storedAs(t, env.c, a)
 	vb, tb := storedAs(t, env.c, b)
+	slack := time.Duration(0)
+	if env.realClock {
+		slack = time.Since(since) + time.Millisecond // PTTL reads whole ms
+	}
 	assert.Equal(t, va, vb, "%s: stored", msg)
-	assert.InDelta(t, float64(ta), float64(tb), float64(env.ttlSlack), "%s: expiry", msg)
+	assert.InDelta(t, float64(ta), float64(tb), float64(slack), "%s: expiry", msg)
 }
 
 // TestLeanAgreesWithGeneral plants every state under three keys and
@@ -310,6 +318,7 @@ func TestLeanAgreesWithGeneral(t *testing.T) {
 					}
 					args := s.args(cost, []Plan{k.plan})
 					var replies [][]int64
+					since := time.Now()
 					for _, side := range sides {
 						var reply any
 						var err error
@@ -329,8 +338,8 @@ func TestLeanAgreesWithGeneral(t *testing.T) {
 					msg := fmt.Sprintf("%v step %d", k, step)
 					assert.Equal(t, replies[0], replies[1], "%s: reply", msg)
 					assert.Equal(t, replies[0], replies[2], "%s: the script's reply", msg)
-					sameStored(t, env, key("general", i), key("lean", i), msg)
-					sameStored(t, env, key("general", i), key("lean-script", i), msg+" (script)")
+					sameStored(t, env, since, key("general", i), key("lean", i), msg)
+					sameStored(t, env, since, key("general", i), key("lean-script", i), msg+" (script)")
 				}
 			}
 		})
@@ -369,6 +378,7 @@ func leanBatchAgrees(t *testing.T, env leanEnv, cases []leanCase) {
 	}
 	env.wait()
 	d := env.at(t, t0)
+	since := time.Now()
 	d.limitMany.Run(ctx, env.c, calls["general"])
 	d.takeMany.Run(ctx, env.c, calls["lean"])
 	for i, k := range cases {
@@ -380,7 +390,7 @@ func leanBatchAgrees(t *testing.T, env leanEnv, cases []leanCase) {
 		lv, err := replyInts(nil, l.Reply, 4)
 		require.NoError(t, err)
 		assert.Equal(t, gv, lv, "%v: reply", k)
-		sameStored(t, env, key("general", i), key("lean", i), k.String())
+		sameStored(t, env, since, key("general", i), key("lean", i), k.String())
 	}
 }
 
