@@ -80,6 +80,8 @@ func (c *config) validate() error {
 		return fmt.Errorf("%w: lease TTL %v is outside 1ms to 1m", ErrInvalidOption, c.leaseTTL)
 	case c.permitTTL < minPermitLease || c.permitTTL > maxPermitLease:
 		return fmt.Errorf("%w: permit lease %v is outside %v to %v", ErrInvalidOption, c.permitTTL, minPermitLease, maxPermitLease)
+	case c.log.Handler() == nil:
+		return fmt.Errorf("%w: WithLogger: a Logger without a Handler (make one with slog.New)", ErrInvalidOption)
 	}
 	if err := wiringError(c.fallback); err != nil {
 		return fmt.Errorf("fallback store: %w", err)
@@ -113,7 +115,8 @@ func WithBreaker(s breaker.Settings) Option {
 // store starts failing, one info line with the duration when it recovers.
 // If the logger has the debug level enabled when New runs, every decision
 // is also logged at debug level (plan, outcome, source; never the key).
-// nil discards everything. The default is slog.Default().
+// nil discards everything; a Logger without a Handler (&slog.Logger{}) is
+// ErrInvalidOption. The default is slog.Default().
 func WithLogger(log *slog.Logger) Option {
 	return Option{name: "WithLogger", taker: takerNew, apply: func(c *config) {
 		if log == nil {

@@ -2,6 +2,7 @@ package tollgate
 
 import (
 	"context"
+	"log/slog"
 	"testing"
 
 	"github.com/alicebob/miniredis/v2"
@@ -26,6 +27,7 @@ func TestOptionOfAnotherConstructorIsAWiringMistake(t *testing.T) {
 		{"New's option to NewRedisStore", func() Store { return NewRedisStore(c, WithShadow()) }, nil, "WithShadow is an option of New, not of NewRedisStore"},
 		{"NewRedisStore's option to NewMemoryStore", func() Store { return NewMemoryStore(WithKeyPrefix("p")) }, nil, "WithKeyPrefix is an option of NewRedisStore, not of NewMemoryStore"},
 		{"the zero Option", func() Store { return NewMemoryStore() }, []Option{{}}, "the zero Option"},
+		{"a Logger without a Handler", func() Store { return NewMemoryStore() }, []Option{WithLogger(&slog.Logger{})}, "WithLogger: a Logger without a Handler"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := New(tc.store(), testPlans, tc.opts...)

@@ -85,6 +85,9 @@ func NewShared(c redis.Scripter, s SharedSettings, opts ...SharedOption) (*Share
 	if cfg.policy < Fallback || cfg.policy > FailClosed {
 		return nil, fmt.Errorf("%w: unknown failure policy %d", ErrInvalidSettings, int(cfg.policy))
 	}
+	if cfg.log.Handler() == nil {
+		return nil, fmt.Errorf("%w: a Logger without a Handler (make one with slog.New)", ErrInvalidSettings)
+	}
 	if !cfg.health.Valid() {
 		return nil, fmt.Errorf("%w: store breaker settings out of range", ErrInvalidSettings)
 	}

@@ -262,7 +262,8 @@ func WithStoreBreaker(s Settings) SharedOption {
 // WithLogger sets where a Shared breaker logs: one line per transition that
 // one of its calls made (so one line fleet-wide per transition), one
 // warning when Redis starts failing and one line when it recovers. Keys are
-// never logged. nil discards everything. The default is slog.Default().
+// never logged. nil discards everything; a Logger without a Handler
+// (&slog.Logger{}) is ErrInvalidSettings. The default is slog.Default().
 func WithLogger(l *slog.Logger) SharedOption {
 	return func(c *sharedConfig) {
 		if l == nil {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -117,6 +118,8 @@ func TestSharedSettingsValidation(t *testing.T) {
 	require.ErrorIs(t, err, ErrInvalidSettings, "unknown policy")
 	_, err = NewShared(c, SharedSettings{}, WithStoreBreaker(Settings{Cooldown: -1}))
 	require.ErrorIs(t, err, ErrInvalidSettings, "bad store breaker")
+	_, err = NewShared(c, SharedSettings{}, WithLogger(&slog.Logger{}))
+	require.ErrorIs(t, err, ErrInvalidSettings, "a Logger without a Handler")
 
 	b, err := NewShared(c, SharedSettings{})
 	require.NoError(t, err)
