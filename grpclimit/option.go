@@ -154,7 +154,7 @@ const (
 func WithStreamMessages(mode MessageMode, cost func(m any) int64, plans ...string) Option {
 	plans = slices.Clone(plans)
 	return func(s *server) {
-		s.msgMode, s.msgCost, s.msgPlans = mode, cost, plans
+		s.msgMode, s.msgCost, s.msgPlans, s.msgGiven = mode, cost, plans, true
 	}
 }
 

@@ -2,6 +2,7 @@ package grpclimit
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -50,6 +51,13 @@ func TestOptions(t *testing.T) {
 				WithCost(func(context.Context, string, any) int64 { return cost }))
 			_, err := callUnary(context.Background(), i, emptyCall)
 			assert.Equal(t, codes.Internal, status.Code(err), "cost %d", cost)
+		}
+	})
+	t.Run("a MessageMode that is none panics", func(t *testing.T) {
+		lim := newLimiter(t, tollgate.NewMemoryStore())
+		for _, mode := range []MessageMode{0, 3} {
+			assert.PanicsWithValue(t, fmt.Sprintf("grpclimit: StreamServerInterceptor: WithStreamMessages: unknown MessageMode %d", mode),
+				func() { StreamServerInterceptor(lim, Key("k"), WithStreamMessages(mode, nil, "gold")) })
 		}
 	})
 	t.Run("denied and error statuses", func(t *testing.T) {

@@ -78,6 +78,7 @@ type server struct {
 	releaseError func(ctx context.Context, fullMethod string, err error)
 
 	msgMode  MessageMode // 0: no per-message limit
+	msgGiven bool        // WithStreamMessages was given, whose mode may not be 0
 	msgCost  func(any) int64
 	msgPlans []string
 }
@@ -153,6 +154,9 @@ func (s *server) checkPlans(m misuse, what string, c *chain) {
 func (s *server) checkMessages(m misuse) {
 	switch s.msgMode {
 	case 0:
+		if s.msgGiven {
+			m.fail("WithStreamMessages: unknown MessageMode 0")
+		}
 	case Pace:
 		if s.waiter == nil {
 			m.fail("WithStreamMessages(Pace): the RateLimiter has no Wait method")
@@ -165,7 +169,7 @@ func (s *server) checkMessages(m misuse) {
 			m.fail("WithStreamMessages: a message holds no permit: name its plans, and no concurrency plan")
 		}
 	default:
-		m.fail("unknown MessageMode %d", s.msgMode)
+		m.fail("WithStreamMessages: unknown MessageMode %d", s.msgMode)
 	}
 }
 
