@@ -31,7 +31,7 @@ func (l *Limiter) decide(ctx context.Context, r *Result, q *request) error {
 	if err := l.check(ctx, q); err != nil {
 		return err
 	}
-	if l.leases != nil && (q.mode == modeTake || q.mode == modeHold) {
+	if l.leases != nil && q.mode != modeRead { // every mode that takes tokens
 		if served, err := l.leases.serve(ctx, r, q); served || err != nil {
 			if err == nil {
 				l.record(ctx, r, q)

@@ -337,17 +337,30 @@ func waitFetched(t *testing.T, l *Limiter, key, plan string) {
 }
 
 // TestPlanChangeRetiresTheLeaseBeforeDecisionsNoLeaseServes: after a
-// downgrade, the first decision under the new plan is a Reserve or a
-// chain, which no lease serves. The old lease must go back before it too,
-// or its rest, given back later (here by Close), refills the bucket the
-// new plan drained (before: 20 admitted at one instant under a plan of
-// 10).
+// downgrade, the first decision under the new plan is a Reserve, a chain
+// or an Acquire, which no lease serves. The old lease must go back before
+// it too, or its rest, given back later (here by Close), refills the
+// bucket the new plan drained (before: 20 admitted at one instant under a
+// plan of 10, for each).
 func TestPlanChangeRetiresTheLeaseBeforeDecisionsNoLeaseServes(t *testing.T) {
 	ctx := context.Background()
 	big := Plan{Name: "hot", Capacity: 100, Rate: 1, Lease: 50}
 	small := Plan{Name: "hot", Capacity: 10, Rate: 1}
 	other := Plan{Name: "other", Capacity: 1000, Rate: 1}
+	inflight := Plan{Name: "inflight", Capacity: 1000, Concurrency: true}
 	for name, drain := range map[string]func(l *Limiter) int64{
+		"Acquire": func(l *Limiter) int64 {
+			var admitted int64
+			for range 30 {
+				p, err := l.Acquire(ctx, "k", 1, "inflight", "hot")
+				require.NoError(t, err)
+				if p.OK() {
+					admitted++
+					require.NoError(t, p.Release(ctx))
+				}
+			}
+			return admitted
+		},
 		"Reserve": func(l *Limiter) int64 {
 			rv, err := l.Reserve(ctx, "k", small.Capacity)
 			require.NoError(t, err)
@@ -372,12 +385,12 @@ func TestPlanChangeRetiresTheLeaseBeforeDecisionsNoLeaseServes(t *testing.T) {
 	} {
 		t.Run(name, func(t *testing.T) {
 			rs, _, _ := newMiniredisStore(t)
-			l, err := New(rs, []Plan{big, other}, WithLogger(nil))
+			l, err := New(rs, []Plan{big, other, inflight}, WithLogger(nil))
 			require.NoError(t, err)
 			r, err := l.Allow(ctx, "k")
 			require.NoError(t, err)
 			require.Equal(t, SourceStore, r.Source, "a lease of 50 taken")
-			require.NoError(t, l.SetPlans([]Plan{small, other}))
+			require.NoError(t, l.SetPlans([]Plan{small, other, inflight}))
 			admitted := drain(l)
 			require.NoError(t, l.Close())
 			admitted += countAdmitted(t, plainLimiter(t, rs, small), "k", 30)
