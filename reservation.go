@@ -201,8 +201,8 @@ func (r *Reservation) Result() Result {
 // the reservation was decided on (after SetPlans, or a plan resolver (WithPlanResolver) that
 // now answers another tier), so a refund refills at today's rate; a plan
 // whose name is gone, or that the resolver now exempts or fails on, is
-// settled as it was reserved, and one whose name is a window now is left
-// alone. A reservation of a key that this Limiter reset (Limiter.Reset)
+// settled as it was reserved, and one whose name is a window or a
+// concurrency plan now is left alone. A reservation of a key that this Limiter reset (Limiter.Reset)
 // since it was taken, or that any Limiter sharing its RedisStore or
 // MemoryStore reset, or the store's own Reset, is refunded nothing, and
 // its excess still charged: the buckets Reset filled hold its tokens
@@ -354,8 +354,9 @@ func (l *Limiter) settleGuarded(ctx context.Context, o settleOp, giveBack bool) 
 // left the table, or that the resolver exempts or fails on, keeps the
 // reservation's; so does its Shadow flag, since the reservation took from
 // it or not by that flag (hold.skip). A plan of the name that is a window
-// now is left alone: the bucket the reservation took from is gone, and
-// writing one would replace the window's counts. The plans of
+// or a concurrency plan now is left alone: the bucket the reservation
+// took from is gone, and writing one would replace the window's counts
+// or the permits held. The plans of
 // a lease that AllowPlans took are its caller's, which the Limiter cannot
 // look up: they are kept as they were.
 func (l *Limiter) plansInForce(ctx context.Context, r *Reservation) (_ []Plan, skip uint64) {
@@ -385,7 +386,7 @@ func (l *Limiter) plansInForce(ctx context.Context, r *Reservation) (_ []Plan, s
 			p = v.one[0]
 		}
 		p.Shadow = was[i].Shadow
-		if p.isWindow() {
+		if p.isWindow() || p.Concurrency {
 			skip |= 1 << i
 			continue
 		}

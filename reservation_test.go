@@ -935,6 +935,41 @@ func TestSettleLeavesAWindowOfTheNameAlone(t *testing.T) {
 	}, WithDenialCache(0))
 }
 
+// TestSettleLeavesPermitsOfTheNameAlone: a bucket's name removed by
+// SetPlans and given back as a concurrency plan holds permits, not
+// tokens: a reservation taken from the bucket settles nothing onto them
+// (before: the refund wrote a bucket over the permits, and 4 were held at
+// once of a concurrency plan of 2).
+func TestSettleLeavesPermitsOfTheNameAlone(t *testing.T) {
+	ctx := context.Background()
+	other := Plan{Name: "other", Capacity: 10, Rate: 1}
+	eachStore(t, []Plan{other, {Name: "x", Capacity: 10, Rate: 1}}, func(t *testing.T, l clockedLimiter) {
+		rv, err := l.Reserve(ctx, "k", 5, "x")
+		require.NoError(t, err)
+		require.True(t, rv.OK())
+		require.NoError(t, l.SetPlans([]Plan{other}))
+		require.NoError(t, l.SetPlans([]Plan{other, {Name: "x", Capacity: 2, Concurrency: true}}))
+		held := 0
+		for range 2 {
+			p, err := l.Acquire(ctx, "k", 1, "x")
+			require.NoError(t, err)
+			if p.OK() {
+				held++
+			}
+		}
+		require.Equal(t, 2, held)
+		_, _ = rv.Cancel(ctx)
+		for range 2 {
+			p, err := l.Acquire(ctx, "k", 1, "x")
+			require.NoError(t, err)
+			if p.OK() {
+				held++
+			}
+		}
+		assert.Equal(t, 2, held, "permits held at once of a concurrency plan of 2")
+	})
+}
+
 // TestResetVoidsTheRefundsOfEarlierReservations: Reset fills the bucket
 // without a reservation's tokens, so its refund would fill it a second
 // time. Of a plan of 1,000, a reservation of 1,000, a Reset, 1,000
