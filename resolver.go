@@ -167,15 +167,17 @@ func (l *Limiter) entryOf(t *planTable, name string) *planEntry {
 
 // entryFor returns the entry of plan p, given to AllowPlans: a variant
 // of the table's plan of its name, or of the plan of its name AllowPlans
-// was first given, which p is if it is the first.
+// was first given, which p is if it is the first. A concurrency plan,
+// which AllowPlans refuses, is never kept as the first: it would make
+// every token bucket of its name the wrong kind.
 func (l *Limiter) entryFor(t *planTable, p Plan) (*planEntry, error) {
 	e := l.entryOf(t, p.Name)
 	if e == nil {
 		if err := p.validate(); err != nil {
 			return nil, err
 		}
-		if l.shadowAll && p.Concurrency {
-			return nil, errShadowedPermits
+		if p.Concurrency {
+			return nil, fmt.Errorf("%w: %w", ErrInvalidPlan, errNoPermitPlan)
 		}
 		p.Shadow = p.Shadow || l.shadowAll
 		e = l.others.add(p, l.stats.plan)

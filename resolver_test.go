@@ -293,6 +293,28 @@ func TestAllowPlans(t *testing.T) {
 	assert.ErrorIs(t, err, ErrInvalidCost)
 }
 
+// TestAllowPlansRefusalKeepsNoPlan: AllowPlans refuses a concurrency
+// plan, which only Acquire takes, and keeps nothing of it, so that the
+// name still takes a token bucket (before: the refused plan was kept as
+// the name's, and every later AllowPlans of a bucket of that name got
+// ErrInvalidPlan, 0 of 3 admitted).
+func TestAllowPlansRefusalKeepsNoPlan(t *testing.T) {
+	ctx := context.Background()
+	l, err := New(NewMemoryStore(), []Plan{freeTier}, WithLogger(nil))
+	require.NoError(t, err)
+	_, err = l.AllowPlans(ctx, "k", 1, Plan{Name: "x", Capacity: 3, Concurrency: true})
+	require.ErrorIs(t, err, ErrInvalidPlan)
+	admitted := 0
+	for range 4 {
+		r, err := l.AllowPlans(ctx, "k", 1, Plan{Name: "x", Capacity: 3, Rate: 1})
+		require.NoError(t, err)
+		if r.Allowed {
+			admitted++
+		}
+	}
+	assert.Equal(t, 3, admitted)
+}
+
 // A resolver that returns cached plans, and AllowPlans given the same
 // plans, allocate nothing per decision on the memory store: the Limiter
 // keeps the plans it has seen, checked once.
