@@ -239,8 +239,9 @@ func (e *lease) result(r *Result, src Source) {
 // take gives e's lease back and, if q's plan leases, takes a new one,
 // deciding the request from it for its caller unless the caller left (w).
 // A lease of another plan is given back before the store decides under
-// the new one. again reports that e left the map meanwhile, so the caller
-// must look the lease up again. The caller holds e.renew; ctx is the
+// the new one. again reports that e left the map meanwhile, or that the
+// lease taken ahead came back, so the caller must look the lease up
+// again. The caller holds e.renew; ctx is the
 // take's own.
 func (ls *leases) take(ctx context.Context, e *lease, r *Result, q *leaseAsk, w *handoff) (decided, again bool, err error) {
 	now, leasing := ls.l.now(), q.leasing()
@@ -262,12 +263,14 @@ func (ls *leases) take(ctx context.Context, e *lease, r *Result, q *leaseAsk, w 
 		return false, false, nil
 	}
 	old, left, next, stale := e.r, e.left, e.next, !e.fits(&q.plans[0])
-	if f := e.fetched; stale && f != nil && ctx.Err() == nil {
-		// The lease being taken ahead is the old plan's too: wait for it,
-		// so that it goes back with the rest before the new plan decides.
+	if f := e.fetched; f != nil && ctx.Err() == nil {
+		// The lease being taken ahead is the plan's of the lease in force:
+		// wait for it, then look again, so that it serves the plan if it
+		// stays, and goes back with the rest before a new plan decides.
+		// Replaced now, the lease would be out of reach of both.
 		e.mu.Unlock()
 		awaitClosed(ctx, f)
-		return ls.take(ctx, e, r, q, w)
+		return false, true, nil
 	}
 	e.r, e.left, e.next, e.ended = nil, 0, nil, false
 	e.mu.Unlock()

@@ -275,6 +275,62 @@ func TestPlanChangeWaitsForTheLeaseTakenAhead(t *testing.T) {
 	}
 }
 
+// TestPlanChangeWaitsForTheLeaseTakenAheadOfASpentLease: as
+// TestPlanChangeWaitsForTheLeaseTakenAhead, but the lease runs out while
+// the next is taken ahead, and the request that finds it spent takes no
+// new lease (Redis holds 25, a lease is 50): the key holds no lease, only
+// the take of the old plan under way. Its tokens must be back before the
+// new plan decides (before: 20 admitted at one instant under a plan of
+// 10).
+func TestPlanChangeWaitsForTheLeaseTakenAheadOfASpentLease(t *testing.T) {
+	ctx := context.Background()
+	big := Plan{Name: "hot", Capacity: 100, Rate: 1, Lease: 50}
+	small := Plan{Name: "hot", Capacity: 10, Rate: 1}
+	mr := miniredis.RunT(t)
+	mr.SetTime(time.UnixMicro(t0))
+	c := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	t.Cleanup(func() { _ = c.Close() })
+	gate := &gateHook{held: make(chan struct{}), release: make(chan struct{})}
+	c.AddHook(gate)
+	rs := NewRedisStore(c, WithoutBatching())
+	l, err := New(rs, []Plan{big}, WithLogger(nil))
+	require.NoError(t, err)
+	require.EqualValues(t, 24, countAdmitted(t, l, "k", 24))
+	gate.armed.Store(true)
+	r, err := l.Allow(ctx, "k") // leaves 25 of the lease: the next is taken ahead
+	require.NoError(t, err)
+	require.Equal(t, SourceLease, r.Source)
+	<-gate.held
+	require.EqualValues(t, 25, countAdmitted(t, l, "k", 25), "the lease runs out")
+	spent := make(chan struct{})
+	var late atomic.Int64 // 1 if it came so late that the new plan admitted it
+	go func() {
+		defer close(spent)
+		if r, err := l.Allow(ctx, "k"); err == nil && r.Allowed && r.Limit == small.Capacity {
+			late.Store(1)
+		}
+	}()
+	select {
+	case <-spent: // decided without the lease taken ahead
+	case <-time.After(100 * time.Millisecond): // waits for it
+	}
+	require.NoError(t, l.SetPlans([]Plan{small}))
+	done := make(chan int64)
+	go func() { done <- countAdmitted(t, l, "k", 30) }()
+	var admitted int64
+	select {
+	case admitted = <-done: // decided before the lease taken ahead came back
+		close(gate.release)
+	case <-time.After(100 * time.Millisecond): // waits for it: let it come back
+		close(gate.release)
+		admitted = <-done
+	}
+	<-spent
+	require.NoError(t, l.Close())
+	admitted += late.Load() + countAdmitted(t, plainLimiter(t, rs, small), "k", 30)
+	assert.Equal(t, small.Capacity, admitted, "admitted under the plan of 10, at one instant")
+}
+
 // plainLimiter returns a Limiter of plan on rs that remembers no denial.
 func plainLimiter(t *testing.T, rs *RedisStore, plan Plan) *Limiter {
 	t.Helper()
