@@ -92,10 +92,10 @@ func newLeases(l *Limiter, ttl time.Duration) *leases {
 // key, taking a new lease when it has too few tokens, if the plan leases
 // (leasable). A lease of the plan's name taken for another plan is given
 // back first, whether the plan leases or not; so it is for each plan of a
-// chain, a Reserve or an Acquire, which no lease serves (retireOthers).
-// It reports whether it decided into *r; when not, the request goes to
-// the store as usual: the plan takes no lease, Redis had fewer tokens than a lease, or
-// the Limiter is closed.
+// chain, a Reserve or an Acquire, which no lease serves (retireOthers). It
+// reports whether it decided into *r; when not, the request goes to the
+// store as usual: the plan takes no lease, Redis had fewer tokens than a
+// lease, or the Limiter is closed.
 func (ls *leases) serve(ctx context.Context, r *Result, q *request) (bool, error) {
 	if len(q.plans) != 1 || q.mode != modeTake {
 		return false, ls.retireOthers(ctx, q)

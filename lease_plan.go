@@ -85,10 +85,10 @@ func (ls *leases) drop(key string, plans []Plan) {
 	}
 }
 
-// retireOthers gives back, before the store decides q, a decision no
-// lease serves (a chain, a Reserve, an Acquire), the key's leases of q's plans' names
-// that were taken for other plans: their rest goes back before the store
-// decides under the plans in force, as for a decision a lease serves.
+// retireOthers gives back, before the store decides q, a decision no lease
+// serves (a chain, a Reserve, an Acquire), the key's leases of q's plans'
+// names that were taken for other plans: their rest goes back before the
+// store decides under the plans in force, as for a decision a lease serves.
 func (ls *leases) retireOthers(ctx context.Context, q *request) error {
 	var r Result // written by no take that leases none
 	for i := range q.plans {

@@ -198,20 +198,20 @@ func (r *Reservation) Result() Result {
 // remember has passed.
 //
 // The buckets are adjusted with the plans in force at Settle, of the names
-// the reservation was decided on (after SetPlans, or a plan resolver (WithPlanResolver) that
-// now answers another tier), so a refund refills at today's rate; a plan
-// whose name is gone, or that the resolver now exempts or fails on, is
-// settled as it was reserved, and one whose name is a window or a
-// concurrency plan now is left alone. A reservation of a key that this Limiter reset (Limiter.Reset)
-// since it was taken, or that any Limiter sharing its RedisStore or
-// MemoryStore reset, or the store's own Reset, is refunded nothing, and
-// its excess still charged: the buckets Reset filled hold its tokens
-// already. So is one reserved under a lower Version of a plan than a
-// plan of its name with InheritReset, which fills the bucket as Reset
-// does, that is in force at Settle or that the Limiter's plans (New,
-// SetPlans) held at any time, even one replaced before it wrote the
-// bucket: plans taken back to a lower version refund nothing to the
-// reservations taken under it.
+// the reservation was decided on (after SetPlans, or a plan resolver
+// (WithPlanResolver) that now answers another tier), so a refund refills at
+// today's rate; a plan whose name is gone, or that the resolver now exempts
+// or fails on, is settled as it was reserved, and one whose name is a
+// window or a concurrency plan now is left alone. A reservation of a key
+// that this Limiter reset (Limiter.Reset) since it was taken, or that any
+// Limiter sharing its RedisStore or MemoryStore reset, or the store's own
+// Reset, is refunded nothing, and its excess still charged: the buckets
+// Reset filled hold its tokens already. So is one reserved under a lower
+// Version of a plan than a plan of its name with InheritReset, which fills
+// the bucket as Reset does, that is in force at Settle or that the
+// Limiter's plans (New, SetPlans) held at any time, even one replaced
+// before it wrote the bucket: plans taken back to a lower version refund
+// nothing to the reservations taken under it.
 func (r *Reservation) Settle(ctx context.Context, actual int64) (Settlement, error) {
 	return r.settle(ctx, actual, false)
 }
@@ -348,17 +348,16 @@ func (l *Limiter) settleGuarded(ctx context.Context, o settleOp, giveBack bool) 
 
 // plansInForce returns the plans a settlement of r adjusts, and the plans
 // it leaves alone (bit i for plan i, as hold.skip): for each plan the
-// reservation was decided on, the plan of that name that a decision on
-// r's key would use now (SetPlans, WithPlanResolver), so that a refund
-// refills, and a debt accrues, at the rate in force. A plan whose name
-// left the table, or that the resolver exempts or fails on, keeps the
-// reservation's; so does its Shadow flag, since the reservation took from
-// it or not by that flag (hold.skip). A plan of the name that is a window
-// or a concurrency plan now is left alone: the bucket the reservation
-// took from is gone, and writing one would replace the window's counts
-// or the permits held. The plans of
-// a lease that AllowPlans took are its caller's, which the Limiter cannot
-// look up: they are kept as they were.
+// reservation was decided on, the plan of that name that a decision on r's
+// key would use now (SetPlans, WithPlanResolver), so that a refund refills,
+// and a debt accrues, at the rate in force. A plan whose name left the
+// table, or that the resolver exempts or fails on, keeps the reservation's;
+// so does its Shadow flag, since the reservation took from it or not by
+// that flag (hold.skip). A plan of the name that is a window or a
+// concurrency plan now is left alone: the bucket the reservation took from
+// is gone, and writing one would replace the window's counts or the permits
+// held. The plans of a lease that AllowPlans took are its caller's, which
+// the Limiter cannot look up: they are kept as they were.
 func (l *Limiter) plansInForce(ctx context.Context, r *Reservation) (_ []Plan, skip uint64) {
 	was, skip := r.hold.plans, r.hold.skip
 	if r.hold.given {
