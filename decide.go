@@ -22,6 +22,9 @@ func (l *Limiter) decide(ctx context.Context, r *Result, q *request) error {
 	if l.resolver != nil && !q.given {
 		if err := l.plansFor(ctx, q); err != nil {
 			if errors.Is(err, ErrExempt) {
+				if cerr := ctx.Err(); cerr != nil {
+					return cerr // an ended context gets its error, exempt or not
+				}
 				*r = exemptResult(q.plans)
 				return nil
 			}

@@ -245,6 +245,13 @@ func TestExemptKeysSkipTheStore(t *testing.T) {
 	assert.Zero(t, s.calls.Load(), "an exempt key never reaches the store")
 	assert.Zero(t, l.Stats().Plans[0].Allowed[SourceStore]+l.Stats().Plans[0].Denied[SourceStore])
 
+	// A context that has ended gets its error, exempt or not.
+	cctx, cancel := context.WithCancel(ctx)
+	cancel()
+	r, err := l.Allow(cctx, "admin", "api", "daily")
+	require.ErrorIs(t, err, context.Canceled)
+	assert.False(t, r.Allowed)
+
 	// Exempt from one plan of a chain: the others still decide.
 	admitted := 0
 	for range 5 {
