@@ -80,6 +80,10 @@ func (c *config) validate() error {
 		return fmt.Errorf("%w: lease TTL %v is outside 1ms to 1m", ErrInvalidOption, c.leaseTTL)
 	case c.permitTTL < minPermitLease || c.permitTTL > maxPermitLease:
 		return fmt.Errorf("%w: permit lease %v is outside %v to %v", ErrInvalidOption, c.permitTTL, minPermitLease, maxPermitLease)
+	case c.fallback != nil && c.policy != breaker.Fallback:
+		return fmt.Errorf("%w: WithFallback needs the Fallback failure policy, not %v", ErrInvalidOption, c.policy)
+	case c.fleet != nil && c.policy != breaker.Fallback:
+		return fmt.Errorf("%w: WithFleet needs the Fallback failure policy, not %v", ErrInvalidOption, c.policy)
 	case c.log.Handler() == nil:
 		return fmt.Errorf("%w: WithLogger: a Logger without a Handler (make one with slog.New)", ErrInvalidOption)
 	}
@@ -98,8 +102,9 @@ func WithFailurePolicy(p breaker.FailurePolicy) Option {
 	return Option{name: "WithFailurePolicy", taker: takerNew, apply: func(c *config) { c.policy = p }}
 }
 
-// WithFallback sets the store that decides under the Fallback policy. The
-// default is a NewMemoryStore().
+// WithFallback sets the store that decides under the Fallback policy;
+// under another policy it is ErrInvalidOption. The default is a
+// NewMemoryStore().
 func WithFallback(s Store) Option {
 	return Option{name: "WithFallback", taker: takerNew, apply: func(c *config) { c.fallback = s }}
 }
@@ -235,7 +240,7 @@ func WithPlanResolver(r func(ctx context.Context, key string, p Plan) (Plan, err
 // heartbeat succeeds, and without WithFleet, an instance counts itself
 // alone and its fallback enforces the whole plan. The interval is 5s
 // when 0, and at least 10ms; it is an ErrInvalidOption on any store but
-// a RedisStore, or below 10ms. The default is no fleet: no goroutine, no
+// a RedisStore, under a failure policy but Fallback, or below 10ms. The default is no fleet: no goroutine, no
 // heartbeat.
 func WithFleet(interval time.Duration) Option {
 	return Option{name: "WithFleet", taker: takerNew, apply: func(c *config) { c.fleet = &interval }}

@@ -9,6 +9,7 @@ import (
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"github.com/tollgate-go/tollgate/breaker"
 )
 
 // An option given to a constructor it is not for is a wiring mistake that
@@ -27,6 +28,8 @@ func TestOptionOfAnotherConstructorIsAWiringMistake(t *testing.T) {
 		{"New's option to NewRedisStore", func() Store { return NewRedisStore(c, WithShadow()) }, nil, "WithShadow is an option of New, not of NewRedisStore"},
 		{"NewRedisStore's option to NewMemoryStore", func() Store { return NewMemoryStore(WithKeyPrefix("p")) }, nil, "WithKeyPrefix is an option of NewRedisStore, not of NewMemoryStore"},
 		{"the zero Option", func() Store { return NewMemoryStore() }, []Option{{}}, "the zero Option"},
+		{"a fallback store under FailOpen", func() Store { return NewRedisStore(c) }, []Option{WithFailurePolicy(breaker.FailOpen), WithFallback(NewMemoryStore())}, "WithFallback needs the Fallback failure policy"},
+		{"a fleet under FailClosed", func() Store { return NewRedisStore(c) }, []Option{WithFailurePolicy(breaker.FailClosed), WithFleet(0)}, "WithFleet needs the Fallback failure policy"},
 		{"a Logger without a Handler", func() Store { return NewMemoryStore() }, []Option{WithLogger(&slog.Logger{})}, "WithLogger: a Logger without a Handler"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
