@@ -356,6 +356,9 @@ func (ls *leases) sweepOnce(now int64, closing bool) {
 		}
 		e.mu.Lock()
 		switch {
+		case !closing && e.fetched != nil:
+			// Its next lease is being taken: dropped now, that lease would
+			// come back to no key. A later sweep drops both.
 		case !closing && e.r != nil && now >= e.ends && !e.ended:
 			// Ended: the next decision takes a new lease; the sweep after
 			// gives it back if none comes.

@@ -509,3 +509,48 @@ func TestLeaseOfAllowPlansSettlesWithTheCallersPlan(t *testing.T) {
 	// Capacity 10 plus 10 s at 10 an hour: 10 in all.
 	assert.Equal(t, 10, admitted, "the give-back refilled the bucket at the table's rate")
 }
+
+// TestSweepPassesOverALeaseBeingTakenAhead: the sweeper passes over a key
+// whose next lease is being taken, as its doc says. Dropped meanwhile,
+// the key holds no lease when that take comes back, so its tokens go back
+// on their own, after a new plan may have drained the bucket: a lease of
+// 50 of 100 has handed out 25, the next 25 are being taken ahead, two
+// sweeps end and drop the lease, and the plan becomes one of 10 (before:
+// 20 admitted at one instant under it).
+func TestSweepPassesOverALeaseBeingTakenAhead(t *testing.T) {
+	ctx := context.Background()
+	big := Plan{Name: "hot", Capacity: 100, Rate: 1, Lease: 50}
+	small := Plan{Name: "hot", Capacity: 10, Rate: 1}
+	mr := miniredis.RunT(t)
+	mr.SetTime(time.UnixMicro(t0))
+	c := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	t.Cleanup(func() { _ = c.Close() })
+	gate := &gateHook{held: make(chan struct{}), release: make(chan struct{})}
+	c.AddHook(gate)
+	rs := NewRedisStore(c, WithoutBatching())
+	l, err := New(rs, []Plan{big}, WithLogger(nil))
+	require.NoError(t, err)
+	require.EqualValues(t, 24, countAdmitted(t, l, "k", 24))
+	gate.armed.Store(true)
+	r, err := l.Allow(ctx, "k") // leaves 25 of the lease: the next is taken ahead
+	require.NoError(t, err)
+	require.Equal(t, SourceLease, r.Source)
+	<-gate.held
+	far := l.now() + int64(time.Hour)
+	l.leases.sweepOnce(far, false) // ends the lease
+	l.leases.sweepOnce(far, false) // would drop it
+	require.NoError(t, l.SetPlans([]Plan{small}))
+	done := make(chan int64)
+	go func() { done <- countAdmitted(t, l, "k", 30) }()
+	var admitted int64
+	select {
+	case admitted = <-done: // decided before the lease taken ahead came back
+		close(gate.release)
+	case <-time.After(100 * time.Millisecond): // waits for it: let it come back
+		close(gate.release)
+		admitted = <-done
+	}
+	require.NoError(t, l.Close())
+	admitted += countAdmitted(t, plainLimiter(t, rs, small), "k", 30)
+	assert.Equal(t, small.Capacity, admitted, "admitted under the plan of 10, at one instant")
+}
