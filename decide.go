@@ -10,11 +10,9 @@ import (
 )
 
 // decide makes one decision into *r, in steps each readable alone: find
-// the plans (plansFor), check the request, serve it from a lease, answer a
-// remembered denial, ask the store behind its breaker and failure policy,
-// then remember a denial and record the decision. Allow, AllowN and Peek
-// pass the Result they return, so it is built in place rather than copied
-// up the steps.
+// the plans (plansFor), check the request, answer it (answer), then
+// record the decision. Allow, AllowN and Peek pass the Result they
+// return, so it is built in place rather than copied up the steps.
 func (l *Limiter) decide(ctx context.Context, r *Result, q *request) error {
 	if err := checkKey(q.key); err != nil {
 		return err
@@ -34,11 +32,25 @@ func (l *Limiter) decide(ctx context.Context, r *Result, q *request) error {
 	if err := l.check(ctx, q); err != nil {
 		return err
 	}
+	var err error
+	if q.over != 0 {
+		err = l.answerWithout(ctx, r, q)
+	} else {
+		err = l.answer(ctx, r, q)
+	}
+	if err != nil {
+		return err
+	}
+	l.record(ctx, r, q)
+	return nil
+}
+
+// answer decides q, checked, into *r: serve it from a lease, answer a
+// remembered denial, or ask the store behind its breaker and failure
+// policy, then remember a denial.
+func (l *Limiter) answer(ctx context.Context, r *Result, q *request) error {
 	if l.leases != nil && q.mode != modeRead { // every mode that takes tokens
 		if served, err := l.leases.serve(ctx, r, q); served || err != nil {
-			if err == nil {
-				l.record(ctx, r, q)
-			}
 			return err
 		}
 	}
@@ -50,7 +62,6 @@ func (l *Limiter) decide(ctx context.Context, r *Result, q *request) error {
 	if l.denials != nil {
 		q.pk = planKey(q)
 		if l.cached(r, q, cache, asked) {
-			l.record(ctx, r, q)
 			return nil
 		}
 	}
@@ -62,7 +73,23 @@ func (l *Limiter) decide(ctx context.Context, r *Result, q *request) error {
 	if cache {
 		l.remember(r, q, asked)
 	}
-	l.record(ctx, r, q)
+	return nil
+}
+
+// answerWithout answers q on its plans but the shadowed ones below its
+// cost (q.over), which would deny it whatever their buckets hold: no
+// layer sees them, so nothing is taken from them, and the Result reports
+// them as would deny (withOver). A request on such plans alone asks
+// nothing.
+func (l *Limiter) answerWithout(ctx context.Context, r *Result, q *request) error {
+	rest := *q
+	rest.plans, rest.entry = without(q.plans, q.over), nil
+	if len(rest.plans) == 0 {
+		*r = Result{Allowed: true}
+	} else if err := l.answer(ctx, r, &rest); err != nil {
+		return err
+	}
+	r.withOver(q.plans, q.over)
 	return nil
 }
 
@@ -93,7 +120,8 @@ func (l *Limiter) plansFor(ctx context.Context, q *request) error {
 // check checks q against its plans, and the caller's context.
 func (l *Limiter) check(ctx context.Context, q *request) error {
 	if q.n != 1 { // one token fits every plan, which was checked when it was given
-		if err := checkCost(q.n, q.plans); err != nil {
+		q.over = overCost(q.n, q.plans)
+		if err := checkCost(q.n, q.plans, q.over); err != nil {
 			return err
 		}
 	}

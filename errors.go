@@ -22,7 +22,8 @@ var (
 
 	// ErrInvalidCost means a cost is below 1 (0 for a Store read), or above
 	// the capacity of one of the plans it is charged to, so that it could
-	// never be allowed.
+	// never be allowed. A Limiter lets a cost above a shadowed plan's
+	// capacity through: that plan would deny it (PlanResult.WouldDeny).
 	ErrInvalidCost = errors.New("tollgate: invalid cost")
 
 	// ErrInvalidOption means an option given to a constructor is unusable,

@@ -200,7 +200,7 @@ func (l *Limiter) Allow(ctx context.Context, key string, plans ...string) (r Res
 // Allowed false, not an error.
 //
 // Errors: ErrInvalidKey, ErrUnknownPlan, ErrInvalidCost (below 1, or above
-// a plan's capacity), the caller's own context error, ErrResolver and
+// an enforced plan's capacity; a shadowed plan below the cost would deny), the caller's own context error, ErrResolver and
 // ErrInvalidPlan from a plan resolver (WithPlanResolver), and, under
 // FailClosed only, ErrStoreUnavailable.
 func (l *Limiter) AllowN(ctx context.Context, key string, cost int64, plans ...string) (r Result, err error) {
@@ -220,10 +220,10 @@ func (l *Limiter) Peek(ctx context.Context, key string, plans ...string) (r Resu
 // every named plan for key, without taking them: Allowed says whether
 // they would, RetryAfter is the exact wait until they would, and
 // Remaining and ResetAfter describe the buckets. n must be at least 1 and
-// no more than every plan's capacity (ErrInvalidCost). Peek is PeekN of 1.
-// For n above 1, a store other than a MemoryStore or RedisStore, or such a
-// fallback store, gets errors.ErrUnsupported: the Store interface reads
-// for one token.
+// no more than every enforced plan's capacity (ErrInvalidCost). Peek is
+// PeekN of 1. For n above 1, a store other than a MemoryStore or
+// RedisStore, or such a fallback store, gets errors.ErrUnsupported: the
+// Store interface reads for one token.
 func (l *Limiter) PeekN(ctx context.Context, key string, n int64, plans ...string) (r Result, err error) {
 	if n > 1 && (!canRead(l.store) || l.fallback != nil && !canRead(l.fallback)) {
 		return Result{}, errUnsupported(modeRead)

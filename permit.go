@@ -109,7 +109,7 @@ type permitReply struct {
 // 0: a permit comes back when its holder releases it, on no schedule.
 // Naming no concurrency plan is ErrInvalidPlan, as is naming one in
 // Allow, Peek or Reserve. n must be 1 to the smallest capacity of the
-// plans (ErrInvalidCost). On a store, or a fallback store, that cannot
+// enforced plans (ErrInvalidCost). On a store, or a fallback store, that cannot
 // hold permits (one of another package), New and SetPlans refuse
 // concurrency plans with errors.ErrUnsupported, and Acquire returns it.
 //

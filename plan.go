@@ -73,7 +73,11 @@ type Plan struct {
 	// request it lacks the tokens for leaves its bucket as enforcement
 	// would, so that its bucket always holds what the enforced plan would
 	// hold; it is reported as PlanResult.WouldDeny, Result.ShadowDenied
-	// and PlanStats.ShadowDenied. Only the first 52 plans of a chain may
+	// and PlanStats.ShadowDenied. A Limiter's request for more tokens than
+	// its Capacity is no error, as it is for an enforced plan
+	// (ErrInvalidCost): it would deny it whatever its bucket holds, and
+	// the request is decided on the other plans alone, with nothing taken
+	// from it (see PlanResult). Only the first 52 plans of a chain may
 	// be shadowed; a shadowed plan further along is ErrInvalidPlan. The
 	// default, false, enforces the plan.
 	Shadow bool

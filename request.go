@@ -61,6 +61,7 @@ type request struct {
 	entry *planEntry // the plan's when there is one plan; nil for a chain
 	given bool       // the caller gave the plans (AllowPlans)
 	pk    string     // the denial cache's name for the plans, when it is asked
+	over  uint64     // bit i: plan i is shadowed and its capacity is below n (overCost)
 }
 
 // errUnsupported is the error of a store asked for what it cannot do.

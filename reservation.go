@@ -95,8 +95,9 @@ type Settlement struct {
 // Allowed, nothing was taken and there is nothing to settle.
 //
 // Reserve the most a request may cost, and no more than the smallest
-// capacity of its plans (ErrInvalidCost): a reservation larger than a
-// bucket never passes. Reservations take token-bucket plans only; a window
+// capacity of its enforced plans (ErrInvalidCost): a reservation larger
+// than a bucket never passes. A shadowed plan smaller than it would deny
+// it, and is held nothing. Reservations take token-bucket plans only; a window
 // plan gets ErrInvalidPlan. A store, or a fallback store, other than a
 // MemoryStore or RedisStore gets errors.ErrUnsupported.
 //

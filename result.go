@@ -7,7 +7,9 @@ type Source uint8
 
 const (
 	// SourceStore means the Limiter's store decided: the shared buckets in
-	// Redis, or the MemoryStore when that is the Limiter's store.
+	// Redis, or the MemoryStore when that is the Limiter's store. A
+	// request whose plans are all shadowed and below its cost, which
+	// asks nothing (PlanResult.WouldDeny), reports it too.
 	SourceStore Source = iota
 	// SourceFallback means the store was failing, and the local fallback
 	// store decided (the Fallback policy).
@@ -75,7 +77,10 @@ type PlanResult struct {
 	Shadow bool
 	// WouldDeny reports that the shadowed plan lacked the tokens, so that
 	// enforced it would have denied the request; RetryAfter is then the
-	// wait it would have imposed, and its bucket was left as it was.
+	// wait it would have imposed, and its bucket was left as it was. A
+	// plan whose Capacity is below the cost, which no wait lets the
+	// request pass, is not asked: RetryAfter is 0, and Remaining and
+	// ResetAfter tell a full bucket (Limit and 0), as nothing was read.
 	WouldDeny bool
 }
 

@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/alicebob/miniredis/v2"
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -272,5 +273,119 @@ func BenchmarkShadow(b *testing.B) {
 				}
 			})
 		}
+	}
+}
+
+// A shadowed plan whose capacity is below the cost would deny the request
+// whatever its bucket holds, where an enforced one refuses it
+// (ErrInvalidCost): the enforced plans alone decide, and the shadowed plan
+// is reported as would deny and keeps its tokens, when taking, reading,
+// reserving and acquiring, on the MemoryStore and on the script.
+func TestShadowedPlanBelowTheCostWouldDeny(t *testing.T) {
+	ctx := context.Background()
+	e := Plan{Name: "e", Capacity: 100, Rate: 0.001}
+	s := Plan{Name: "s", Capacity: 10, Rate: 0.001, Shadow: true}
+	w := Plan{Name: "w", Capacity: 10, Window: time.Hour, Shadow: true}
+	tiny := Plan{Name: "tiny", Capacity: 10, Rate: 0.001}
+	c := Plan{Name: "c", Capacity: 100, Concurrency: true}
+	rs, mr, _ := newMiniredisStore(t)
+	for name, store := range map[string]Store{"memory": NewMemoryStore(), "script": rs} {
+		t.Run(name, func(t *testing.T) {
+			l, err := New(store, []Plan{e, s, w, tiny, c}, WithLogger(nil))
+			require.NoError(t, err)
+			wouldDeny := func(p Plan) PlanResult {
+				return PlanResult{Plan: p.Name, Limit: 10, Remaining: 10, Rate: p.Rate, Window: p.Window, Shadow: true, WouldDeny: true}
+			}
+			r, err := l.AllowN(ctx, "k", 20, "e", "s", "w")
+			require.NoError(t, err)
+			assert.True(t, r.Allowed)
+			assert.True(t, r.ShadowDenied)
+			assert.Equal(t, []any{"e", int64(80)}, []any{r.Plan, r.Remaining}, "the enforced plan binds")
+			assert.Equal(t, []PlanResult{{Plan: "e", Limit: 100, Remaining: 80, ResetAfter: r.ResetAfter, Rate: 0.001}, wouldDeny(s), wouldDeny(w)}, r.PlanResults())
+
+			r, err = l.PeekN(ctx, "k", 20, "e", "s")
+			require.NoError(t, err)
+			assert.Equal(t, []bool{true, true}, []bool{r.Allowed, r.ShadowDenied})
+
+			rv, err := l.Reserve(ctx, "k", 20, "e", "s")
+			require.NoError(t, err)
+			require.True(t, rv.OK())
+			assert.True(t, rv.Result().ShadowDenied)
+			st, err := rv.Settle(ctx, 5)
+			require.NoError(t, err)
+			assert.Equal(t, int64(15), st.Refunded)
+
+			p, err := l.Acquire(ctx, "k", 20, "c", "s")
+			require.NoError(t, err)
+			require.True(t, p.OK())
+			assert.True(t, p.Result().ShadowDenied)
+			require.NoError(t, p.Release(ctx))
+
+			r, err = l.Peek(ctx, "k", "e", "s", "w")
+			require.NoError(t, err)
+			prs := r.PlanResults()
+			assert.Equal(t, []int64{75, 10, 10}, []int64{prs[0].Remaining, prs[1].Remaining, prs[2].Remaining}, "nothing taken from s and w")
+
+			_, err = l.AllowN(ctx, "k", 20, "e", "tiny")
+			assert.ErrorIs(t, err, ErrInvalidCost, "an enforced plan below the cost")
+
+			stats := l.Stats()
+			assert.Equal(t, []uint64{0, 3, 1}, []uint64{stats.Plans[0].ShadowDenied, stats.Plans[1].ShadowDenied, stats.Plans[2].ShadowDenied})
+		})
+	}
+	assert.False(t, mr.Exists(rs.Key("k", "s")), "the script never wrote s")
+	assert.False(t, mr.Exists(rs.Key("k", "w")))
+}
+
+// A Limiter whose plans are all shadowed (WithShadow) allows a request
+// above a plan's capacity, reported as would deny, on the store and on
+// the fallback's share while the store fails.
+func TestWithShadowAllowsACostAboveTheCapacity(t *testing.T) {
+	ctx := context.Background()
+	plan := Plan{Name: "p", Capacity: 100, Rate: 0.001}
+	mr := miniredis.RunT(t)
+	l := newFleetLimiter(t, mr, []Plan{plan, {Name: "q", Capacity: 1000, Rate: 0.001}}, WithShadow())
+	l.fleet.size.Store(4)
+	for _, down := range []bool{false, true} {
+		if down {
+			mr.SetError("LOADING Redis is loading the dataset in memory")
+		}
+		r, err := l.AllowN(ctx, "k", 200)
+		require.NoError(t, err, "down %v", down)
+		assert.Equal(t, []any{true, true, "p", int64(100)}, []any{r.Allowed, r.ShadowDenied, r.Plan, r.Limit})
+		r, err = l.AllowN(ctx, "k", 200, "p", "q")
+		require.NoError(t, err, "down %v", down)
+		assert.Equal(t, []bool{true, true, false}, []bool{r.Allowed, r.PlanResults()[0].WouldDeny, r.PlanResults()[1].WouldDeny})
+	}
+	assert.Equal(t, uint64(4), l.Stats().Plans[0].ShadowDenied)
+}
+
+// The denial cache and leases answer for the enforced plans alone: a
+// remembered denial, and a lease, are reported with the shadowed plan
+// below the cost as would deny.
+func TestShadowedPlanBelowTheCostBesideCacheAndLease(t *testing.T) {
+	ctx := context.Background()
+	s := Plan{Name: "s", Capacity: 10, Rate: 0.001, Shadow: true}
+	for _, tt := range []struct {
+		name string
+		e    Plan
+		want Source
+	}{
+		{"cache", Plan{Name: "e", Capacity: 20, Rate: 0.001}, SourceCache},
+		{"lease", Plan{Name: "e", Capacity: 200, Rate: 0.001, Lease: 100}, SourceLease},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			rs, _, _ := newMiniredisStore(t)
+			l, err := New(rs, []Plan{tt.e, s}, WithLogger(nil), WithDenialCache(100))
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = l.Close() })
+			var r Result
+			for range 3 {
+				r, err = l.AllowN(ctx, "k", 20, "e", "s")
+				require.NoError(t, err)
+			}
+			assert.Equal(t, tt.want, r.Source)
+			assert.Equal(t, []bool{true, false, true}, []bool{r.ShadowDenied, r.PlanResults()[0].WouldDeny, r.PlanResults()[1].WouldDeny})
+		})
 	}
 }

@@ -235,6 +235,21 @@ func TestShadowHeaders(t *testing.T) {
 	assert.Empty(t, h.Get("Retry-After"))
 }
 
+// A cost above a shadowed plan's capacity is no error: the request is
+// served, and the plan, shown as if enforced, has too few tokens for it.
+func TestShadowedPlanBelowTheCostServes(t *testing.T) {
+	l, err := tollgate.New(tollgate.NewMemoryStore(), []tollgate.Plan{{Name: "next", Capacity: 10, Rate: 1}}, tollgate.WithShadow())
+	require.NoError(t, err)
+	req := httptest.NewRequest(http.MethodGet, "/", nil)
+	req.Header.Set("K", "k")
+	rec := httptest.NewRecorder()
+	cost := WithCost(func(*http.Request) int64 { return 20 })
+	Middleware(l, ByHeader("K"), cost, WithShadowHeaders())(http.HandlerFunc(func(http.ResponseWriter, *http.Request) {})).ServeHTTP(rec, req)
+	assert.Equal(t, http.StatusOK, rec.Code)
+	assert.Equal(t, `"next";r=10;t=1`, rec.Header().Get("RateLimit"))
+	assert.Empty(t, rec.Header().Get("Retry-After"))
+}
+
 // An exempt key gets no rate limit fields: it has no limits.
 func TestExemptKeyHasNoFields(t *testing.T) {
 	l, err := tollgate.New(tollgate.NewMemoryStore(), testPlans, tollgate.WithPlanResolver(func(context.Context, string, tollgate.Plan) (tollgate.Plan, error) {
