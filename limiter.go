@@ -200,9 +200,10 @@ func (l *Limiter) Allow(ctx context.Context, key string, plans ...string) (r Res
 // Allowed false, not an error.
 //
 // Errors: ErrInvalidKey, ErrUnknownPlan, ErrInvalidCost (below 1, or above
-// an enforced plan's capacity; a shadowed plan below the cost would deny), the caller's own context error, ErrResolver and
-// ErrInvalidPlan from a plan resolver (WithPlanResolver), and, under
-// FailClosed only, ErrStoreUnavailable.
+// an enforced plan's capacity; a shadowed plan below the cost would deny),
+// the caller's own context error, ErrResolver and ErrInvalidPlan from a
+// plan resolver (WithPlanResolver), and, under FailClosed only,
+// ErrStoreUnavailable.
 func (l *Limiter) AllowN(ctx context.Context, key string, cost int64, plans ...string) (r Result, err error) {
 	q := request{op: op{key: key, n: cost}}
 	err = l.named(ctx, &r, &q, plans)

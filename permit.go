@@ -105,13 +105,13 @@ type permitReply struct {
 // Permit that is not OK took nothing; one that is must be released
 // (Permit.Release) once the work it guards is done.
 //
-// A refusal by a full concurrency plan has a Result whose RetryAfter is
-// 0: a permit comes back when its holder releases it, on no schedule.
-// Naming no concurrency plan is ErrInvalidPlan, as is naming one in
-// Allow, Peek or Reserve. n must be 1 to the smallest capacity of the
-// enforced plans (ErrInvalidCost). On a store, or a fallback store, that cannot
-// hold permits (one of another package), New and SetPlans refuse
-// concurrency plans with errors.ErrUnsupported, and Acquire returns it.
+// A refusal by a full concurrency plan has a Result whose RetryAfter is 0:
+// a permit comes back when its holder releases it, on no schedule. Naming
+// no concurrency plan is ErrInvalidPlan, as is naming one in Allow, Peek or
+// Reserve. n must be 1 to the smallest capacity of the enforced plans
+// (ErrInvalidCost). On a store, or a fallback store, that cannot hold
+// permits (one of another package), New and SetPlans refuse concurrency
+// plans with errors.ErrUnsupported, and Acquire returns it.
 //
 // While the store fails, the failure policy decides: Fallback grants
 // permits in the fallback store, from this instance's share of each plan

@@ -97,9 +97,9 @@ type Settlement struct {
 // Reserve the most a request may cost, and no more than the smallest
 // capacity of its enforced plans (ErrInvalidCost): a reservation larger
 // than a bucket never passes. A shadowed plan smaller than it would deny
-// it, and is held nothing. Reservations take token-bucket plans only; a window
-// plan gets ErrInvalidPlan. A store, or a fallback store, other than a
-// MemoryStore or RedisStore gets errors.ErrUnsupported.
+// it, and is held nothing. Reservations take token-bucket plans only; a
+// window plan gets ErrInvalidPlan. A store, or a fallback store, other than
+// a MemoryStore or RedisStore gets errors.ErrUnsupported.
 //
 // Errors are AllowN's. A caller whose context ends while the store takes
 // the hold gets its context's error, and the hold, if granted, is given
