@@ -83,7 +83,8 @@ func (f *fleet) run() {
 // that lost the fleet's set (restarted empty) counts only the instances
 // that beat since, and each beats again within an interval: until then
 // a smaller count would give each fallback too large a share. An
-// instance that stops leaves the size two ttls after its last heartbeat.
+// instance that stops leaves the count once its own TTL and f.ttl have
+// both passed since its last heartbeat, and the size f.ttl later.
 func (f *fleet) beat(ctx context.Context) error {
 	n, err := f.store.heartbeat(ctx, f.id, f.ttl)
 	if err != nil {

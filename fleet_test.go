@@ -91,6 +91,41 @@ func TestFleetCountsInstancesAlive(t *testing.T) {
 	}
 }
 
+// Instances of one fleet at different intervals count each other while
+// alive: one that beats every second and three every 5 s each count 4 at
+// every heartbeat, so that each fallback takes a quarter of a plan.
+func TestFleetCountsInstancesOfOtherIntervals(t *testing.T) {
+	ctx := context.Background()
+	mr := miniredis.RunT(t)
+	now := time.Unix(1_700_000_000, 0)
+	mr.SetTime(now)
+	fleet := []*Limiter{newFleetLimiter(t, mr, testPlans, WithFleet(time.Second))}
+	for range 3 {
+		fleet = append(fleet, newFleetLimiter(t, mr, testPlans, WithFleet(5*time.Second)))
+	}
+	for _, l := range fleet { // all start at once
+		require.NoError(t, l.fleet.beat(ctx))
+	}
+	lowest := []int64{4, 4, 4, 4}
+	for s := 1; s <= 30; s++ {
+		now = now.Add(time.Second)
+		mr.SetTime(now)
+		mr.FastForward(time.Second)
+		for i, l := range fleet {
+			if i == 0 || s%5 == i {
+				require.NoError(t, l.fleet.beat(ctx))
+				lowest[i] = min(lowest[i], l.fleet.counts[0])
+			}
+		}
+	}
+	var sizes []int64
+	for _, l := range fleet {
+		sizes = append(sizes, l.Stats().FleetSize)
+	}
+	assert.Equal(t, []int64{4, 4, 4, 4}, lowest, "the fewest instances each heartbeat counted")
+	assert.Equal(t, []int64{4, 4, 4, 4}, sizes)
+}
+
 // A Redis restarted empty counts, at first, only the instances that beat
 // since: each instance keeps the size its heartbeats before counted
 // until the others have beaten again, so that no fallback takes the

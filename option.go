@@ -228,10 +228,13 @@ func WithPlanResolver(r func(ctx context.Context, key string, p Plan) (Plan, err
 // each instance records a heartbeat every interval (one script call from
 // a goroutine of its own, which Close stops, never from a decision) and
 // reads how many instances are alive: those whose last heartbeat is at
-// most 3 intervals old. While the store fails, the Fallback policy's
-// store decides on each plan with its Capacity and Rate divided by the
-// count last read (a window plan's Capacity), the Capacity never below
-// the cost of the decision, nor the Rate below Capacity per 100 years.
+// most 3 of their own intervals old, so instances may use different
+// intervals (one that stopped counts until 3 of this instance's
+// intervals have passed too). While the store fails, the Fallback
+// policy's store decides on each plan with its Capacity and Rate divided
+// by the count last read (a window plan's Capacity), the Capacity never
+// below the cost of the decision, nor the Rate below Capacity per 100
+// years.
 //
 // The fleet is the instances with the same Redis and key prefix. The
 // bound assumes the load balancer spreads each key's requests evenly;

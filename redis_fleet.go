@@ -13,7 +13,9 @@ import (
 var fleetScript = redisscript.New(luaFleet)
 
 // heartbeat implements fleetStore: it records instance id as alive for
-// ttl in the fleet's sorted set, and returns how many instances are.
+// ttl in the fleet's sorted set, and returns how many instances are, each
+// counted until its own ttl has passed (and ttl, for the members of
+// releases that recorded none).
 func (s *RedisStore) heartbeat(ctx context.Context, id string, ttl time.Duration) (int64, error) {
 	if s.err != nil {
 		return 0, s.err
