@@ -328,7 +328,11 @@ func TestPlanChangeWaitsForTheLeaseTakenAheadOfASpentLease(t *testing.T) {
 	<-spent
 	require.NoError(t, l.Close())
 	admitted += late.Load() + countAdmitted(t, plainLimiter(t, rs, small), "k", 30)
-	assert.Equal(t, small.Capacity, admitted, "admitted under the plan of 10, at one instant")
+	// The spent lease's request, decided under the old plan, may take its
+	// token from the bucket after the new plan wrote it: then 9 are
+	// admitted under the new plan, and 10 in all.
+	assert.LessOrEqual(t, admitted, small.Capacity, "admitted under the plan of 10, at one instant")
+	assert.GreaterOrEqual(t, admitted, small.Capacity-1, "the new plan's tokens, but the old plan's request's")
 }
 
 // plainLimiter returns a Limiter of plan on rs that remembers no denial.
