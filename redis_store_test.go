@@ -857,6 +857,7 @@ var extremeRates = []Plan{
 	{Name: "mega", Capacity: 2_000_000, Rate: 1e6},
 	{Name: "tera", Capacity: 20_000_000, Rate: 1e7},
 	{Name: "fastest", Capacity: maxCapacity, Rate: 1e12},
+	{Name: "largest", Capacity: 3, Rate: math.MaxFloat64}, // a refill of 2 µs overflows to +Inf
 }
 
 func TestExtremeRatesAgree(t *testing.T) {

@@ -189,8 +189,13 @@ local function refill(t, ts, full, rate, now)
     return full, now
   end
   -- x - x % 1 is floor(x) without a function call, which costs more in
-  -- Redis than the arithmetic.
+  -- Redis than the arithmetic; but it is NaN for an x of +Inf, the gain of
+  -- a rate near the largest double, which a gain of a full bucket or more
+  -- returns before: floor(gain) is then full or more, as Go finds it.
   local gain = (now - ts) * rate
+  if gain >= full then
+    return full, now
+  end
   local whole = gain - gain % 1
   if t + whole >= full then
     return full, now
