@@ -15,7 +15,7 @@ import (
 // so that the allocator places every entry at the start of a cache line.
 type memEntry struct {
 	mu      sync.Mutex
-	seen    int64 // µs: the last decision on the key, denials and reads included
+	seen    int64 // µs: the last decision on the key, denials, reads and Resets included
 	one     [1]memBucket
 	buckets []memBucket
 	key     string // "" once the key left its shard: a decision that found the entry looks again

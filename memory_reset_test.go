@@ -218,3 +218,39 @@ func TestMemoryStoreResetRacesWithSettle(t *testing.T) {
 		require.Zero(t, res.Remaining, "round %d", i)
 	}
 }
+
+// TestMemoryStoreDecisionAfterAResetOfOnePlanReadsTheClockAgain drains
+// both plans of a key, one token a second each, then has a decision on
+// the key read the clock and wait for a second, while a Reset of one
+// plan, which keeps the key's entry for the other, fills that plan's
+// bucket. The decision goes on after the Reset and takes the token: had
+// it decided at the time it read, a second before the Reset, its bucket
+// would be stamped a second early and give a second token at the
+// Reset's instant, 2 admitted at once of a plan of 1.
+func TestMemoryStoreDecisionAfterAResetOfOnePlanReadsTheClockAgain(t *testing.T) {
+	ctx := context.Background()
+	now := t0
+	m := newClockedMemoryStore(&now)
+	p, other := Plan{Name: "p", Capacity: 1, Rate: 1}, Plan{Name: "other", Capacity: 1, Rate: 1}
+	r, err := m.Take(ctx, "k", 1, []Plan{p, other})
+	require.NoError(t, err)
+	require.True(t, r.Allowed)
+	wait := true
+	m.fakeNow = func() int64 {
+		if !wait {
+			return now
+		}
+		wait = false
+		read := now // the decision reads the clock here, and waits
+		now += 1_000_000
+		require.NoError(t, m.Reset(ctx, "k", []Plan{p}))
+		return read
+	}
+	r, err = m.Take(ctx, "k", 1, []Plan{p})
+	require.NoError(t, err)
+	assert.False(t, wait)
+	assert.True(t, r.Allowed, "the Reset filled p")
+	r, err = m.Take(ctx, "k", 1, []Plan{p})
+	require.NoError(t, err)
+	assert.False(t, r.Allowed, "p's one token since the Reset was taken; a second is not there")
+}
