@@ -221,8 +221,11 @@ func (b TokenBucket) adjust(p Plan, now, delta int64) (_ TokenBucket, uncharged 
 		return TokenBucket{Tokens: balance, Stamp: min(b.Stamp, at)}, 0
 	}
 	ahead := int64(math.Floor(float64(full)/p.Rate)) - (at - now) // the most a stamp may be ahead of at
-	if w := accrualMicros(-balance, p.Rate); w <= ahead {
-		return TokenBucket{Stamp: at + w}, 0
+	most := int64(math.Floor(float64(float64(ahead) * p.Rate)))   // the debt that accrues in ahead
+	// Debt within most accrues within ahead, as accrualMicros counts; the
+	// time of more may not fit an int64 of µs.
+	if -balance <= most {
+		return TokenBucket{Stamp: at + accrualMicros(-balance, p.Rate)}, 0
 	}
-	return TokenBucket{Stamp: at + ahead}, -balance - int64(math.Floor(float64(float64(ahead)*p.Rate)))
+	return TokenBucket{Stamp: at + ahead}, -balance - most
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/binary"
 	"math"
+	"path"
 	"testing"
 	"time"
 
@@ -352,6 +353,32 @@ func FuzzAdjust(f *testing.F) {
 		have := got.Refill(p, now+later).Tokens
 		require.LessOrEqual(t, have, max(min(exact+1, full), 0), "adjust minted tokens")
 	})
+}
+
+// TestChargeBeyondAnInt64OfMicrosecondsIsCapped settles a reservation of
+// 1 token of a plan of 10 a year with 5,000,000 used: the debt would take
+// 1.6 × 10^19 µs to accrue, more than an int64 holds. It is capped at one
+// full refill, as any debt past it, and the rest is uncharged, on both
+// stores alike: the bucket holds nothing for a year and a token's time.
+func TestChargeBeyondAnInt64OfMicrosecondsIsCapped(t *testing.T) {
+	ctx := context.Background()
+	plan := Plan{Name: "yearly", Capacity: 10, Rate: Per(10, 365*24*time.Hour)}
+	got := map[string]Settlement{}
+	eachStore(t, []Plan{plan}, func(t *testing.T, l clockedLimiter) {
+		r, err := l.Reserve(ctx, "k", 1)
+		require.NoError(t, err)
+		require.True(t, r.OK())
+		st, err := r.Settle(ctx, 5_000_000)
+		require.NoError(t, err)
+		got[path.Base(t.Name())] = st
+		assert.Equal(t, int64(5_000_000-1), st.Charged)
+		assert.Equal(t, int64(5_000_000-1-9-10), st.Uncharged, "9 left and 10 of debt, a full refill's, were charged")
+		peek, err := l.Peek(ctx, "k")
+		require.NoError(t, err)
+		assert.Equal(t, int64(0), peek.Remaining)
+		assert.Equal(t, (365+36)*24*time.Hour+12*time.Hour, peek.RetryAfter.Round(time.Hour), "a full refill of debt, then a token's time")
+	})
+	assert.Equal(t, got["memory"], got["redis"], "Go and Lua agree")
 }
 
 // TestAdjustAfterAClockStepKeepsTheTokens adjusts a bucket that holds

@@ -234,12 +234,12 @@ local function adjust(t, ts, full, rate, now, delta)
     return balance, math.min(ts, at), 0
   end
   local ahead = floor(full / rate) - (at - now)
-  local w = accrual(-balance, rate)
-  if w <= ahead then return 0, at + w, 0 end
-  -- Not -balance - floor(ahead * rate): a charge onto a debt at its cap
-  -- makes -balance pass 2^53, where a double rounds it. held plus the
-  -- most debt is below -delta here, so below 2^53, and exact.
-  return 0, at + ahead, -delta - (held + floor(ahead * rate))
+  local most = floor(ahead * rate) -- the debt that accrues in ahead
+  if -balance <= most then return 0, at + accrual(-balance, rate), 0 end
+  -- Not -balance - most: a charge onto a debt at its cap makes -balance
+  -- pass 2^53, where a double rounds it. held plus the most debt is
+  -- below -delta here, so below 2^53, and exact.
+  return 0, at + ahead, -delta - (held + most)
 end
 
 -- writeBucket stores a bucket, with its plan version pv and capacity c
