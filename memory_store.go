@@ -29,7 +29,8 @@ const defaultMaxKeys = 100_000
 // seen once, and a key that will be full by its return goes first; a key
 // being decided on at that moment stays. A key that is dropped before it
 // is full reads as full when it returns, so it gets back at most one
-// capacity of each plan per eviction.
+// capacity of each plan per eviction, and a key in debt (a reservation
+// settled beyond what it held) its debt too: at most one capacity more.
 type MemoryStore struct {
 	seed       maphash.Seed
 	shards     []memShard
