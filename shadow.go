@@ -55,11 +55,15 @@ func without(plans []Plan, skip uint64) []Plan {
 // deny, with RetryAfter 0, since no wait lets it pass, and as full
 // (Remaining its capacity, ResetAfter 0), since nothing of its bucket was
 // read, as FailOpen reports a bucket. They bind only when every plan is
-// shadowed.
+// shadowed. A store of another package, whose Result tells of fewer
+// plans than it was asked about, keeps its PlanResults.
 func (r *Result) withOver(plans []Plan, over uint64) {
 	var asked []PlanResult
-	if len(plans) > bits.OnesCount64(over) {
-		asked = r.PlanResults()
+	if rest := len(plans) - bits.OnesCount64(over); rest > 0 {
+		if asked = r.PlanResults(); len(asked) != rest {
+			r.ShadowDenied, r.chain = true, asked
+			return
+		}
 	}
 	chain := make([]PlanResult, len(plans))
 	enforced := false // some plan is enforced

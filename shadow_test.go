@@ -389,3 +389,30 @@ func TestShadowedPlanBelowTheCostBesideCacheAndLease(t *testing.T) {
 		})
 	}
 }
+
+// summaryStore is a Store of another package that answers with the
+// exported fields of a Result alone, as one on another database must: it
+// cannot tell of each plan of a chain (PlanResults has one element). It
+// allows everything, and tells of the first plan.
+type summaryStore struct{ Store }
+
+func (summaryStore) Take(_ context.Context, _ string, _ int64, plans []Plan) (Result, error) {
+	return Result{Allowed: true, Plan: plans[0].Name, Limit: plans[0].Capacity, Remaining: plans[0].Capacity}, nil
+}
+
+// TestShadowedPlanBelowTheCostOnAStoreOfAnotherPackage: a chain of two
+// enforced plans and a shadowed plan below the cost, on a store that tells
+// of one plan, is decided by the store and reported with the shadowed
+// plan's would-be denial; the PlanResults are the store's. Before: a
+// panic (index out of range), building one PlanResult per plan.
+func TestShadowedPlanBelowTheCostOnAStoreOfAnotherPackage(t *testing.T) {
+	ctx := context.Background()
+	plans := []Plan{{Name: "a", Capacity: 100, Rate: 1}, {Name: "b", Capacity: 100, Rate: 1}, {Name: "s", Capacity: 10, Rate: 1, Shadow: true}}
+	l, err := New(summaryStore{NewMemoryStore()}, plans, WithLogger(nil))
+	require.NoError(t, err)
+	var r Result
+	require.NotPanics(t, func() { r, err = l.AllowN(ctx, "k", 20, "a", "b", "s") })
+	require.NoError(t, err)
+	assert.Equal(t, []any{true, true, "a"}, []any{r.Allowed, r.ShadowDenied, r.Plan})
+	assert.Equal(t, []PlanResult{{Plan: "a", Limit: 100, Remaining: 100}}, r.PlanResults(), "the store's, which tell of one plan")
+}
