@@ -44,22 +44,22 @@ func (m *MemoryStore) resetHolds(_ context.Context, key string, plans []Plan, ke
 	s, h := m.shard(key)
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	e, i := s.table.Load().lookup(key, h)
-	if e != nil {
+	// Read under the key's lock: after every decision on the key before
+	// the Reset, so that a hold taken before it is dated at or before it;
+	// and seen by the key's entry (visit), so that a decision that read
+	// the clock before it waited for the lock reads it again: it dates a
+	// hold it takes after the Reset at or after the mark, and stamps no
+	// bucket the Reset filled with an earlier time.
+	var now int64
+	if e, i := s.table.Load().lookup(key, h); e != nil {
 		e.mu.Lock()
 		defer e.mu.Unlock()
-	}
-	// Read under the key's lock: after every decision on the key before
-	// the Reset, so that a hold taken before it is dated at or before it.
-	// The key is dated so too: a decision that read the clock before the
-	// Reset and locks the entry it keeps after it reads the clock again
-	// (visit), and stamps no bucket the Reset filled with an earlier time.
-	now := m.now()
-	if e != nil {
-		e.seen = now
+		now = m.visit(e, m.now())
 		if e.dropPlans(plans) {
 			s.drop(e, i)
 		}
+	} else {
+		now = m.now()
 	}
 	s.marks.mark(key, now, now+max(keep, minResetKeep).Microseconds(), maxResetMarks/len(m.shards))
 	return nil

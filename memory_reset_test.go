@@ -4,6 +4,7 @@ import (
 	"context"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -253,4 +254,56 @@ func TestMemoryStoreDecisionAfterAResetOfOnePlanReadsTheClockAgain(t *testing.T)
 	r, err = m.Take(ctx, "k", 1, []Plan{p})
 	require.NoError(t, err)
 	assert.False(t, r.Allowed, "p's one token since the Reset was taken; a second is not there")
+}
+
+// TestMemoryStoreHoldTakenAfterAResetIsRefunded: a Reserve on a key whose
+// entry a MemoryStore.Reset of one of its plans keeps, that reads the
+// clock while the Reset holds the key's lock and takes the lock after it,
+// is decided after the Reset, on the bucket it filled: its Cancel is
+// refunded. The clock advances a µs at every reading, as a real one does.
+// Before: the hold was dated with the reading before the Reset's, at or
+// before the mark, and refunded nothing (0 of 500).
+func TestMemoryStoreHoldTakenAfterAResetIsRefunded(t *testing.T) {
+	ctx := context.Background()
+	other := Plan{Name: "other", Capacity: 10, Rate: 1}
+	var now atomic.Int64
+	now.Store(t0)
+	var hook atomic.Pointer[func()]
+	m := NewMemoryStore()
+	m.fakeNow = func() int64 {
+		if h := hook.Load(); h != nil {
+			(*h)()
+		}
+		return now.Add(1)
+	}
+	l, err := New(m, []Plan{daylong, other}, WithLogger(nil))
+	require.NoError(t, err)
+	_, err = l.AllowN(ctx, "k", 1, daylong.Name, other.Name)
+	require.NoError(t, err)
+
+	resetting, release, read := make(chan struct{}), make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	inReset := func() { once.Do(func() { close(resetting); <-release }) }
+	hook.Store(&inReset)
+	var wg sync.WaitGroup
+	wg.Go(func() { assert.NoError(t, m.Reset(ctx, "k", []Plan{daylong})) })
+	<-resetting // the Reset holds the key's lock, and reads the clock once released
+	var readOnce sync.Once
+	inReserve := func() { readOnce.Do(func() { close(read) }) }
+	hook.Store(&inReserve)
+	var rv *Reservation
+	wg.Go(func() {
+		var err error
+		rv, err = l.Reserve(ctx, "k", 500, daylong.Name)
+		assert.NoError(t, err)
+	})
+	<-read // the Reserve read the clock, and waits for the key's lock
+	hook.Store(nil)
+	close(release)
+	wg.Wait()
+	require.True(t, rv.OK())
+	assert.Equal(t, int64(500), rv.Result().Remaining, "decided on the bucket the Reset filled")
+	st, err := rv.Cancel(ctx)
+	require.NoError(t, err)
+	assert.Equal(t, int64(500), st.Refunded, "taken after the Reset, from the bucket it filled")
 }
