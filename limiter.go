@@ -266,7 +266,25 @@ func (l *Limiter) Reset(ctx context.Context, key string, names ...string) error 
 	} else if permitsIn(plans) {
 		plans = slices.DeleteFunc(slices.Clone(plans), func(p Plan) bool { return p.Concurrency })
 	}
-	// No settlement of key runs from the stores' reset to its count.
+	if err := l.resetStores(ctx, key, plans); err != nil {
+		return err
+	}
+	// Past the order lock, which a lease's take may wait for while it holds
+	// the lease that drop, or Close's sweep, waits for. A settlement from
+	// now on finds the Reset counted, and refunds nothing.
+	if l.denials != nil {
+		l.denials.Forget(key) // also refuses denials asked before the Reset
+	}
+	if l.leases != nil {
+		l.leases.drop(key, plans)
+	}
+	return nil
+}
+
+// resetStores resets key's plans in the fallback store and the store, and
+// counts the Reset (resetMarks), with no settlement of key running from
+// the stores' reset to its count.
+func (l *Limiter) resetStores(ctx context.Context, key string, plans []Plan) error {
 	order := l.resets.order(key)
 	order.Lock()
 	defer order.Unlock()
@@ -284,12 +302,6 @@ func (l *Limiter) Reset(ctx context.Context, key string, names ...string) error 
 			return err
 		}
 		return fmt.Errorf("%w: %w", ErrStoreUnavailable, err)
-	}
-	if l.denials != nil {
-		l.denials.Forget(key) // also refuses denials asked before the Reset
-	}
-	if l.leases != nil {
-		l.leases.drop(key, plans)
 	}
 	return nil
 }

@@ -367,3 +367,52 @@ func TestDefaultPlan(t *testing.T) {
 	shadowed := newTestLimiter(t, NewMemoryStore(), WithShadow())
 	assert.True(t, shadowed.DefaultPlan().Shadow, "as Plan tells it")
 }
+
+// TestResetAndCloseDoNotDeadlockWithAStaleLeasesTake: a Reset of a key
+// that waits for Redis while a decision gives back the key's lease of a
+// plan SetPlans replaced (a settlement, which waits for the Reset) and
+// Close sweeps the leases (which waits for that decision) ends, and so do
+// the decision and Close. Before: the Reset, holding its key's order
+// lock, waited for the leases' lock that Close's sweep held, which waited
+// for the decision, which waited for the order lock: none ever returned.
+func TestResetAndCloseDoNotDeadlockWithAStaleLeasesTake(t *testing.T) {
+	ctx := context.Background()
+	rs, _, _ := newMiniredisStore(t)
+	c := rs.client.(*redis.Client)
+	hook := &gateHook{held: make(chan struct{}), release: make(chan struct{})}
+	c.AddHook(hook)
+	big := Plan{Name: "hot", Capacity: 100, Rate: 1, Lease: 50}
+	l, err := New(rs, []Plan{big}, WithLogger(nil), WithDenialCache(0))
+	require.NoError(t, err)
+	_, err = l.Allow(ctx, "k")
+	require.NoError(t, err)
+	e := l.leases.lookup("k", big.Name, false)
+	require.NotNil(t, e, "the key holds a lease")
+	require.NoError(t, l.SetPlans([]Plan{{Name: "hot", Capacity: 10, Rate: 1}}))
+
+	done := make(chan string, 3)
+	hook.armed.Store(true)
+	go func() { assert.NoError(t, l.Reset(ctx, "k")); done <- "Reset" }()
+	<-hook.held // the Reset holds the key's order lock, and waits for Redis's reply
+	go func() { _, _ = l.Allow(ctx, "k"); done <- "Allow" }()
+	for settling := false; !settling; { // the decision took the stale lease, to give it back
+		e.mu.Lock()
+		settling = e.r == nil && len(e.renew) == 1
+		e.mu.Unlock()
+	}
+	go func() { assert.NoError(t, l.Close()); done <- "Close" }()
+	<-l.leases.stop             // Close began closing the leases
+	for l.leases.mu.TryLock() { // until its sweep holds their lock
+		l.leases.mu.Unlock()
+	}
+	close(hook.release)
+	deadline := time.After(10 * time.Second) // a deadlock detector, not a speed bound
+	for range 3 {
+		select {
+		case who := <-done:
+			t.Log(who, "returned")
+		case <-deadline:
+			t.Fatal("Reset, Close and a lease's give-back deadlocked")
+		}
+	}
+}
