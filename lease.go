@@ -204,9 +204,9 @@ func (ls *leases) spend(e *lease, r *Result, a *leaseAsk) (served, backingOff bo
 }
 
 // fetch takes the next lease of e, of n tokens, ahead of need, to follow
-// the lease cur; if cur is gone meanwhile, it gives it back. A lease the
-// sweeper ended keeps it as next all the same, for the take or the sweep
-// that gives cur back to give it back with cur.
+// the lease cur; if cur is gone meanwhile, it gives it back. Until it
+// closes e.fetched, the sweeper neither ends nor drops e, and a take of e
+// waits for it (sweepOnce, take).
 func (ls *leases) fetch(e *lease, cur *Reservation, n int64, a leaseAsk) {
 	defer ls.done.Done()
 	ctx, cancel := context.WithTimeout(context.Background(), ls.ttl+time.Second)
