@@ -117,7 +117,9 @@ func (l *Limiter) plansFor(ctx context.Context, q *request) error {
 	return err
 }
 
-// check checks q against its plans, and the caller's context.
+// check checks q against its plans, and the caller's context, and notes
+// in q.over the shadowed plans whose capacity is below q's cost, which
+// decide sets aside (answerWithout).
 func (l *Limiter) check(ctx context.Context, q *request) error {
 	if q.n != 1 { // one token fits every plan, which was checked when it was given
 		q.over = overCost(q.n, q.plans)

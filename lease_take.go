@@ -15,11 +15,11 @@ type leaseAsk struct {
 	given bool
 	as    string // the key a plan resolver was given (ResolveAs), for the lease's settlement
 	pk    string // the denial cache's name for the plan; empty when the cache is off
-	keep  bool   // takes no lease whatever its plan: a plan of a chain, or of a Reserve
+	keep  bool   // takes no lease whatever its plan: a plan of a chain, a Reserve or an Acquire
 }
 
 // leasing reports whether a takes a lease: its plan leases its cost,
-// and it is no plan of a chain or a Reserve.
+// and it is no plan of a chain, a Reserve or an Acquire.
 func (a *leaseAsk) leasing() bool {
 	return !a.keep && leasable(&a.plans[0], a.cost)
 }
