@@ -281,31 +281,6 @@ func (l *Limiter) Reset(ctx context.Context, key string, names ...string) error 
 	return nil
 }
 
-// resetStores resets key's plans in the fallback store and the store, and
-// counts the Reset (resetMarks), with no settlement of key running from
-// the stores' reset to its count.
-func (l *Limiter) resetStores(ctx context.Context, key string, plans []Plan) error {
-	order := l.resets.order(key)
-	order.Lock()
-	defer order.Unlock()
-	// Counted once the stores may have reset: a reservation whose mark
-	// was read before then is refunded nothing.
-	keep := l.longestHold()
-	defer func() { l.resets.reset(key, time.Now(), keep) }()
-	if l.fallback != nil {
-		if err := resetHolds(ctx, l.fallback, key, plans, keep); err != nil {
-			return fmt.Errorf("%w: %w", ErrStoreUnavailable, err)
-		}
-	}
-	if err := resetHolds(ctx, l.store, key, plans, keep); err != nil {
-		if isCallerError(err) || ctx.Err() != nil {
-			return err
-		}
-		return fmt.Errorf("%w: %w", ErrStoreUnavailable, err)
-	}
-	return nil
-}
-
 // Wait takes cost tokens like AllowN, waiting as long as it takes for them.
 // It returns at once, with ErrWaitExceedsDeadline and the denied Result, if
 // ctx's deadline would pass first; it returns ctx's error if ctx ends while

@@ -1,6 +1,8 @@
 package tollgate
 
 import (
+	"context"
+	"fmt"
 	"hash/maphash"
 	"strings"
 	"sync"
@@ -137,4 +139,29 @@ func (l *Limiter) longestHold() time.Duration {
 		return l.holdTTL
 	}
 	return max(l.holdTTL, l.leases.holdTTL())
+}
+
+// resetStores resets key's plans in the fallback store and the store, and
+// counts the Reset (resetMarks), with no settlement of key running from
+// the stores' reset to its count.
+func (l *Limiter) resetStores(ctx context.Context, key string, plans []Plan) error {
+	order := l.resets.order(key)
+	order.Lock()
+	defer order.Unlock()
+	// Counted once the stores may have reset: a reservation whose mark
+	// was read before then is refunded nothing.
+	keep := l.longestHold()
+	defer func() { l.resets.reset(key, time.Now(), keep) }()
+	if l.fallback != nil {
+		if err := resetHolds(ctx, l.fallback, key, plans, keep); err != nil {
+			return fmt.Errorf("%w: %w", ErrStoreUnavailable, err)
+		}
+	}
+	if err := resetHolds(ctx, l.store, key, plans, keep); err != nil {
+		if isCallerError(err) || ctx.Err() != nil {
+			return err
+		}
+		return fmt.Errorf("%w: %w", ErrStoreUnavailable, err)
+	}
+	return nil
 }
