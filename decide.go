@@ -110,10 +110,16 @@ func (l *Limiter) named(ctx context.Context, r *Result, q *request, names []stri
 
 // plansFor has the resolver choose q's plans for q's key
 // (WithPlanResolver). It returns ErrExempt, with q's plans as asked, when
-// the resolver exempts the key from every plan.
+// the resolver exempts the key from every plan. An Acquire whose key it
+// exempts from every concurrency plan named takes the tokens of the plans
+// left, and holds no permit.
 func (l *Limiter) plansFor(ctx context.Context, q *request) error {
+	permits := q.mode == modeAcquire && permitsIn(q.plans)
 	var err error
 	q.plans, q.entry, err = l.resolveFor(ctx, q.table, q.key, q.plans, q.entry)
+	if err == nil && permits && !permitsIn(q.plans) {
+		q.mode = modeTake
+	}
 	return err
 }
 

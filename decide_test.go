@@ -828,3 +828,37 @@ func TestFallbackDenialsAreNotRemembered(t *testing.T) {
 		assert.True(t, r.Allowed, "request %d: Redis's bucket is full", i)
 	}
 }
+
+// TestAcquireExemptFromItsConcurrencyPlans: a resolver that exempts a key
+// from the concurrency plan of an Acquire's chain leaves it out, as it
+// does any plan: the rate plans left decide, and the Permit holds no
+// permit. Before, every such Acquire was ErrInvalidPlan, as if the caller
+// had named no concurrency plan.
+func TestAcquireExemptFromItsConcurrencyPlans(t *testing.T) {
+	ctx := context.Background()
+	unlimited := func(_ context.Context, key string, p Plan) (Plan, error) {
+		if key == "batch" && p.Concurrency {
+			return Plan{}, ErrExempt
+		}
+		return p, nil
+	}
+	rs, _, _ := newMiniredisStore(t)
+	for name, s := range map[string]Store{"memory": NewMemoryStore(), "miniredis": rs} {
+		t.Run(name, func(t *testing.T) {
+			l, err := New(s, permitPlans, WithLogger(nil), WithPlanResolver(unlimited))
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = l.Close() })
+			granted := 0
+			for range 7 {
+				p, err := l.Acquire(ctx, "batch", 1, "inflight", "daily")
+				require.NoError(t, err)
+				if p.OK() {
+					granted++
+					require.NoError(t, p.Release(ctx), "a Permit that holds nothing")
+				}
+			}
+			require.Equal(t, 5, granted, "daily's 5 tokens, and no permit")
+			require.Zero(t, l.Stats().Plans[0].PermitsHeld)
+		})
+	}
+}

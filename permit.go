@@ -109,7 +109,9 @@ type permitReply struct {
 // a permit comes back when its holder releases it, on no schedule. Naming
 // no concurrency plan is ErrInvalidPlan, as is naming one in Allow, Peek or
 // Reserve. n must be 1 to the smallest capacity of the enforced plans
-// (ErrInvalidCost). On a store, or a fallback store, that cannot hold
+// (ErrInvalidCost). A key that a plan resolver exempts (ErrExempt) from
+// every concurrency plan named takes the tokens of the plans left, and its
+// Permit holds no permit. On a store, or a fallback store, that cannot hold
 // permits (one of another package), New and SetPlans refuse concurrency
 // plans with errors.ErrUnsupported, and Acquire returns it.
 //
