@@ -300,20 +300,38 @@ func planIndex(plans *[]Plan, p Plan) int {
 }
 
 // byStore splits the permits ps of one key by the store that granted
-// them.
+// them, and each store's into groups holding at most maxChain plans in
+// all: a permitOp names a holder's plans by bits of a mask, which
+// permit.lua reads as a double, exact to 53 bits.
 func byStore(ps []*Permit) [][]*Permit {
 	var groups [][]*Permit
+	var plans [][]Plan // of each group
 	for _, p := range ps {
 		i := 0
-		for i < len(groups) && groups[i][0].grant.store != p.grant.store {
+		for i < len(groups) && (groups[i][0].grant.store != p.grant.store || !fits(plans[i], p.plans)) {
 			i++
 		}
 		if i == len(groups) {
-			groups = append(groups, nil)
+			groups, plans = append(groups, nil), append(plans, nil)
 		}
 		groups[i] = append(groups[i], p)
+		for _, pl := range p.plans {
+			planIndex(&plans[i], pl)
+		}
 	}
 	return groups
+}
+
+// fits reports whether the plans of a group, with more added, are at
+// most maxChain.
+func fits(group, more []Plan) bool {
+	n := len(group)
+	for _, p := range more {
+		if !slices.ContainsFunc(group, func(q Plan) bool { return q.Name == p.Name }) {
+			n++
+		}
+	}
+	return n <= maxChain
 }
 
 // close stops the renewals and releases the permits still held, within

@@ -481,3 +481,49 @@ func acquireInOutageThenRecover(t *testing.T, l *Limiter, mr *miniredis.Miniredi
 		"the fallback's permits move into the store")
 	return p
 }
+
+// TestRenewalsOfAKeyHoldingManyPlans has one Limiter hold a permit of each
+// of 65 concurrency plans on one key, each plan of capacity 1, for three
+// leases: every permit is renewed, so none of the plans grants a second.
+// Before, a key's renewal was one call for every plan held there, each
+// holder's plans a bit of a 64-bit mask: the 65th plan's bit was lost, its
+// permit never renewed, and the plan granted a second while the first was
+// held (2 held of 1), with that holder's renewals reporting it alive.
+func TestRenewalsOfAKeyHoldingManyPlans(t *testing.T) {
+	ctx := context.Background()
+	plans := make([]Plan, 65)
+	for i := range plans {
+		plans[i] = Plan{Name: fmt.Sprintf("model-%02d", i), Capacity: 1, Concurrency: true}
+	}
+	stores := map[string]Store{"memory": NewMemoryStore()}
+	if redistest.Available() {
+		c := redistest.NewClient(t, &redis.Options{Addr: redistest.Addr(t)})
+		stores["redis"] = NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix()))
+	}
+	for name, s := range stores {
+		t.Run(name, func(t *testing.T) {
+			l, err := New(s, plans, WithLogger(nil), WithPermitLease(300*time.Millisecond))
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = l.Close() })
+			held := make([]*Permit, len(plans))
+			for i, p := range plans {
+				held[i], err = l.Acquire(ctx, "tenant", 1, p.Name)
+				require.NoError(t, err)
+				require.True(t, held[i].OK())
+			}
+			time.Sleep(time.Second) // three leases, each renewed
+			var twice []string
+			for _, p := range plans {
+				q, err := l.Acquire(ctx, "tenant", 1, p.Name)
+				require.NoError(t, err)
+				if q.OK() {
+					twice = append(twice, p.Name)
+				}
+			}
+			require.Empty(t, twice, "plans that granted a second permit of 1 while the first was held")
+			for _, p := range held {
+				require.NoError(t, p.Release(ctx))
+			}
+		})
+	}
+}
