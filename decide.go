@@ -20,11 +20,7 @@ func (l *Limiter) decide(ctx context.Context, r *Result, q *request) error {
 	if l.resolver != nil && !q.given {
 		if err := l.plansFor(ctx, q); err != nil {
 			if errors.Is(err, ErrExempt) {
-				if cerr := ctx.Err(); cerr != nil {
-					return cerr // an ended context gets its error, exempt or not
-				}
-				*r = exemptResult(q.plans)
-				return nil
+				return exempt(ctx, r, q)
 			}
 			return err
 		}
@@ -106,6 +102,20 @@ func (l *Limiter) named(ctx context.Context, r *Result, q *request, names []stri
 		}
 	}
 	return l.decide(ctx, r, q)
+}
+
+// exempt answers q, whose key the resolver exempts from every plan:
+// allowed, without the store, unless its cost is below 1 or its caller's
+// context has ended, which get their errors as for any key.
+func exempt(ctx context.Context, r *Result, q *request) error {
+	if q.n < 1 {
+		return checkCost(q.n, nil, 0)
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	*r = exemptResult(q.plans)
+	return nil
 }
 
 // plansFor has the resolver choose q's plans for q's key

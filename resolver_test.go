@@ -245,6 +245,12 @@ func TestExemptKeysSkipTheStore(t *testing.T) {
 	assert.Zero(t, s.calls.Load(), "an exempt key never reaches the store")
 	assert.Zero(t, l.Stats().Plans[0].Allowed[SourceStore]+l.Stats().Plans[0].Denied[SourceStore])
 
+	// A bad cost is an error, exempt or not.
+	for _, n := range []int64{0, -1} {
+		_, err := l.AllowN(ctx, "admin", n, "api", "daily")
+		require.ErrorIs(t, err, ErrInvalidCost, "cost %d", n)
+	}
+
 	// A context that has ended gets its error, exempt or not.
 	cctx, cancel := context.WithCancel(ctx)
 	cancel()
