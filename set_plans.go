@@ -14,6 +14,32 @@ type planTable struct {
 	plans    []Plan // in the order given
 	defaults *planEntry
 	resets   versionResets // reset versions of this table's plans and those before it
+	// kinds tells, of each name this table or one before it held, whether
+	// it is a concurrency plan: a name keeps its kind for the Limiter's
+	// life. At most maxKindNames names are kept beyond the table's own.
+	kinds map[string]bool
+}
+
+// maxKindNames bounds the plan names whose kinds a table carries over
+// from the tables before it.
+const maxKindNames = 4096
+
+// kindsAfter returns the kinds of a table of plans that replaces old
+// (nil at New): its plans', and those old kept of names it lacks.
+func kindsAfter(old *planTable, plans []Plan) map[string]bool {
+	kinds := make(map[string]bool, len(plans))
+	for i := range plans {
+		kinds[plans[i].Name] = plans[i].Concurrency
+	}
+	if old == nil {
+		return kinds
+	}
+	for name, k := range old.kinds {
+		if _, ok := kinds[name]; !ok && len(kinds) < maxKindNames+len(plans) {
+			kinds[name] = k
+		}
+	}
+	return kinds
 }
 
 // planEntry is a plan as a Limiter looks it up: a plan of its table, a
@@ -146,7 +172,9 @@ func leaseIn(plans []Plan) bool {
 // and refills toward the new Capacity, one whose Capacity shrinks is
 // clamped to it at its next decision, and a changed Rate applies from the
 // next decision on. A plan may not become, or stop being, a concurrency
-// plan (ErrInvalidPlan): its callers Acquire or Allow by its kind; nor
+// plan (ErrInvalidPlan), also by way of a table without it: its callers
+// Acquire or Allow by its kind, and its permits or its bucket would be
+// overwritten by the other kind's decisions; nor
 // may plans[0] be of another kind than the old first plan, for the calls
 // that name no plan. While
 // instances with the old plans and the new run side by side, a key's
@@ -167,7 +195,7 @@ func (l *Limiter) SetPlans(plans []Plan) error {
 		if err := l.replaces(old, t); err != nil {
 			return err
 		}
-		t.resets = resetsAfter(old, t.plans)
+		t.resets, t.kinds = resetsAfter(old, t.plans), kindsAfter(old, t.plans)
 		if l.table.CompareAndSwap(old, t) { // else another SetPlans landed: check against its table
 			break
 		}
@@ -184,7 +212,7 @@ func (l *Limiter) SetPlans(plans []Plan) error {
 func (l *Limiter) replaces(old, t *planTable) error {
 	if old != nil {
 		for _, p := range t.plans {
-			if e := old.byName[p.Name]; e != nil && e.one[0].Concurrency != p.Concurrency {
+			if k, ok := old.kinds[p.Name]; ok && k != p.Concurrency {
 				return errKindOfPermits(p.Name)
 			}
 		}

@@ -299,3 +299,24 @@ func TestConcurrentSetPlansKeepKinds(t *testing.T) {
 		require.EqualValues(t, 1, landed.Load(), "x changed its kind")
 	}
 }
+
+// TestAPlanKeepsItsKindAcrossATableWithoutIt: a concurrency plan removed
+// by one SetPlans and given back as a token bucket by the next (or the
+// other way) changes its kind as surely as in one step: a bucket's
+// decision would overwrite the permits still held, and the plan given
+// back as a concurrency plan would grant its capacity again while they
+// work. A name keeps its kind for the Limiter's life.
+func TestAPlanKeepsItsKindAcrossATableWithoutIt(t *testing.T) {
+	inflight := Plan{Name: "inflight", Capacity: 2, Concurrency: true}
+	asTokens := Plan{Name: "inflight", Capacity: 2, Rate: 1}
+	l := newTestLimiter(t, NewMemoryStore())
+	require.NoError(t, l.SetPlans([]Plan{testPlans[0], inflight}))
+	require.NoError(t, l.SetPlans([]Plan{testPlans[0]}), "a table without it")
+	assert.ErrorIs(t, l.SetPlans([]Plan{testPlans[0], asTokens}), ErrInvalidPlan, "given back as a token bucket")
+	require.NoError(t, l.SetPlans([]Plan{testPlans[0], inflight}), "given back as it was")
+
+	l = newTestLimiter(t, NewMemoryStore())
+	require.NoError(t, l.SetPlans([]Plan{testPlans[0], asTokens}))
+	require.NoError(t, l.SetPlans([]Plan{testPlans[0]}))
+	assert.ErrorIs(t, l.SetPlans([]Plan{testPlans[0], inflight}), ErrInvalidPlan, "given back as a concurrency plan")
+}
