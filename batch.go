@@ -50,7 +50,8 @@ func callSlots(client redis.UniversalClient) int {
 // at once, alone; one that finds the limit reached waits, and the caller
 // whose call ends next passes its slot to the first waiting decision,
 // whose caller sends every decision then waiting, up to maxBatch, in one
-// call. No goroutine is started: the waiting callers send the batches.
+// call. The waiting callers send the batches, on a goroutine that lives
+// for the call if the sender's context can end.
 //
 // The limit follows the load: a call that ends while decisions wait
 // lowers it by one, towards minCalls, and gives its slot up rather than
@@ -101,11 +102,9 @@ func (b *batcher) do(ctx context.Context, c *scriptCall) (any, error) {
 	select {
 	case <-c.done:
 		if c.lead {
-			b.lead(c)
+			return b.lead(ctx, c)
 		}
-		reply, err := c.Reply, c.Err
-		c.recycle()
-		return reply, err
+		return c.answer()
 	case <-ctx.Done():
 		if b.withdraw(c) {
 			return nil, &leftBatch{err: ctx.Err(), sent: c.done}
@@ -165,10 +164,41 @@ func (b *batcher) passSlot() {
 	next.done <- struct{}{}
 }
 
-// lead sends the batch of c, which was given a call slot: c and the
-// decisions waiting behind it, up to maxBatch, and then passes the slot
-// on.
-func (b *batcher) lead(c *scriptCall) {
+// answer returns the reply and error a batch set in c, and recycles c.
+func (c *scriptCall) answer() (any, error) {
+	reply, err := c.Reply, c.Err
+	c.recycle()
+	return reply, err
+}
+
+// lead sends the batch of c, which was given a call slot, passes the slot
+// on, and returns c's answer. A caller whose context can end sends it on
+// a goroutine, so that the call does not hold it once its context ends:
+// it then gets its context's error, as a caller waiting in a batch does,
+// and its answer is dropped.
+func (b *batcher) lead(ctx context.Context, c *scriptCall) (any, error) {
+	batch := b.gather(c)
+	if ctx.Done() == nil {
+		b.send(batch)
+		b.release()
+		return c.answer()
+	}
+	go func() {
+		b.send(batch)
+		b.release()
+		c.done <- struct{}{}
+	}()
+	select {
+	case <-c.done:
+		return c.answer()
+	case <-ctx.Done():
+		return nil, &leftBatch{err: ctx.Err(), sent: c.done}
+	}
+}
+
+// gather returns the batch of c: c and the decisions waiting behind it,
+// up to maxBatch, which it takes out of the waiting ones.
+func (b *batcher) gather(c *scriptCall) []*scriptCall {
 	b.mu.Lock()
 	n := min(len(b.pending), maxBatch-1)
 	batch := make([]*scriptCall, 1, n+1)
@@ -178,8 +208,7 @@ func (b *batcher) lead(c *scriptCall) {
 	clear(b.pending[rest:])
 	b.pending = b.pending[:rest]
 	b.mu.Unlock()
-	b.send(batch)
-	b.release()
+	return batch
 }
 
 // withdraw takes c, whose caller gave up, out of the batcher, and

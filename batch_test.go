@@ -645,3 +645,71 @@ func TestBatchOutageFallsBackPerRequest(t *testing.T) {
 	}
 	assert.Equal(t, uint64(3), l.Stats().StoreErrors["LOADING"], "one failure per request of the batch")
 }
+
+// hungScripts is a go-redis hook that holds every script call while
+// hung is set, as a Redis that stopped answering would: entered receives
+// when one is held, and closing gate lets them all through.
+type hungScripts struct {
+	hung    atomic.Bool
+	entered chan struct{}
+	gate    chan struct{}
+}
+
+func (*hungScripts) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (*hungScripts) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+func (h *hungScripts) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		switch cmd.Name() {
+		case "evalsha", "eval", "fcall":
+			if h.hung.Load() {
+				h.entered <- struct{}{}
+				<-h.gate // whatever ctx says: the server holds the reply
+			}
+		}
+		return next(ctx, cmd)
+	}
+}
+
+// TestBatchLeaderThatGivesUpIsNotHeld: the caller handed a call slot
+// sends its batch, but is not held by it once its own context ends, as
+// the callers waiting in the batch are not: it gets its context's error
+// while the batch's call is still under way, and the others get their
+// answers when it ends. The leader's decision, sent, is taken once.
+func TestBatchLeaderThatGivesUpIsNotHeld(t *testing.T) {
+	mr := miniredis.RunT(t)
+	mr.SetTime(time.UnixMicro(t0)) // no refill between the takes and the read
+	c := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	t.Cleanup(func() { _ = c.Close() })
+	h := &hungScripts{entered: make(chan struct{}, 4), gate: make(chan struct{})}
+	c.AddHook(h)
+	s := NewRedisStore(c)
+	lctx, cancel := context.WithCancel(context.Background())
+	ctxs := []context.Context{lctx, context.Background()}
+	answers := make([]chan error, 2)
+	for i := range answers {
+		answers[i] = make(chan error, 1)
+	}
+	flush := batchOf(t, s, 2, func(i int) (Result, error) {
+		r, err := s.Take(ctxs[i], []string{"a", "b"}[i], 1, []Plan{gold})
+		answers[i] <- err
+		return r, err
+	})
+	h.hung.Store(true)
+	go flush()
+	<-h.entered // the leader's batch is under way, and hangs
+	cancel()
+	select {
+	case err := <-answers[0]:
+		assert.ErrorIs(t, err, context.Canceled)
+	case <-time.After(10 * time.Second): // not a timed assertion: the call hangs for ever
+		t.Error("the leader is held by its batch's call after its context ended")
+	}
+	h.hung.Store(false)
+	close(h.gate)
+	require.NoError(t, <-answers[1], "the other caller is answered")
+	r, err := s.Take(context.Background(), "a", 0, []Plan{gold})
+	require.NoError(t, err)
+	assert.Equal(t, gold.Capacity-1, r.Remaining, "the leader's sent decision took once")
+}
