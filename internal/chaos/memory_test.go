@@ -97,7 +97,7 @@ func mib(b uint64) float64 { return float64(b) / (1 << 20) }
 
 // TestChaosGoroutineLeaks uses every client kind tollgate supports, through
 // an outage and a recovery, then closes the clients: no goroutine may be
-// left. The library starts none of its own; go-redis starts some (pools,
+// left. The library starts none that outlives a call; go-redis starts some (pools,
 // the Sentinel subscription, Cluster state reloads) and must stop them on
 // Close. chaosPrologue checks every other chaos test the same way.
 func TestChaosGoroutineLeaks(t *testing.T) {
