@@ -231,17 +231,14 @@ func (h *gateHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Pro
 	return next
 }
 
-// TestPlanChangeWaitsForTheLeaseTakenAhead: a lease of 50 of 100 has
-// handed out 25, so the next lease, of 25, is being taken ahead when the
-// plan becomes one of 10. Redis ran that take (the bucket holds 25) but
-// its reply is late. The lease taken ahead is the old plan's too: its
-// tokens must be back before the new plan decides, or their refund lands
-// on the bucket the new plan drained and refills it (before: 20 admitted
-// at one instant under a plan of 10).
-func TestPlanChangeWaitsForTheLeaseTakenAhead(t *testing.T) {
-	ctx := context.Background()
+// leaseTakenAhead returns a Limiter, on miniredis, of a plan "hot" of
+// 100 with a lease of 50, which has handed out 25 of its lease on key
+// "k", so that the next lease, of 25, is being taken ahead: Redis ran
+// that take, and gate holds its reply until gate.release is closed. It
+// returns the Limiter's store too.
+func leaseTakenAhead(t *testing.T) (*Limiter, *RedisStore, *gateHook) {
+	t.Helper()
 	big := Plan{Name: "hot", Capacity: 100, Rate: 1, Lease: 50}
-	small := Plan{Name: "hot", Capacity: 10, Rate: 1}
 	mr := miniredis.RunT(t)
 	mr.SetTime(time.UnixMicro(t0))
 	c := redis.NewClient(&redis.Options{Addr: mr.Addr()})
@@ -253,10 +250,23 @@ func TestPlanChangeWaitsForTheLeaseTakenAhead(t *testing.T) {
 	require.NoError(t, err)
 	require.EqualValues(t, 24, countAdmitted(t, l, "k", 24))
 	gate.armed.Store(true)
-	r, err := l.Allow(ctx, "k") // leaves 25 of the lease: the next is taken ahead
+	r, err := l.Allow(context.Background(), "k") // leaves 25 of the lease: the next is taken ahead
 	require.NoError(t, err)
 	require.Equal(t, SourceLease, r.Source)
 	<-gate.held
+	return l, rs, gate
+}
+
+// TestPlanChangeWaitsForTheLeaseTakenAhead: a lease of 50 of 100 has
+// handed out 25, so the next lease, of 25, is being taken ahead when the
+// plan becomes one of 10. Redis ran that take (the bucket holds 25) but
+// its reply is late. The lease taken ahead is the old plan's too: its
+// tokens must be back before the new plan decides, or their refund lands
+// on the bucket the new plan drained and refills it (before: 20 admitted
+// at one instant under a plan of 10).
+func TestPlanChangeWaitsForTheLeaseTakenAhead(t *testing.T) {
+	small := Plan{Name: "hot", Capacity: 10, Rate: 1}
+	l, rs, gate := leaseTakenAhead(t)
 	require.NoError(t, l.SetPlans([]Plan{small}))
 	done := make(chan int64)
 	go func() { done <- countAdmitted(t, l, "k", 30) }()
@@ -284,23 +294,8 @@ func TestPlanChangeWaitsForTheLeaseTakenAhead(t *testing.T) {
 // 10).
 func TestPlanChangeWaitsForTheLeaseTakenAheadOfASpentLease(t *testing.T) {
 	ctx := context.Background()
-	big := Plan{Name: "hot", Capacity: 100, Rate: 1, Lease: 50}
 	small := Plan{Name: "hot", Capacity: 10, Rate: 1}
-	mr := miniredis.RunT(t)
-	mr.SetTime(time.UnixMicro(t0))
-	c := redis.NewClient(&redis.Options{Addr: mr.Addr()})
-	t.Cleanup(func() { _ = c.Close() })
-	gate := &gateHook{held: make(chan struct{}), release: make(chan struct{})}
-	c.AddHook(gate)
-	rs := NewRedisStore(c, WithoutBatching())
-	l, err := New(rs, []Plan{big}, WithLogger(nil))
-	require.NoError(t, err)
-	require.EqualValues(t, 24, countAdmitted(t, l, "k", 24))
-	gate.armed.Store(true)
-	r, err := l.Allow(ctx, "k") // leaves 25 of the lease: the next is taken ahead
-	require.NoError(t, err)
-	require.Equal(t, SourceLease, r.Source)
-	<-gate.held
+	l, rs, gate := leaseTakenAhead(t)
 	require.EqualValues(t, 25, countAdmitted(t, l, "k", 25), "the lease runs out")
 	spent := make(chan struct{})
 	var late atomic.Int64 // 1 if it came so late that the new plan admitted it

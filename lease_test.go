@@ -518,24 +518,8 @@ func TestLeaseOfAllowPlansSettlesWithTheCallersPlan(t *testing.T) {
 // sweeps end and drop the lease, and the plan becomes one of 10 (before:
 // 20 admitted at one instant under it).
 func TestSweepPassesOverALeaseBeingTakenAhead(t *testing.T) {
-	ctx := context.Background()
-	big := Plan{Name: "hot", Capacity: 100, Rate: 1, Lease: 50}
 	small := Plan{Name: "hot", Capacity: 10, Rate: 1}
-	mr := miniredis.RunT(t)
-	mr.SetTime(time.UnixMicro(t0))
-	c := redis.NewClient(&redis.Options{Addr: mr.Addr()})
-	t.Cleanup(func() { _ = c.Close() })
-	gate := &gateHook{held: make(chan struct{}), release: make(chan struct{})}
-	c.AddHook(gate)
-	rs := NewRedisStore(c, WithoutBatching())
-	l, err := New(rs, []Plan{big}, WithLogger(nil))
-	require.NoError(t, err)
-	require.EqualValues(t, 24, countAdmitted(t, l, "k", 24))
-	gate.armed.Store(true)
-	r, err := l.Allow(ctx, "k") // leaves 25 of the lease: the next is taken ahead
-	require.NoError(t, err)
-	require.Equal(t, SourceLease, r.Source)
-	<-gate.held
+	l, rs, gate := leaseTakenAhead(t)
 	far := l.now() + int64(time.Hour)
 	l.leases.sweepOnce(far, false) // ends the lease
 	l.leases.sweepOnce(far, false) // would drop it
