@@ -54,35 +54,9 @@ func TestMemoryStoreReset(t *testing.T) {
 // the bucket B's Reset filled a second time: before, A's Limiter knew of
 // no Reset, the Cancel refunded 1,000, and 2,000 passed at one instant.
 func TestResetByAnotherLimiterOnOneMemoryStoreVoidsTheRefund(t *testing.T) {
-	ctx := context.Background()
 	now := t0
 	_, a, b := sharedMemory(t, &now, []Plan{daylong})
-	rv, err := a.Reserve(ctx, "k", 1000)
-	require.NoError(t, err)
-	require.True(t, rv.OK())
-	now++
-	require.NoError(t, b.Reset(ctx, "k"))
-	now++
-	var admitted int64
-	admit := func(l *Limiter, n int64) {
-		res, err := l.AllowN(ctx, "k", n)
-		require.NoError(t, err)
-		if res.Allowed {
-			admitted += n
-		}
-	}
-	admit(b, 1000)
-	require.Equal(t, int64(1000), admitted, "Reset filled the bucket")
-
-	st, err := rv.Cancel(ctx)
-	require.NoError(t, err, "settled, not expired: the hold was there")
-	assert.Zero(t, st.Refunded, "the bucket B's Reset filled held these tokens already")
-	admit(a, 1000)
-	admit(b, 1)
-	admit(a, 1)
-	assert.Equal(t, int64(1000), admitted, "1,000 admitted since the Reset, of a capacity of 1,000")
-	s := a.Stats().Reservations
-	assert.Equal(t, [3]uint64{1, 0, 0}, [3]uint64{s.Settled, s.Expired, s.Refunded})
+	resetByAnotherVoidsTheRefund(t, a, b, func() { now++ })
 }
 
 // TestMemoryStoreResetVoidsTheRefundOfAnEarlierHold: MemoryStore.Reset,

@@ -107,36 +107,44 @@ func (r sharedRedis) instances(t *testing.T, plans []Plan, opts ...Option) (a, b
 // time: before, A's Limiter knew of no Reset, the Cancel refunded 1,000,
 // and 2,000 passed at one instant.
 func TestResetByAnotherInstanceVoidsTheRefund(t *testing.T) {
-	ctx := context.Background()
 	eachSharedRedis(t, func(t *testing.T, r sharedRedis) {
 		a, b := r.instances(t, []Plan{daylong})
-		rv, err := a.Reserve(ctx, "k", 1000)
-		require.NoError(t, err)
-		require.True(t, rv.OK())
-		r.tick()
-		require.NoError(t, b.Reset(ctx, "k"))
-		r.tick()
-		var admitted int64
-		admit := func(l *Limiter, n int64) {
-			res, err := l.AllowN(ctx, "k", n)
-			require.NoError(t, err)
-			if res.Allowed {
-				admitted += n
-			}
-		}
-		admit(b, 1000)
-		require.Equal(t, int64(1000), admitted, "Reset filled the bucket")
-
-		st, err := rv.Cancel(ctx)
-		require.NoError(t, err, "settled, not expired: the hold was there")
-		assert.Zero(t, st.Refunded, "the bucket B's Reset filled held these tokens already")
-		admit(a, 1000)
-		admit(b, 1)
-		admit(a, 1)
-		assert.Equal(t, int64(1000), admitted, "1,000 admitted since the Reset, of a capacity of 1,000")
-		s := a.Stats().Reservations
-		assert.Equal(t, [3]uint64{1, 0, 0}, [3]uint64{s.Settled, s.Expired, s.Refunded})
+		resetByAnotherVoidsTheRefund(t, a, b, r.tick)
 	})
+}
+
+// resetByAnotherVoidsTheRefund is the scenario of TestResetByAnotherInstanceVoidsTheRefund
+// and TestResetByAnotherLimiterOnOneMemoryStoreVoidsTheRefund, on
+// Limiters a and b that share a store of plan daylong, whose clock tick
+// moves on.
+func resetByAnotherVoidsTheRefund(t *testing.T, a, b *Limiter, tick func()) {
+	ctx := context.Background()
+	rv, err := a.Reserve(ctx, "k", 1000)
+	require.NoError(t, err)
+	require.True(t, rv.OK())
+	tick()
+	require.NoError(t, b.Reset(ctx, "k"))
+	tick()
+	var admitted int64
+	admit := func(l *Limiter, n int64) {
+		res, err := l.AllowN(ctx, "k", n)
+		require.NoError(t, err)
+		if res.Allowed {
+			admitted += n
+		}
+	}
+	admit(b, 1000)
+	require.Equal(t, int64(1000), admitted, "Reset filled the bucket")
+
+	st, err := rv.Cancel(ctx)
+	require.NoError(t, err, "settled, not expired: the hold was there")
+	assert.Zero(t, st.Refunded, "the bucket B's Reset filled held these tokens already")
+	admit(a, 1000)
+	admit(b, 1)
+	admit(a, 1)
+	assert.Equal(t, int64(1000), admitted, "1,000 admitted since the Reset, of a capacity of 1,000")
+	s := a.Stats().Reservations
+	assert.Equal(t, [3]uint64{1, 0, 0}, [3]uint64{s.Settled, s.Expired, s.Refunded})
 }
 
 // TestReservationAfterAnotherInstancesResetIsRefunded: a reservation
