@@ -189,10 +189,11 @@ func WithShadow() Option {
 }
 
 // WithPlanResolver has r choose, per key, the plans that the plan names of
-// a call stand for (Allow, AllowN, Peek, Wait; not AllowPlans, whose
-// caller holds its plans): for example the plan of the key's customer
-// tier, looked up in a cache. r is given the plan p the call named, as New
-// or SetPlans gave it, and returns p unchanged for no override. It must
+// a call stand for (Allow, AllowN, Peek, PeekN, Wait, Reserve, Acquire;
+// not AllowPlans, whose caller holds its plans): for example the plan of
+// the key's customer tier, looked up in a cache. r is given the plan p
+// the call named, as New or SetPlans gave it, and returns p unchanged for
+// no override. It must
 // keep p.Name, which names the bucket: a key that changes tier keeps its
 // bucket, its tokens kept on an upgrade and clamped to the new Capacity
 // on a downgrade. r runs on every decision, once per plan asked, after
@@ -202,11 +203,15 @@ func WithShadow() Option {
 //   - a valid plan of the same name: it decides, in the bucket of that
 //     name. Its Shadow flag applies as it returns it (WithShadow still
 //     shadows every plan).
-//   - an invalid plan, or one of another name: the call returns
-//     ErrInvalidPlan.
+//   - an invalid plan, one of another name, or one of the other kind (a
+//     concurrency plan for a name that is not one, or the reverse): the
+//     call returns ErrInvalidPlan.
 //   - an error wrapping ErrExempt: the plan is left out of the decision.
 //     When every plan is, the decision is allowed without the store, with
-//     Source SourceExempt, and Stats does not count it.
+//     Source SourceExempt, and Stats does not count it; a cost below 1
+//     and a context that has ended still get their errors. An Acquire
+//     exempt from every concurrency plan it names takes the tokens of
+//     the plans left, and its Permit holds no permit.
 //   - any other error, or a panic: the call returns ErrResolver, wrapping
 //     r's error (never a panic's value, which may quote the key), under
 //     every failure policy.
@@ -243,8 +248,8 @@ func WithPlanResolver(r func(ctx context.Context, key string, p Plan) (Plan, err
 // heartbeat succeeds, and without WithFleet, an instance counts itself
 // alone and its fallback enforces the whole plan. The interval is 5s
 // when 0, and at least 10ms; it is an ErrInvalidOption on any store but
-// a RedisStore, under a failure policy but Fallback, or below 10ms. The default is no fleet: no goroutine, no
-// heartbeat.
+// a RedisStore, under a failure policy but Fallback, or below 10ms. The
+// default is no fleet: no goroutine, no heartbeat.
 func WithFleet(interval time.Duration) Option {
 	return Option{name: "WithFleet", taker: takerNew, apply: func(c *config) { c.fleet = &interval }}
 }
