@@ -40,8 +40,9 @@
 // bad-reply, other), while a Redis class such as READONLY appears when it
 // first happens. tollgate_shadow_denials_total counts the decisions a
 // shadowed plan would have denied (tollgate.PlanStats.ShadowDenied), every
-// plan from the first scrape; tollgate_fleet_size is the instances alive
-// that the last heartbeat counted (tollgate.WithFleet), 0 without one.
+// plan from the first scrape; tollgate_fleet_size is the most instances
+// alive that the last three heartbeats counted (tollgate.WithFleet,
+// Stats.FleetSize), 0 without one.
 //
 // tollgate_permits_total counts the Acquire calls of concurrency plans
 // and their Permits by event, as in tollgate.Stats.Permits: granted and
