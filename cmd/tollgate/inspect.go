@@ -234,11 +234,18 @@ func reset(ctx context.Context, w io.Writer, c redis.UniversalClient, prefix, ke
 	}
 	deleted := 0
 	for i, p := range ps {
-		if existed[i] {
+		rk := strconv.Quote(store.Key(key, p.Name))
+		kept, err := c.Exists(ctx, store.Key(key, p.Name)).Result()
+		switch {
+		case err != nil:
+			return fmt.Errorf("EXISTS of the bucket of plan %q after the reset: %w", p.Name, err)
+		case kept == 1: // Reset leaves a concurrency plan's permits
+			fmt.Fprintf(w, "kept     %s (a concurrency plan's permits, their holders' until released)\n", rk)
+		case existed[i]:
 			deleted++
-			fmt.Fprintf(w, "deleted  %s\n", strconv.Quote(store.Key(key, p.Name)))
-		} else {
-			fmt.Fprintf(w, "absent   %s (already full)\n", strconv.Quote(store.Key(key, p.Name)))
+			fmt.Fprintf(w, "deleted  %s\n", rk)
+		default:
+			fmt.Fprintf(w, "absent   %s (already full)\n", rk)
 		}
 	}
 	fmt.Fprintf(w, "deleted %d of %d buckets of key %s: they read as full in Redis now\n", deleted, len(ps), strconv.Quote(key))

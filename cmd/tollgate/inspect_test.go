@@ -92,6 +92,15 @@ func TestInspectPermits(t *testing.T) {
 	assert.Contains(t, stdout, "permits   3 held, alive at Redis TIME; 3 members in all")
 	assert.Regexp(t, `holder    [0-9a-f]{8}…: 2, lease ends in 50s`, stdout)
 	assert.Regexp(t, `holder    [0-9a-f]{8}…: 1, lease ends in 50s`, stdout)
+
+	// reset leaves the permits to their holders, and says so.
+	code, stdout, stderr = cli(t, ctx, mr.Addr(), "reset", "alice", "inflight")
+	require.Equal(t, exitOK, code, stderr)
+	assert.Contains(t, stdout, `kept     "tollgate:{alice}:2:inflight" (a concurrency plan's permits, their holders' until released)`)
+	assert.Contains(t, stdout, "deleted 0 of 1 buckets")
+	_, stdout, _ = cli(t, ctx, mr.Addr(), "inspect", "alice", "inflight")
+	assert.Contains(t, stdout, "permits   3 held")
+
 	mr.SetTime(t0.Add(61 * time.Second))
 	_, stdout, _ = cli(t, ctx, mr.Addr(), "inspect", "alice", "inflight")
 	assert.Contains(t, stdout, "permits   0 held")
