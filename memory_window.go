@@ -73,7 +73,7 @@ func (e *memEntry) describeChain(d *outcome, windows []*window) {
 			d.windows[i] = permitState(d.windows[i].remaining, d.windows[i].reclaimed, cost, taken)
 		case p.isWindow():
 			// Windows change in place: they are described under the lock.
-			d.windows[i] = describeWindow(p, windows[i], now, cost, d.allowed && d.wd&(1<<i) == 0)
+			d.windows[i] = describeWindow(p, windows[i], e.waiting(p, windows[i], now), now, cost, d.allowed && d.wd&(1<<i) == 0)
 			if cost > 0 {
 				e.bringBackWindow(p, now)
 			}
@@ -117,17 +117,32 @@ func (e *memEntry) writeChain(o *outcome, windows []*window) {
 
 // describeWindow returns what a Result reports of window w of plan p after
 // a decision that wrote in it what the decision wrote: its counts before
-// the decision are its counts now, less what it took.
-func describeWindow(p *Plan, w *window, now, cost int64, allowed bool) planState {
+// the decision are its counts now, less what it took. The wait for the
+// tokens is read from wait, the window whose counts leave as p's do until
+// a decision writes them (memEntry.waiting).
+func describeWindow(p *Plan, w, wait *window, now, cost int64, allowed bool) planState {
 	admitted, offered := w.counts(now)
 	ready := now
 	if allowed && cost > 0 {
 		admitted -= cost
 	} else {
-		ready = w.readyAt(p, now, asked(cost))
+		ready = wait.readyAt(p, now, asked(cost))
 	}
 	if p.Suppress != 0 && cost > 0 {
 		offered -= cost
 	}
 	return windowState(p, windowCounts{admitted, offered, ready, w.resetAt(now)}, now, cost, allowed)
+}
+
+// waiting returns the window whose counts decide when plan p can take
+// more tokens at now: w, p's window as read, unless the entry still keeps
+// a window of the name of another shape, not ahead, which no decision
+// carried into p's shape: w counts what it counts in now's sub-window,
+// but until a write carries them they leave as that window says. e may
+// be nil.
+func (e *memEntry) waiting(p *Plan, w *window, now int64) *window {
+	if b := e.find(p); b != nil && b.win != nil && !sameShape(&b.plan, p) && !b.win.ahead(now) {
+		return b.win
+	}
+	return w
 }

@@ -755,6 +755,35 @@ func TestWindowShapeChangeCarriesCounts(t *testing.T) {
 	}
 }
 
+// TestWindowShapeChangeRetryAfterIsExact fills a window, and near the
+// end of its window asks a plan of the name of another shape, on both
+// stores: the denial writes nothing, so the counts stay in the old shape
+// and leave when it says. RetryAfter, which the denial cache remembers,
+// is the wait until then, not a whole window of the new shape.
+func TestWindowShapeChangeRetryAfterIsExact(t *testing.T) {
+	old := Plan{Name: "api", Capacity: 10, Window: time.Minute} // 20 sub-windows of 3 s
+	for _, other := range []Plan{
+		{Name: "api", Capacity: 10, Window: time.Minute, Slots: 30},
+		{Name: "api", Capacity: 8, Window: 2 * time.Minute},
+		{Name: "api", Capacity: 10, Window: time.Minute, Slots: 30, Shadow: true},
+	} {
+		t.Run(fmt.Sprint(other.Window, other.Slots, other.Shadow), func(t *testing.T) {
+			b := newBothStores(t)
+			require.True(t, b.take(t, 10, old).Allowed)
+			leaves := (t0/old.width() + 1 + old.slots()) * old.width()
+			b.now = leaves - time.Second.Microseconds()
+			r := b.take(t, 1, other)
+			require.False(t, r.Allowed && !other.Shadow)
+			require.True(t, !other.Shadow || r.ShadowDenied)
+			assert.Equal(t, time.Second, r.PlanResults()[0].RetryAfter, "until the old shape's counts leave")
+			b.now = leaves - 1
+			require.False(t, b.take(t, 0, other).PlanResults()[0].RetryAfter == 0, "a µs before")
+			b.now = leaves
+			assert.True(t, b.take(t, 1, other).Allowed, "the old shape's counts have left")
+		})
+	}
+}
+
 // TestChangeOfKindCarriesConsumption alternates a token bucket and a
 // sliding window of one plan name on one key at one instant, as instances
 // with either plan, SetPlans or a resolver do: each kind reads what the

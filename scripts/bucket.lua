@@ -90,9 +90,9 @@ end
 -- windowCounts returns what a window's hash h, as HGETALL lists it,
 -- counts at now in its own shape: the tokens admitted and offered (its
 -- admitted ones if it was not suppressed), its capacity in tokens, or
--- nil if it has none, and whether it is ahead: its newest sub-window more
--- than k ahead of now's, when it counts all it holds (ADR 29); or nothing
--- if h is not a window. It is window.counts for a window that limit.lua
+-- nil if it has none, whether it is ahead: its newest sub-window more
+-- than k ahead of now's, when it counts all it holds (ADR 29), and its
+-- sub-window width g in µs and k; or nothing if h is not a window. It is window.counts for a window that limit.lua
 -- carries into another shape (ADR 16), another kind (ADR 31), or now's
 -- sub-window.
 local function windowCounts(h, now)
@@ -116,7 +116,7 @@ local function windowCounts(h, now)
     end
   end
   if string.byte(v) == 119 then offered = admitted end -- 'w': no offered counts
-  return admitted, offered, c and tonumber(c), newest ~= nil and newest > b + k
+  return admitted, offered, c and tonumber(c), newest ~= nil and newest > b + k, g, k
 end
 
 -- readBucket returns the bucket at key as stored, full at now if it is

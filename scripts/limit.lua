@@ -143,6 +143,10 @@ local back
 -- (last), stale fields to delete (stale), and the fields read (xs).
 local b, adm, off, newest, last, stale, xs
 local carry -- window plans whose key held a window of another shape, or a bucket: its counts
+-- Window plans whose key held a window of another shape, not ahead: its
+-- fields, sub-window width and k, from which a refusal or a read not
+-- written waits, as window.go's memEntry.waiting reads the old window.
+local waits
 local wc -- window plans: the capacity their window holds, c
 local inuse -- concurrency plans: the permits held, and reclaimed, by plan
 
@@ -257,12 +261,16 @@ for i = 1, plans do
         -- ahead: what it still counts moves into the current sub-window,
         -- where it stays longer, as window.go's carry does. Offered
         -- counts come along if it had them, or its admitted ones stand
-        -- for them.
-        local _, ahead
-        ca, co, _, ahead = windowCounts(h, now)
+        -- for them. Until a write carries them, they leave as the old
+        -- shape says: a refusal or a read waits on its fields, g and k.
+        local _, ahead, og, ok
+        ca, co, _, ahead, og, ok = windowCounts(h, now)
         if ahead and cost > 0 then
           back = back or {}
           back[i] = true
+        elseif ca and not ahead then
+          waits = waits or {}
+          waits[i] = {h, og, ok}
         end
       end
       if ca then
@@ -331,8 +339,13 @@ for i = 1, plans do
       local c = math.max(cost, -cost, 1)
       local total = adm[i]
       if total + c > cap then
-        -- The live admitted counts, oldest first.
-        local h, from, live = xs[i], bi - k, {}
+        -- The live admitted counts, oldest first, in the old shape if
+        -- this decision writes no carry of them (a suppressed one does).
+        local h, wg, wk = xs[i], g, k
+        if waits and waits[i] and not (cost > 0 and hard > 0) then
+          h, wg, wk = waits[i][1], waits[i][2], waits[i][3]
+        end
+        local from, live = floor(now / wg) - wk, {}
         for j = 1, #h, 2 do
           local x = tonumber(h[j])
           if x and x >= from then live[#live + 1] = {x, tonumber(h[j + 1])} end
@@ -341,7 +354,7 @@ for i = 1, plans do
         for _, e in ipairs(live) do
           total = total - e[2]
           if total + c <= cap then
-            ready = (e[1] + 1 + k) * g
+            ready = (e[1] + 1 + wk) * wg
             break
           end
         end
