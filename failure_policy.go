@@ -132,12 +132,6 @@ func (l *Limiter) askedSince(p pass) int64 {
 	return since
 }
 
-// deadlineSlack is how close to its deadline a caller may be for a store
-// call that timed out to count as cut short by the caller: the store's
-// client may time out at the deadline a moment before the context's own
-// timer marks it done.
-const deadlineSlack = time.Millisecond
-
 // blame judges a store call that failed with err at now (the Limiter's
 // clock), the store asked without an answer since since (see askedSince). It returns the error to give the caller instead of a decision,
 // nil when the failure policy should decide, and whether the store failed.
@@ -146,7 +140,7 @@ const deadlineSlack = time.Millisecond
 //   - An error Redis answered (OOM, READONLY, a bad reply) is the store's,
 //     however close the caller's deadline.
 //   - A call that ended after the caller's context did, or that timed out
-//     within deadlineSlack of the caller's deadline, was cut short by the
+//     within redisscript.DeadlineSlack of the caller's deadline, was cut short by the
 //     caller: the caller gets its context's error, and the store is not
 //     blamed, so that impatient callers cannot open the breaker on a
 //     healthy store. Unless the store has been asked for a cooldown
@@ -169,17 +163,10 @@ func (l *Limiter) blame(ctx context.Context, err error, now, since int64) (calle
 // blame), else nil, and whether the store answered err (an error Redis
 // answered, or a bad reply), which no deadline produced.
 func cutShort(ctx context.Context, err error) (callerErr error, answered bool) {
-	var rerr *redisscript.Error
-	answered = errors.As(err, &rerr) || errors.Is(err, redisscript.ErrBadReply)
 	if c := callerOf(ctx); c.Err() == nil {
 		ctx = c // a detached call's own bound ending is not its waiting caller's doing
 	}
-	cerr := ctx.Err()
-	if cerr == nil && !answered {
-		if dl, ok := ctx.Deadline(); ok && time.Until(dl) <= deadlineSlack {
-			cerr = context.DeadlineExceeded
-		}
-	}
+	cerr, answered := redisscript.CutShort(ctx, err)
 	switch {
 	case cerr == nil:
 		return nil, answered

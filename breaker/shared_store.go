@@ -15,10 +15,6 @@ type callerError struct{ err error }
 
 func (e callerError) Error() string { return e.err.Error() }
 
-// deadlineSlack is how close to its deadline a caller may be for a Redis
-// call that timed out to count as cut short by the caller.
-const deadlineSlack = time.Millisecond
-
 // run runs the script for key with in, behind the store breaker, and
 // updates the key's memo from the reply. It returns the reply and the memo
 // (created if m was nil and the call succeeded). A call cut short by its
@@ -69,14 +65,7 @@ var errStoreBreakerOpen = errors.New("store breaker open")
 // then it is hung or too slow for every caller, and the store breaker
 // hears a failure too. Any other failure is Redis's.
 func (b *Shared) failed(ctx context.Context, err error, probe bool, gen uint64, start int64) error {
-	var rerr *redisscript.Error
-	answered := errors.As(err, &rerr) || errors.Is(err, redisscript.ErrBadReply)
-	cerr := ctx.Err()
-	if cerr == nil && !answered {
-		if dl, ok := ctx.Deadline(); ok && time.Until(dl) <= deadlineSlack {
-			cerr = context.DeadlineExceeded
-		}
-	}
+	cerr, answered := redisscript.CutShort(ctx, err)
 	cut := cerr != nil && !answered
 	if cut && !b.silent(probe, start) {
 		if probe {
