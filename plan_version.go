@@ -137,14 +137,14 @@ func (v bucketVersion) inherit(b TokenBucket, p *Plan, now int64) TokenBucket {
 // the bucket holds them already, as after Reset: for some plan i of was,
 // unless bit i of skip leaves it alone, a plan of its name with
 // InheritReset and a higher Version than was[i]'s is in force at the
-// settlement, now[i], or was in the Limiter's table at any time (resets).
+// settlement, now[i], or was in the Limiter's table at any time (h).
 // now and was name the same plans, index by index.
-func resetsByVersion(was, now []Plan, skip uint64, resets *versionResets) bool {
+func resetsByVersion(was, now []Plan, skip uint64, h *planHistory) bool {
 	for i := range min(len(was), len(now)) {
 		if skip&(1<<i) != 0 {
 			continue
 		}
-		v := resets.of(was[i].Name)
+		v := h.resetOf(was[i].Name)
 		if now[i].Inherit == InheritReset {
 			v = max(v, now[i].Version)
 		}
@@ -153,49 +153,4 @@ func resetsByVersion(was, now []Plan, skip uint64, resets *versionResets) bool {
 		}
 	}
 	return false
-}
-
-// maxResetNames bounds the plan names whose reset versions a table
-// carries over from the tables before it.
-const maxResetNames = 1024
-
-// versionResets are, by plan name, the highest Version with InheritReset
-// that a Limiter's table holds or any table before it held; a name's
-// version is never lowered. Past maxResetNames names, the versions of
-// names the table no longer holds fold into floor, which counts for
-// every name. The zero value holds none.
-type versionResets struct {
-	byName map[string]uint32
-	floor  uint32
-}
-
-// of returns the highest reset version known for name; 0 if none.
-func (v *versionResets) of(name string) uint32 {
-	return max(v.byName[name], v.floor)
-}
-
-// resetsAfter returns the reset versions of a table of plans that
-// replaces old (nil at New).
-func resetsAfter(old *planTable, plans []Plan) versionResets {
-	next := versionResets{byName: make(map[string]uint32)}
-	for i := range plans {
-		if p := &plans[i]; p.Inherit == InheritReset {
-			next.byName[p.Name] = max(next.byName[p.Name], p.Version)
-		}
-	}
-	if old == nil {
-		return next
-	}
-	next.floor = old.resets.floor
-	for name, v := range old.resets.byName {
-		switch _, kept := next.byName[name]; {
-		case kept:
-			next.byName[name] = max(next.byName[name], v)
-		case len(next.byName) < maxResetNames:
-			next.byName[name] = v
-		default:
-			next.floor = max(next.floor, v)
-		}
-	}
-	return next
 }

@@ -352,20 +352,28 @@ func TestAResetBetweenVersionsVoidsTheRefund(t *testing.T) {
 }
 
 // TestResetVersionsStayBounded: tables of reset plans of ever new names
-// carry at most maxResetNames names over; the versions of those they
-// drop still count, for every name.
+// carry at most maxHistoryNames names over beyond their own; the versions
+// of those they drop still count, for every name.
 func TestResetVersionsStayBounded(t *testing.T) {
 	var old *planTable
 	for round := range 3 {
-		plans := make([]Plan, maxResetNames)
+		plans := make([]Plan, maxHistoryNames)
 		for i := range plans {
 			plans[i] = Plan{Name: fmt.Sprint(round, "/", i), Capacity: 1, Rate: 1, Version: uint32(round + 1), Inherit: InheritReset}
 		}
-		old = &planTable{plans: plans, resets: resetsAfter(old, plans)}
-		assert.LessOrEqual(t, len(old.resets.byName), maxResetNames, "round %d", round)
+		old = &planTable{plans: plans, history: historyAfter(old, plans)}
+		assert.LessOrEqual(t, len(old.history.byName), len(plans)+maxHistoryNames, "round %d", round)
 	}
+	dropped := uint32(0) // the highest version of the names no longer kept
 	for round := range 3 {
-		assert.GreaterOrEqual(t, old.resets.of(fmt.Sprint(round, "/0")), uint32(round+1), "round %d's version, or the floor of those dropped", round)
+		for i := range maxHistoryNames {
+			name := fmt.Sprint(round, "/", i)
+			assert.GreaterOrEqual(t, old.history.resetOf(name), uint32(round+1), "%s's version, or the floor of those dropped", name)
+			if _, kept := old.history.byName[name]; !kept {
+				dropped = max(dropped, uint32(round+1))
+			}
+		}
 	}
-	assert.Equal(t, uint32(2), old.resets.floor, "the dropped names' highest version")
+	assert.NotZero(t, dropped, "some names were dropped")
+	assert.Equal(t, dropped, old.history.floor, "the dropped names' highest version")
 }

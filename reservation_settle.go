@@ -29,7 +29,7 @@ func (l *Limiter) settle(ctx context.Context, r *Reservation, actual int64, give
 	order.RLock()
 	defer order.RUnlock()
 	// Reset, or a new version's reset, filled the buckets without the rest.
-	if l.resets.since(r.key, r.resets) || resetsByVersion(r.hold.plans, o.plans, h.skip, &l.table.Load().resets) {
+	if l.resets.since(r.key, r.resets) || resetsByVersion(r.hold.plans, o.plans, h.skip, &l.table.Load().history) {
 		o.used = max(actual, r.n)
 	}
 	var status settleStatus

@@ -937,7 +937,7 @@ func TestSettleLeavesAWindowOfTheNameAlone(t *testing.T) {
 
 // TestSettleLeavesPermitsOfTheNameAlone: a bucket's name removed by
 // SetPlans and given back as a concurrency plan, once the Limiter forgot
-// its kind (past maxKindNames other names), holds permits, not tokens: a
+// its kind (past maxHistoryNames other names), holds permits, not tokens: a
 // reservation taken from the bucket settles nothing onto them (before:
 // the refund wrote a bucket over the permits, and 4 were held at once of
 // a concurrency plan of 2).
@@ -949,7 +949,7 @@ func TestSettleLeavesPermitsOfTheNameAlone(t *testing.T) {
 		require.NoError(t, err)
 		require.True(t, rv.OK())
 		require.NoError(t, l.SetPlans([]Plan{other}))
-		delete(l.table.Load().kinds, "x") // as kindsAfter forgets it past maxKindNames names
+		delete(l.table.Load().history.byName, "x") // as historyAfter forgets it past maxHistoryNames names
 		require.NoError(t, l.SetPlans([]Plan{other, {Name: "x", Capacity: 2, Concurrency: true}}))
 		held := 0
 		for range 2 {

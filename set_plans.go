@@ -13,33 +13,65 @@ type planTable struct {
 	byName   map[string]*planEntry
 	plans    []Plan // in the order given
 	defaults *planEntry
-	resets   versionResets // reset versions of this table's plans and those before it
-	// kinds tells, of each name this table or one before it held, whether
-	// it is a concurrency plan: a name keeps its kind for the Limiter's
-	// life. At most maxKindNames names are kept beyond the table's own.
-	kinds map[string]bool
+	history  planHistory // what this table and those before it held of each name
 }
 
-// maxKindNames bounds the plan names whose kinds a table carries over
-// from the tables before it.
-const maxKindNames = 4096
+// planHistory is what a Limiter's tables held of each plan name, a
+// table's own and every one before it: whether the name is a concurrency
+// plan, which it stays for the Limiter's life, and the highest Version
+// with InheritReset it had, never lowered. Past maxHistoryNames names
+// beyond a table's own, names it no longer holds are forgotten: their
+// kind may change again, and their reset versions fold into floor, which
+// counts for every name. The zero value holds none.
+type planHistory struct {
+	byName map[string]nameHistory
+	floor  uint32
+}
 
-// kindsAfter returns the kinds of a table of plans that replaces old
-// (nil at New): its plans', and those old kept of names it lacks.
-func kindsAfter(old *planTable, plans []Plan) map[string]bool {
-	kinds := make(map[string]bool, len(plans))
+// nameHistory is what a Limiter's tables held of one plan name.
+type nameHistory struct {
+	concurrency bool
+	reset       uint32 // the highest Version with InheritReset; 0 if none
+}
+
+// maxHistoryNames bounds the plan names whose history a table carries
+// over from the tables before it, beyond its own.
+const maxHistoryNames = 4096
+
+// resetOf returns the highest reset version known for name; 0 if none.
+func (h *planHistory) resetOf(name string) uint32 {
+	return max(h.byName[name].reset, h.floor)
+}
+
+// historyAfter returns the history of a table of plans that replaces old
+// (nil at New).
+func historyAfter(old *planTable, plans []Plan) planHistory {
+	next := planHistory{byName: make(map[string]nameHistory, len(plans))}
 	for i := range plans {
-		kinds[plans[i].Name] = plans[i].Concurrency
+		p, e := &plans[i], next.byName[plans[i].Name]
+		e.concurrency = p.Concurrency
+		if p.Inherit == InheritReset {
+			e.reset = max(e.reset, p.Version)
+		}
+		next.byName[p.Name] = e
 	}
 	if old == nil {
-		return kinds
+		return next
 	}
-	for name, k := range old.kinds {
-		if _, ok := kinds[name]; !ok && len(kinds) < maxKindNames+len(plans) {
-			kinds[name] = k
+	next.floor = old.history.floor
+	own := len(next.byName)
+	for name, e := range old.history.byName {
+		switch n, kept := next.byName[name]; {
+		case kept:
+			n.reset = max(n.reset, e.reset)
+			next.byName[name] = n
+		case len(next.byName) < own+maxHistoryNames:
+			next.byName[name] = e
+		default:
+			next.floor = max(next.floor, e.reset)
 		}
 	}
-	return kinds
+	return next
 }
 
 // planEntry is a plan as a Limiter looks it up: a plan of its table, a
@@ -195,7 +227,7 @@ func (l *Limiter) SetPlans(plans []Plan) error {
 		if err := l.replaces(old, t); err != nil {
 			return err
 		}
-		t.resets, t.kinds = resetsAfter(old, t.plans), kindsAfter(old, t.plans)
+		t.history = historyAfter(old, t.plans)
 		if l.table.CompareAndSwap(old, t) { // else another SetPlans landed: check against its table
 			break
 		}
@@ -212,7 +244,7 @@ func (l *Limiter) SetPlans(plans []Plan) error {
 func (l *Limiter) replaces(old, t *planTable) error {
 	if old != nil {
 		for _, p := range t.plans {
-			if k, ok := old.kinds[p.Name]; ok && k != p.Concurrency {
+			if e, ok := old.history.byName[p.Name]; ok && e.concurrency != p.Concurrency {
 				return errKindOfPermits(p.Name)
 			}
 		}
