@@ -257,6 +257,23 @@ func leaseTakenAhead(t *testing.T) (*Limiter, *RedisStore, *gateHook) {
 	return l, rs, gate
 }
 
+// admittedReleasing counts what l admits of 30 requests on key "k" while
+// gate holds the reply of the lease taken ahead, and lets that reply come
+// back once they are decided, or after 100 ms if they wait for it.
+func admittedReleasing(t *testing.T, l *Limiter, gate *gateHook) int64 {
+	t.Helper()
+	done := make(chan int64)
+	go func() { done <- countAdmitted(t, l, "k", 30) }()
+	select {
+	case admitted := <-done: // decided before the lease taken ahead came back
+		close(gate.release)
+		return admitted
+	case <-time.After(100 * time.Millisecond): // waits for it: let it come back
+		close(gate.release)
+		return <-done
+	}
+}
+
 // TestPlanChangeWaitsForTheLeaseTakenAhead: a lease of 50 of 100 has
 // handed out 25, so the next lease, of 25, is being taken ahead when the
 // plan becomes one of 10. Redis ran that take (the bucket holds 25) but
@@ -310,16 +327,7 @@ func TestPlanChangeWaitsForTheLeaseTakenAheadOfASpentLease(t *testing.T) {
 	case <-time.After(100 * time.Millisecond): // waits for it
 	}
 	require.NoError(t, l.SetPlans([]Plan{small}))
-	done := make(chan int64)
-	go func() { done <- countAdmitted(t, l, "k", 30) }()
-	var admitted int64
-	select {
-	case admitted = <-done: // decided before the lease taken ahead came back
-		close(gate.release)
-	case <-time.After(100 * time.Millisecond): // waits for it: let it come back
-		close(gate.release)
-		admitted = <-done
-	}
+	admitted := admittedReleasing(t, l, gate)
 	<-spent
 	require.NoError(t, l.Close())
 	admitted += late.Load() + countAdmitted(t, plainLimiter(t, rs, small), "k", 30)

@@ -524,16 +524,7 @@ func TestSweepPassesOverALeaseBeingTakenAhead(t *testing.T) {
 	l.leases.sweepOnce(far, false) // ends the lease
 	l.leases.sweepOnce(far, false) // would drop it
 	require.NoError(t, l.SetPlans([]Plan{small}))
-	done := make(chan int64)
-	go func() { done <- countAdmitted(t, l, "k", 30) }()
-	var admitted int64
-	select {
-	case admitted = <-done: // decided before the lease taken ahead came back
-		close(gate.release)
-	case <-time.After(100 * time.Millisecond): // waits for it: let it come back
-		close(gate.release)
-		admitted = <-done
-	}
+	admitted := admittedReleasing(t, l, gate)
 	require.NoError(t, l.Close())
 	admitted += countAdmitted(t, plainLimiter(t, rs, small), "k", 30)
 	assert.Equal(t, small.Capacity, admitted, "admitted under the plan of 10, at one instant")
