@@ -35,7 +35,7 @@ func (m *MemoryStore) Reset(ctx context.Context, key string, plans []Plan) error
 // within that time, spread over the shards, a shard forgets its marks and
 // voids the refunds of every hold of its keys taken before them.
 func (m *MemoryStore) resetHolds(_ context.Context, key string, plans []Plan, keep time.Duration) error {
-	if err := checkKey(key); err != nil {
+	if err := checkReset(key, plans); err != nil {
 		return err
 	}
 	if len(plans) == 0 {

@@ -125,6 +125,18 @@ func Per(n float64, d time.Duration) float64 {
 
 // validate checks every rule of Plan.
 func (p Plan) validate() error {
+	if err := p.validateName(); err != nil {
+		return err
+	}
+	if err := p.validateNumbers(); err != nil {
+		return fmt.Errorf("%w (plan %q)", err, p.Name)
+	}
+	return nil
+}
+
+// validateName checks that the name is 1 to 64 bytes of [A-Za-z0-9_.-], so
+// that it names no key but its plan's. Stores call it on every request.
+func (p Plan) validateName() error {
 	if len(p.Name) < 1 || len(p.Name) > 64 {
 		return fmt.Errorf("%w: name must be 1 to 64 bytes, got %d", ErrInvalidPlan, len(p.Name))
 	}
@@ -133,9 +145,6 @@ func (p Plan) validate() error {
 		if !('a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || '0' <= c && c <= '9' || c == '_' || c == '.' || c == '-') {
 			return fmt.Errorf("%w: name %q: only [A-Za-z0-9_.-] allowed", ErrInvalidPlan, p.Name)
 		}
-	}
-	if err := p.validateNumbers(); err != nil {
-		return fmt.Errorf("%w (plan %q)", err, p.Name)
 	}
 	return nil
 }

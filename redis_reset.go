@@ -38,7 +38,7 @@ func (s *RedisStore) resetHolds(ctx context.Context, key string, plans []Plan, k
 	if s.err != nil {
 		return s.err
 	}
-	if err := checkKey(key); err != nil {
+	if err := checkReset(key, plans); err != nil {
 		return err
 	}
 	if len(plans) == 0 {

@@ -194,6 +194,20 @@ func checkKey(key string) error {
 	return nil
 }
 
+// checkReset validates a Store's Reset: the key, and the names of the
+// plans, which name the keys it deletes.
+func checkReset(key string, plans []Plan) error {
+	if err := checkKey(key); err != nil {
+		return err
+	}
+	for _, p := range plans {
+		if err := p.validateName(); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 func keyError(n int) error {
 	if n == 0 {
 		return fmt.Errorf("%w: empty", ErrInvalidKey)
@@ -216,7 +230,8 @@ func checkCost(n int64, plans []Plan, skip uint64) error {
 }
 
 // checkTake validates a Store request: a store takes plans from any caller,
-// so it checks everything its arithmetic relies on. A cost of 0 reads.
+// so it checks everything its keys and arithmetic rely on. A cost of 0
+// reads.
 func checkTake(key string, cost int64, plans []Plan) error {
 	if err := checkKey(key); err != nil {
 		return err
@@ -225,7 +240,7 @@ func checkTake(key string, cost int64, plans []Plan) error {
 		return fmt.Errorf("%w: no plan given", ErrUnknownPlan)
 	}
 	for _, p := range plans {
-		if err := p.validateNumbers(); err != nil {
+		if err := p.validate(); err != nil {
 			return err
 		}
 	}
