@@ -29,6 +29,14 @@ type benchConfig struct {
 	progress    time.Duration // interval of progress lines
 }
 
+// maxBenchWorkers and maxBenchKeys bound bench's -concurrency and -keys:
+// each worker holds a connection and a histogram, and each key a string,
+// for the whole run.
+const (
+	maxBenchWorkers = 10_000
+	maxBenchKeys    = 10_000_000
+)
+
 func runBench(ctx context.Context, args []string, stdout, stderr io.Writer, getenv func(string) string) error {
 	fs := newFlagSet("bench", "tollgate bench [-redis URL] [-duration 10s] [-concurrency 8] [-keys 10000] [-plans NAME:CAPACITY:RATE|WINDOW,...] [-progress 1s]", stderr)
 	redisURL := fs.String("redis", "", "Redis `URL` (default $REDIS_URL, else "+defaultRedisURL+")")
@@ -46,6 +54,9 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer, gete
 	}
 	if cfg.duration <= 0 || cfg.concurrency < 1 || cfg.keys < 1 || cfg.progress <= 0 {
 		return usagef("-duration and -progress must be positive, -concurrency and -keys at least 1")
+	}
+	if cfg.concurrency > maxBenchWorkers || cfg.keys > maxBenchKeys {
+		return usagef("-concurrency may be at most %d, and -keys at most %d", maxBenchWorkers, maxBenchKeys)
 	}
 	var err error
 	if cfg.plans, err = parsePlans(*plans); err != nil {

@@ -152,3 +152,15 @@ func TestParsePlansReadsWindows(t *testing.T) {
 	assert.Equal(t, "burst:5:2.5", planSpec(plans[1]))
 	assert.Equal(t, 2*time.Minute, maxRefill(plans))
 }
+
+// TestBenchRefusesMoreThanItCanHold asks for more workers or keys than
+// memory holds: bench says so, rather than failing to allocate them.
+func TestBenchRefusesMoreThanItCanHold(t *testing.T) {
+	mr := miniredis.RunT(t)
+	for _, args := range [][]string{{"-concurrency", "1000000000000"}, {"-keys", "1000000000000"}} {
+		code, _, stderr := cli(t, context.Background(), mr.Addr(), append([]string{"bench", "-duration", "10ms"}, args...)...)
+		assert.Equal(t, exitUsage, code, "%v", args)
+		assert.Contains(t, stderr, "at most", "%v", args)
+	}
+	assert.Empty(t, mr.Keys())
+}
