@@ -201,7 +201,7 @@ func (in *instruments) create(m metric.Meter) error {
 		metric.WithDescription("Decisions that a shadowed plan would have denied had it been enforced, by that plan."))
 	err = errors.Join(err, e)
 	in.fleetSize, e = m.Int64ObservableGauge("tollgate.fleet.size", metric.WithUnit("{instance}"),
-		metric.WithDescription("Instances alive that the last heartbeat counted (WithFleet); 0 without one."))
+		metric.WithDescription("The most instances alive that the last three heartbeats counted (WithFleet); 0 without one."))
 	err = errors.Join(err, e)
 	in.permits, e = m.Int64ObservableCounter("tollgate.permits", metric.WithUnit("{permit}"),
 		metric.WithDescription("Acquire calls of concurrency plans and their permits, by event: granted, refused (Acquire calls); released, lost (Permits given back while held, or found with their lease ended); unreleased (releases the store failed); reclaimed (permits of any instance whose lease had ended, removed by this Limiter's calls to the store); adopted (Permits the fallback granted, moved into the store once it answered again)."))

@@ -163,7 +163,7 @@ func New(lim *tollgate.Limiter, opts ...Option) *Collector {
 			"Decisions that a shadowed plan would have denied had it been enforced, by that plan.",
 			[]string{"plan"}, cl),
 		fleetSize: prometheus.NewDesc("tollgate_fleet_size",
-			"Instances alive that the last heartbeat counted (WithFleet); 0 without one.",
+			"The most instances alive that the last three heartbeats counted (WithFleet); 0 without one.",
 			nil, cl),
 		permits: prometheus.NewDesc("tollgate_permits_total",
 			"Acquire calls of concurrency plans and their permits, by event: granted, refused (Acquire calls); released, lost (Permits given back while held, or found with their lease ended); unreleased (releases the store failed); reclaimed (permits of any instance whose lease had ended, removed by this Limiter's calls to the store); adopted (Permits the fallback granted, moved into the store once it answered again).",
