@@ -23,13 +23,15 @@ import (
 // that is down, a script rejected (EVALSHA or EVAL disabled or renamed),
 // a read-only replica, a server out of memory, a Redis older than 5.0, or
 // no connection. A MemoryStore always passes; any other Store is asked to
-// read a bucket.
+// read a bucket. A fallback store (WithFallback) is checked the same way,
+// and its error says "the fallback store".
 func (l *Limiter) Check(ctx context.Context) error {
-	var err error
-	if c, ok := l.store.(checkedStore); ok {
-		err = c.check(ctx, checkPlans(l.table.Load().plans))
-	} else if l.mem == nil {
-		_, err = l.store.Take(ctx, reservedKey, 0, []Plan{checkPlan})
+	plans := checkPlans(l.table.Load().plans)
+	err := checkStore(ctx, l.store, plans)
+	if err == nil && l.fallback != nil {
+		if err = checkStore(ctx, l.fallback, plans); err != nil {
+			err = fmt.Errorf("the fallback store: %w", err)
+		}
 	}
 	if err == nil && l.fleet != nil {
 		err = l.fleet.check(ctx)
@@ -38,6 +40,20 @@ func (l *Limiter) Check(ctx context.Context) error {
 		return err
 	}
 	return fmt.Errorf("%w: %s: %w", ErrStoreUnavailable, checkCause(err), err)
+}
+
+// checkStore is Check's decision on one store: plans on a store that can
+// check them, nothing on a store in this process, and a read of a bucket
+// on any other.
+func checkStore(ctx context.Context, s Store, plans []Plan) error {
+	if c, ok := s.(checkedStore); ok {
+		return c.check(ctx, plans)
+	}
+	if _, ok := s.(localStore); ok {
+		return nil
+	}
+	_, err := s.Take(ctx, reservedKey, 0, []Plan{checkPlan})
+	return err
 }
 
 // reservedKey is the key whose bucket Check reads in a store of another

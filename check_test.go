@@ -116,3 +116,27 @@ func TestCheckTriesEveryKindThePlansUse(t *testing.T) {
 		})
 	}
 }
+
+// TestCheckTriesTheFallbackStore gives a Limiter a fallback RedisStore
+// whose Redis wants a password: Check says so at startup, rather than the
+// first outage finding a fallback that fails too.
+func TestCheckTriesTheFallbackStore(t *testing.T) {
+	main, fb := miniredis.RunT(t), miniredis.RunT(t)
+	fb.RequireAuth("secret")
+	store := func(mr *miniredis.Miniredis) *RedisStore {
+		c := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+		t.Cleanup(func() { _ = c.Close() })
+		return NewRedisStore(c)
+	}
+	l, err := New(store(main), testPlans, WithLogger(nil), WithFallback(store(fb)))
+	require.NoError(t, err)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	err = l.Check(ctx)
+	require.ErrorIs(t, err, ErrStoreUnavailable)
+	assert.ErrorContains(t, err, "fallback")
+	assert.ErrorContains(t, err, "credentials")
+
+	fb.RequireAuth("")
+	assert.NoError(t, l.Check(ctx))
+}
