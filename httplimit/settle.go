@@ -32,8 +32,10 @@ type Response struct {
 // beyond it charged as debt (see tollgate.Reservation.Settle). The
 // settlement ignores the request's cancellation, since the response is
 // sent; if it fails, the reservation stays charged in full, which errs on
-// the safe side. A handler that panics is not settled. The handler's
-// writer counts what it writes and passes Flush and Hijack (http.Flusher,
+// the safe side. A handler that panics is settled too, with status 500
+// if it set none, and the panic goes on up. A cost beyond what Settle
+// takes (tollgate.ErrInvalidCost) is charged as the most it takes. The
+// handler's writer counts what it writes and passes Flush and Hijack (http.Flusher,
 // http.Hijacker) on to the server's; Hijack fails where the server's
 // cannot, as on HTTP/2.
 //
@@ -44,14 +46,35 @@ func WithSettle(final func(r *http.Request, resp Response) int64) Option {
 
 // serveHeld calls next for a request that got reservation res, and
 // settles it with what m.final makes of the response, under ctx, the
-// reservation's: a plan resolver sees the key it saw then.
+// reservation's: a plan resolver sees the key it saw then. A deferred
+// settlement also settles a handler that panics, and the panic goes on up
+// unrecovered, with its stack.
 func (m *middleware) serveHeld(ctx context.Context, w http.ResponseWriter, r *http.Request, res *tollgate.Reservation, next http.Handler) {
 	cw := &countingWriter{ResponseWriter: w}
+	returned := false
+	defer func() { m.settle(ctx, r, res, cw, returned) }()
 	next.ServeHTTP(cw, r)
-	if cw.status == 0 {
+	returned = true
+}
+
+// maxSettle is the most tokens tollgate.Reservation.Settle takes, 2^53
+// micro-tokens; it answers tollgate.ErrInvalidCost beyond. Debt is capped
+// at a capacity below it, so a cost beyond charges no more.
+const maxSettle = (1 << 53) / 1_000_000
+
+// settle settles res with what m.final makes of the response cw noted:
+// 200 if nothing set a status and the handler returned, 500 if it
+// panicked first, and the cost within what Settle takes.
+func (m *middleware) settle(ctx context.Context, r *http.Request, res *tollgate.Reservation, cw *countingWriter, returned bool) {
+	switch {
+	case cw.status != 0:
+	case returned:
 		cw.status = http.StatusOK
+	default:
+		cw.status = http.StatusInternalServerError
 	}
-	_, _ = res.Settle(context.WithoutCancel(ctx), max(0, m.final(r, Response{Status: cw.status, Bytes: cw.bytes})))
+	used := min(max(0, m.final(r, Response{Status: cw.status, Bytes: cw.bytes})), maxSettle)
+	_, _ = res.Settle(context.WithoutCancel(ctx), used)
 }
 
 // countingWriter notes the status and counts the body bytes of a

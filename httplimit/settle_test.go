@@ -3,6 +3,7 @@ package httplimit
 import (
 	"context"
 	"io"
+	"math"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -164,4 +165,59 @@ func TestWithSettlePassesFlushAndHijack(t *testing.T) {
 	resp.Body.Close()
 	assert.Equal(t, "hi", string(body))
 	assert.Equal(t, Response{Status: http.StatusOK}, <-settled, "a hijacked request settles too")
+}
+
+// TestWithSettleSettlesAHandlerThatPanics: a handler that panics, as
+// httputil.ReverseProxy does with http.ErrAbortHandler when its backend
+// fails mid-body, is still settled with what it wrote, and the panic goes
+// on up to the server: its reservation does not stay charged in full.
+func TestWithSettleSettlesAHandlerThatPanics(t *testing.T) {
+	l, err := tollgate.New(tollgate.NewMemoryStore(), []tollgate.Plan{{Name: "p", Capacity: 20, Rate: 0.001}})
+	require.NoError(t, err)
+	var seen []Response
+	h := Middleware(l, ByHeader("X-Key"), WithCost(func(*http.Request) int64 { return 10 }),
+		WithSettle(func(_ *http.Request, resp Response) int64 {
+			seen = append(seen, resp)
+			return 1
+		}),
+	)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/part" {
+			_, _ = w.Write([]byte("part"))
+		}
+		panic(http.ErrAbortHandler)
+	}))
+	for _, path := range []string{"/part", "/none"} {
+		req := httptest.NewRequest(http.MethodGet, path, nil)
+		req.Header.Set("X-Key", "k")
+		assert.PanicsWithValue(t, http.ErrAbortHandler, func() { h.ServeHTTP(httptest.NewRecorder(), req) },
+			"the panic goes on up")
+	}
+	assert.Equal(t, []Response{{Status: http.StatusOK, Bytes: 4}, {Status: http.StatusInternalServerError}}, seen,
+		"a handler that panicked before a status is settled as a 500")
+	p, err := l.Peek(context.Background(), "header:X-Key:k")
+	require.NoError(t, err)
+	assert.Equal(t, int64(18), p.Remaining, "1 charged of each 10 reserved")
+	assert.Equal(t, uint64(2), l.Stats().Reservations.Settled)
+}
+
+// TestWithSettleChargesACostBeyondTheLargest: a settling function that
+// answers more than Settle takes (a byte count of a huge response, an
+// overflow) charges the most it can, debt up to a capacity, rather than
+// failing the settlement and leaving the request charged its reservation.
+func TestWithSettleChargesACostBeyondTheLargest(t *testing.T) {
+	l, err := tollgate.New(tollgate.NewMemoryStore(), []tollgate.Plan{{Name: "p", Capacity: 10, Rate: 0.001}})
+	require.NoError(t, err)
+	h := Middleware(l, ByHeader("X-Key"), WithCost(func(*http.Request) int64 { return 2 }),
+		WithSettle(func(*http.Request, Response) int64 { return math.MaxInt64 }),
+	)(ok)
+	req := httptest.NewRequest(http.MethodGet, "/", nil)
+	req.Header.Set("X-Key", "k")
+	h.ServeHTTP(httptest.NewRecorder(), req)
+	p, err := l.Peek(context.Background(), "header:X-Key:k")
+	require.NoError(t, err)
+	assert.Equal(t, int64(0), p.Remaining, "the excess charged as debt")
+	assert.Equal(t, uint64(1), l.Stats().Reservations.Settled)
+	rec := httptest.NewRecorder()
+	h.ServeHTTP(rec, req)
+	assert.Equal(t, http.StatusTooManyRequests, rec.Code, "a bucket in debt refuses")
 }
