@@ -200,6 +200,19 @@ func TestStoreOutage(t *testing.T) {
 		assert.Empty(t, trailer.Get("retry-after"))
 		assert.Zero(t, svc.handled())
 	})
+	t.Run("FailClosed is Unavailable when the store's own deadline passed", func(t *testing.T) {
+		// A store bounded by a context of its own (a pool wait, a
+		// per-call timeout) fails with context.DeadlineExceeded while
+		// the caller's deadline is far: the store's failure, not the
+		// caller's deadline.
+		timedOut := storetest.Down(fmt.Errorf("pool wait: %w", context.DeadlineExceeded))
+		svc, client := limitedServer(t, newLimiter(t, timedOut, tollgate.WithFailurePolicy(breaker.FailClosed)), ByMetadata("x-api-key"))
+		ctx, cancel := context.WithTimeout(withKey("k"), time.Minute)
+		defer cancel()
+		_, err := client.EmptyCall(ctx, &testgrpc.Empty{})
+		assert.Equal(t, codes.Unavailable, status.Code(err))
+		assert.Zero(t, svc.handled())
+	})
 	t.Run("the default policy decides on the fallback", func(t *testing.T) {
 		svc, client := limitedServer(t, newLimiter(t, down()), ByMetadata("x-api-key"), WithPlans("gold"))
 		for range 2 {
@@ -241,6 +254,7 @@ func TestErrorStatus(t *testing.T) {
 		{"no key", bg, fmt.Errorf("%w: %s", ErrNoKey, secret), codes.InvalidArgument},
 		{"invalid key", bg, fmt.Errorf("%w: 2000 bytes", tollgate.ErrInvalidKey), codes.InvalidArgument},
 		{"store unavailable", bg, fmt.Errorf("%w: %s", tollgate.ErrStoreUnavailable, secret), codes.Unavailable},
+		{"store timed out, caller live", bg, fmt.Errorf("%w: %w", tollgate.ErrStoreUnavailable, context.DeadlineExceeded), codes.Unavailable},
 		{"invalid cost", bg, fmt.Errorf("%w: 0", tollgate.ErrInvalidCost), codes.Internal},
 		{"unknown plan", bg, tollgate.ErrUnknownPlan, codes.Internal},
 		{"anything else", bg, fmt.Errorf("boom %s", secret), codes.Internal},

@@ -115,8 +115,10 @@ func retryDelay(d time.Duration) time.Duration {
 //     empty or longer than tollgate.MaxKeyLen bytes): InvalidArgument.
 //   - tollgate.ErrStoreUnavailable, which a Limiter returns under
 //     FailClosed only: Unavailable, which gRPC retry policies commonly
-//     retry, with the message "rate limiter unavailable". The other
-//     policies decide without the store, so this never happens.
+//     retry, with the message "rate limiter unavailable", also when it
+//     wraps a context error of the store's own deadline while the call's
+//     context is live. The other policies decide without the store, so
+//     this never happens.
 //   - Anything else, such as tollgate.ErrInvalidCost from a WithCost
 //     function or tollgate.ErrUnknownPlan: Internal, "rate limiter error".
 //
@@ -126,14 +128,16 @@ func ErrorStatus(ctx context.Context, err error) *status.Status {
 	switch {
 	case ctx.Err() != nil:
 		return status.FromContextError(ctx.Err())
+	case errors.Is(err, tollgate.ErrStoreUnavailable):
+		// Before the context errors it may wrap: a store bounded by a
+		// deadline of its own failed, not the caller's call.
+		return statusUnavailable
 	case errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded):
 		return status.FromContextError(err)
 	case errors.Is(err, ErrNoKey):
 		return statusNoKey
 	case errors.Is(err, tollgate.ErrInvalidKey):
 		return statusBadKey
-	case errors.Is(err, tollgate.ErrStoreUnavailable):
-		return statusUnavailable
 	}
 	return statusInternal
 }
