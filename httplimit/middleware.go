@@ -45,8 +45,9 @@ import (
 // invalid, or if l describes its plans, as *tollgate.Limiter does, and
 // one of the plans is not among them, or one is a concurrency plan and l
 // is not an Acquirer or WithSettle is given (a reservation holds no
-// permits), or, without WithPlans, l's default plan is a concurrency
-// plan: these are wiring mistakes, caught when the program starts. Serving never panics. The middleware is
+// permits), or one is a sliding window and WithSettle is given (Reserve
+// refuses windows), or, without WithPlans, l's default plan is a
+// concurrency plan: these are wiring mistakes, caught when the program starts. Serving never panics. The middleware is
 // safe for concurrent use.
 func Middleware(l tollgate.RateLimiter, key KeyFunc, opts ...Option) func(http.Handler) http.Handler {
 	if isnil.Value(l) || key == nil {
@@ -78,6 +79,7 @@ func Middleware(l tollgate.RateLimiter, key KeyFunc, opts ...Option) func(http.H
 		}
 	}
 	m.checkDefault()
+	m.checkSettle()
 	if _, ok := l.(Reserver); m.final != nil && !ok {
 		panic("httplimit: Middleware: WithSettle needs a RateLimiter that is a Reserver")
 	}

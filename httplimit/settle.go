@@ -3,6 +3,7 @@ package httplimit
 import (
 	"bufio"
 	"context"
+	"fmt"
 	"net"
 	"net/http"
 
@@ -39,9 +40,46 @@ type Response struct {
 // http.Hijacker) on to the server's; Hijack fails where the server's
 // cannot, as on HTTP/2.
 //
-// Middleware panics if its RateLimiter is not a Reserver.
+// Middleware panics if its RateLimiter is not a Reserver, or if a plan
+// the requests take from is a sliding window (tollgate.Plan.Window) or a
+// concurrency plan, which take no reservation.
 func WithSettle(final func(r *http.Request, resp Response) int64) Option {
 	return func(m *middleware) { m.final = final }
+}
+
+// checkSettle panics if WithSettle is given and a plan the requests take
+// from, the default plan without WithPlans, is a sliding window, which
+// Reserve refuses: every request would be answered 500.
+func (m *middleware) checkSettle() {
+	if m.final == nil {
+		return
+	}
+	for _, plan := range m.described() {
+		if plan.Window > 0 {
+			panic(fmt.Sprintf("httplimit: Middleware: WithSettle: plan %q is a sliding window, which takes no reservation", plan.Name))
+		}
+	}
+}
+
+// described returns the plans the requests take from, as far as the
+// RateLimiter describes them.
+func (m *middleware) described() []tollgate.Plan {
+	if len(m.plans) == 0 {
+		if d, ok := m.lim.(defaulter); ok {
+			return []tollgate.Plan{d.DefaultPlan()}
+		}
+		return nil
+	}
+	if m.planner == nil {
+		return nil
+	}
+	var plans []tollgate.Plan
+	for _, name := range m.plans {
+		if plan, ok := m.planner.Plan(name); ok {
+			plans = append(plans, plan)
+		}
+	}
+	return plans
 }
 
 // serveHeld calls next for a request that got reservation res, and

@@ -8,6 +8,7 @@ import (
 	"net/http/httptest"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -220,4 +221,24 @@ func TestWithSettleChargesACostBeyondTheLargest(t *testing.T) {
 	rec := httptest.NewRecorder()
 	h.ServeHTTP(rec, req)
 	assert.Equal(t, http.StatusTooManyRequests, rec.Code, "a bucket in debt refuses")
+}
+
+// TestWithSettlePanicsOnAWindowPlan: Reserve refuses a chain with a
+// sliding window (tollgate.ErrInvalidPlan), so WithSettle with one is a
+// wiring mistake, caught when the middleware is wired, not answered 500
+// on every request.
+func TestWithSettlePanicsOnAWindowPlan(t *testing.T) {
+	l, err := tollgate.New(tollgate.NewMemoryStore(), []tollgate.Plan{
+		{Name: "win", Capacity: 10, Window: time.Minute},
+		{Name: "p", Capacity: 10, Rate: 1},
+	})
+	require.NoError(t, err)
+	_, err = l.Reserve(context.Background(), "k", 1, "p", "win")
+	require.ErrorIs(t, err, tollgate.ErrInvalidPlan, "what every request would get")
+	settle := WithSettle(func(*http.Request, Response) int64 { return 1 })
+	msg := `httplimit: Middleware: WithSettle: plan "win" is a sliding window, which takes no reservation`
+	assert.PanicsWithValue(t, msg, func() { Middleware(l, ByHeader("X-Key"), WithPlans("p", "win"), settle) })
+	assert.PanicsWithValue(t, msg, func() { Middleware(l, ByHeader("X-Key"), settle) }, "the default plan")
+	assert.NotPanics(t, func() { Middleware(l, ByHeader("X-Key"), WithPlans("p"), settle) })
+	assert.NotPanics(t, func() { Middleware(l, ByHeader("X-Key"), WithPlans("p", "win")) }, "AllowN takes windows")
 }
