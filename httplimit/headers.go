@@ -2,6 +2,8 @@ package httplimit
 
 import (
 	"net/http"
+	"strconv"
+	"strings"
 
 	"github.com/tollgate-go/tollgate"
 	"github.com/tollgate-go/tollgate/internal/ratefields"
@@ -46,6 +48,10 @@ import (
 //	X-RateLimit-Limit: 20       its Capacity
 //	X-RateLimit-Remaining: 19   its whole tokens left
 //	X-RateLimit-Reset: 1        seconds until its bucket is full, rounded up
+//
+// Behind another Middleware, which set the fields before, the IETF lists
+// hold its plans and then these, and the legacy fields describe the plan
+// closest to denying across both, or the one that denied.
 //
 // A denial also gets Retry-After, in every mode: the seconds until the same
 // request would pass, rounded up and at least 1 (1.2s is 2, 0.3s is 1).
@@ -133,7 +139,8 @@ func setFields(h http.Header, res *tollgate.Result, mode HeaderMode, p planner, 
 		f.buf = ratefields.AppendRateLimit(f.buf, res, p, shadow)
 		f.end(fieldRateLimit)
 	}
-	if mode == HeadersBoth || mode == HeadersLegacy {
+	if (mode == HeadersBoth || mode == HeadersLegacy) && !boundBefore(h, res) {
+		delete(h, fieldNames[fieldReset]) // a binding concurrency plan has none
 		f.buf = ratefields.AppendLimit(f.buf, res)
 		f.end(fieldLimit)
 		f.buf = ratefields.AppendRemaining(f.buf, res)
@@ -167,7 +174,9 @@ func (f *fields) end(id field) {
 	f.n++
 }
 
-// setOn sets the fields on h, replacing the values they had.
+// setOn sets the fields on h, replacing the values they had, but for
+// the IETF lists, RateLimit-Policy and RateLimit: a Middleware in front
+// set those for its plans, and the plans of this one join its list.
 func (f *fields) setOn(h http.Header) {
 	if f.n == 0 {
 		return
@@ -177,11 +186,29 @@ func (f *fields) setOn(h http.Header) {
 	start := 0
 	for i := range f.n {
 		values[i] = s[start:f.ends[i]]
+		name := fieldNames[f.ids[i]]
 		// Capacity 1, so that a later Header.Add copies the slice rather
 		// than overwrite the next field's value.
-		h[fieldNames[f.ids[i]]] = values[i : i+1 : i+1]
+		v := values[i : i+1 : i+1]
+		if listed := f.ids[i] == fieldPolicy || f.ids[i] == fieldRateLimit; listed && len(h[name]) > 0 {
+			v = []string{strings.Join(h[name], ", ") + ", " + values[i]}
+		}
+		h[name] = v
 		start = f.ends[i]
 	}
+}
+
+// boundBefore reports whether h holds the legacy fields of a plan that
+// binds over the binding plan of res, allowed: set by a Middleware in
+// front, whose decision allowed too, for a plan with no more whole tokens
+// left (the first on a tie, as within one Result).
+func boundBefore(h http.Header, res *tollgate.Result) bool {
+	before := h[fieldNames[fieldRemaining]]
+	if !res.Allowed || len(before) == 0 {
+		return false
+	}
+	n, err := strconv.ParseInt(before[0], 10, 64)
+	return err == nil && n <= res.Remaining
 }
 
 // allShadowed reports whether every plan of res is shadowed: then the

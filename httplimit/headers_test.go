@@ -288,3 +288,33 @@ func TestFieldsOfAConcurrencyPlan(t *testing.T) {
 		"X-RateLimit-Limit": "10", "X-RateLimit-Remaining": "0", "X-RateLimit-Reset": "", "Retry-After": "",
 	}, rateLimitFields(w))
 }
+
+// TestFieldsOfStackedMiddlewares: a Middleware in front of another (per
+// client in front of PerRoute, as http.md advises) keeps its fields: the
+// IETF lists name the plans of both, and the legacy fields describe the
+// plan closest to denying across both, the one that denied if one did.
+func TestFieldsOfStackedMiddlewares(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		l := newLimiter(t)
+		stack := func(outer, inner string) http.Handler {
+			return Middleware(l, ByHeader("X-Api-Key"), WithPlans(outer))(
+				Middleware(l, ByHeader("X-Api-Key"), WithPlans(inner))(ok))
+		}
+		h := stack("slow", "gold")
+		assert.Equal(t, map[string]string{
+			"RateLimit-Policy":  `"slow";q=2;w=180, "gold";q=20;w=10`,
+			"RateLimit":         `"slow";r=1;t=90, "gold";r=19;t=1`,
+			"X-RateLimit-Limit": "2", "X-RateLimit-Remaining": "1", "X-RateLimit-Reset": "90", "Retry-After": "",
+		}, rateLimitFields(get(h, "/")), "the outer plan is closer to denying")
+
+		h = stack("daily", "slow")
+		get(h, "/") // slow's second token
+		w := get(h, "/")
+		assert.Equal(t, http.StatusTooManyRequests, w.Code)
+		assert.Equal(t, map[string]string{
+			"RateLimit-Policy":  `"daily";q=10000;w=86400, "slow";q=2;w=180`,
+			"RateLimit":         `"daily";r=9998;t=9, "slow";r=0;t=90`,
+			"X-RateLimit-Limit": "2", "X-RateLimit-Remaining": "0", "X-RateLimit-Reset": "180", "Retry-After": "90",
+		}, rateLimitFields(w), "the inner plan denied")
+	})
+}
