@@ -192,8 +192,9 @@ func (r *Reservation) Result() Result {
 // reservation granted by the fallback store is settled there; one granted
 // by FailOpen, or to an exempt key (ErrExempt), held nothing, and its
 // Settle changes nothing. A refund makes this Limiter forget the key's
-// remembered denials; other instances see it once the RetryAfter they
-// remember has passed.
+// remembered denials, also one whose reply was lost, which may have
+// landed; other instances see it once the RetryAfter they remember has
+// passed.
 //
 // The buckets are adjusted with the plans in force at Settle, of the names
 // the reservation was decided on (after SetPlans, or a plan resolver

@@ -32,6 +32,13 @@ func (l *Limiter) settle(ctx context.Context, r *Reservation, actual int64, give
 	if l.resets.since(r.key, r.resets) || resetsByVersion(r.hold.plans, o.plans, h.skip, &l.table.Load().history) {
 		o.used = max(actual, r.n)
 	}
+	if o.used < r.n && l.denials != nil {
+		// A refund may land though its reply is lost (the call failed, the
+		// failure policy answered, or a retry finds the hold settled):
+		// forget the key's denials once one was asked, not once one was
+		// seen. Deferred, so that it follows the refund.
+		defer l.denials.Forget(r.key)
+	}
 	var status settleStatus
 	if isLocal(h.store) || h.store == l.fallback {
 		st, status, err = l.settleWhereHeld(ctx, o, r.result.Source)
@@ -42,9 +49,6 @@ func (l *Limiter) settle(ctx context.Context, r *Reservation, actual int64, give
 		return Settlement{}, err
 	}
 	l.stats.reservations.count(&st, status)
-	if st.Refunded > 0 && l.denials != nil {
-		l.denials.Forget(r.key)
-	}
 	switch status {
 	case holdSettled:
 		return st, ErrNotHeld
