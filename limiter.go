@@ -246,9 +246,10 @@ func (l *Limiter) PeekN(ctx context.Context, key string, n int64, plans ...strin
 // 15 minutes, whichever is longer. With no plan
 // named, it resets every plan of the Limiter but its concurrency plans,
 // whose permits are their holders' until released: naming one is
-// ErrInvalidPlan. Other instances' denial caches see the Reset once the
-// RetryAfter they remember has passed, and their leases serve their rest
-// until they end.
+// ErrInvalidPlan. A Reset that fails forgets the key's remembered denials
+// too, since the store may have reset the key though its reply was lost.
+// Other instances' denial caches see the Reset once the RetryAfter they
+// remember has passed, and their leases serve their rest until they end.
 func (l *Limiter) Reset(ctx context.Context, key string, names ...string) error {
 	if err := checkKey(key); err != nil {
 		return err
@@ -266,15 +267,18 @@ func (l *Limiter) Reset(ctx context.Context, key string, names ...string) error 
 	} else if permitsIn(plans) {
 		plans = slices.DeleteFunc(slices.Clone(plans), func(p Plan) bool { return p.Concurrency })
 	}
-	if err := l.resetStores(ctx, key, plans); err != nil {
+	err := l.resetStores(ctx, key, plans)
+	// A Reset that failed may have reset the store all the same (its reply
+	// lost): the key's denials go either way.
+	if l.denials != nil {
+		l.denials.Forget(key) // also refuses denials asked before the Reset
+	}
+	if err != nil {
 		return err
 	}
 	// Past the order lock, which a lease's take may wait for while it holds
 	// the lease that drop, or Close's sweep, waits for. A settlement from
 	// now on finds the Reset counted, and refunds nothing.
-	if l.denials != nil {
-		l.denials.Forget(key) // also refuses denials asked before the Reset
-	}
 	if l.leases != nil {
 		l.leases.drop(key, plans)
 	}

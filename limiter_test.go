@@ -11,6 +11,7 @@ import (
 	"testing/synctest"
 	"time"
 
+	"github.com/alicebob/miniredis/v2"
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -171,6 +172,34 @@ func TestResetRefillsStoreAndFallback(t *testing.T) {
 	r, err = f.Take(ctx, "k", 0, testPlans[:1])
 	require.NoError(t, err)
 	assert.Equal(t, int64(4), r.Remaining, "store bucket reset")
+}
+
+// TestResetWhoseReplyIsLostForgetsRememberedDenials: a Reset runs in
+// Redis, and its reply is lost, so Reset fails. The key is full in Redis
+// all the same: the Limiter forgets its remembered denials, as after a
+// Reset it saw succeed, and the next request is asked of Redis.
+func TestResetWhoseReplyIsLostForgetsRememberedDenials(t *testing.T) {
+	ctx := context.Background()
+	mr := miniredis.RunT(t)
+	mr.SetTime(time.UnixMicro(t0))
+	c := redistest.NewClient(t, &redis.Options{Addr: mr.Addr(), MaxRetries: -1})
+	rs := NewRedisStore(c)
+	slow := Plan{Name: "slow", Capacity: 2, Rate: Per(1, time.Hour)}
+	l, err := New(rs, []Plan{slow}, WithLogger(nil), WithDenialCache(100))
+	require.NoError(t, err)
+	require.NoError(t, l.Reset(ctx, "other")) // loads the reset script: the Reset is one EVALSHA
+	drainAndRemember(t, l, "k")
+
+	lost := &lostReplyHook{sha: rs.resetScript.SHA(), ranFirst: true}
+	lost.armed.Store(true)
+	c.AddHook(lost)
+	require.ErrorIs(t, l.Reset(ctx, "k"), ErrStoreUnavailable)
+	p, err := l.Peek(ctx, "k")
+	require.NoError(t, err)
+	require.Equal(t, int64(2), p.Remaining, "Redis ran the Reset")
+	r, err := l.Allow(ctx, "k")
+	require.NoError(t, err)
+	assert.True(t, r.Allowed, "the Reset whose reply was lost is seen at once; source %v, RetryAfter %v", r.Source, r.RetryAfter)
 }
 
 // TestResetKeepsTheMarkForItsLongestHold: a Limiter's Reset keeps the
