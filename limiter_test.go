@@ -11,7 +11,6 @@ import (
 	"testing/synctest"
 	"time"
 
-	"github.com/alicebob/miniredis/v2"
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -179,11 +178,15 @@ func TestResetRefillsStoreAndFallback(t *testing.T) {
 // all the same: the Limiter forgets its remembered denials, as after a
 // Reset it saw succeed, and the next request is asked of Redis.
 func TestResetWhoseReplyIsLostForgetsRememberedDenials(t *testing.T) {
+	for name, addr := range lostReplyServers() {
+		t.Run(name, func(t *testing.T) { testResetWhoseReplyIsLost(t, addr(t)) })
+	}
+}
+
+func testResetWhoseReplyIsLost(t *testing.T, addr string) {
 	ctx := context.Background()
-	mr := miniredis.RunT(t)
-	mr.SetTime(time.UnixMicro(t0))
-	c := redistest.NewClient(t, &redis.Options{Addr: mr.Addr(), MaxRetries: -1})
-	rs := NewRedisStore(c)
+	c := redistest.NewClient(t, &redis.Options{Addr: addr, MaxRetries: -1})
+	rs := NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix()))
 	slow := Plan{Name: "slow", Capacity: 2, Rate: Per(1, time.Hour)}
 	l, err := New(rs, []Plan{slow}, WithLogger(nil), WithDenialCache(100))
 	require.NoError(t, err)
