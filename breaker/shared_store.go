@@ -19,8 +19,12 @@ func (e callerError) Error() string { return e.err.Error() }
 // updates the key's memo from the reply. It returns the reply and the memo
 // (created if m was nil and the call succeeded). A call cut short by its
 // caller comes back as a callerError; any other error is Redis's. Each is
-// counted as failed says.
+// counted as failed says. A context that has ended before the call is
+// the caller's error and asks nothing, of Redis or of the store breaker.
 func (b *Shared) run(ctx context.Context, key string, m *memo, in input, start int64) (reply, *memo, error) {
+	if err := ctx.Err(); err != nil {
+		return reply{}, m, callerError{err}
+	}
 	gen, ok, probe := b.health.Admit()
 	if !ok {
 		return reply{}, m, errStoreBreakerOpen

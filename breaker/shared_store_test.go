@@ -109,3 +109,27 @@ func TestSharedImpatientCallersWithinACooldownAreNoOutage(t *testing.T) {
 	assert.Equal(t, Closed, b.health.State())
 	assert.Zero(t, b.Stats().StoreErrors)
 }
+
+// TestSharedDoneWithAnEndedContextIsNoOutage: Done given a context that
+// has already ended returns its error and never reaches Redis, so it
+// counts nothing against Redis, however long the instance has been idle.
+func TestSharedDoneWithAnEndedContextIsNoOutage(t *testing.T) {
+	m := newMini(t)
+	b := m.shared(t, fastSettings, WithStoreBreaker(Settings{Failures: 3}))
+	var tickets []Ticket
+	for range 3 {
+		tk, err := b.Acquire(ctx, "k")
+		require.NoError(t, err)
+		tickets = append(tickets, tk)
+	}
+	m.advance(time.Second) // idle for longer than the store breaker's cooldown
+	ended, cancel := context.WithCancel(ctx)
+	cancel()
+	for _, tk := range tickets {
+		require.ErrorIs(t, tk.Done(ended, Success), context.Canceled)
+	}
+	s := b.Stats()
+	assert.Equal(t, uint64(0), s.StoreErrors)
+	assert.Equal(t, Closed, s.Store, "the store breaker heard nothing")
+	assert.False(t, s.Outage)
+}
