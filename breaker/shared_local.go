@@ -45,7 +45,8 @@ func (b *Shared) degradeAcquire(key string, now int64, cause error) (Ticket, err
 
 // localCircuit returns key's Fallback breaker, seeding a new one from what
 // the instance last read from Redis: an open breaker stays open until its
-// open time ends, and a half-open one probes at once.
+// open time ends, a forced one until Redis answers again, and a half-open
+// one probes at once.
 func (b *Shared) localCircuit(key string, now int64) *localCircuit {
 	b.mu.Lock()
 	defer b.mu.Unlock()
@@ -61,6 +62,9 @@ func (b *Shared) localCircuit(key string, now int64) *localCircuit {
 		switch m.state.Load() {
 		case stateOpen:
 			lc.c.state, lc.c.openUntil = stateOpen, localUs(max(m.openUntil.Load(), now))
+			if m.held.Load() {
+				lc.c.held, lc.c.openUntil = true, 0
+			}
 		case stateHalfOpen:
 			lc.c.state, lc.c.openUntil = stateOpen, localUs(now)
 		}

@@ -63,3 +63,27 @@ func TestSharedOutagePolicies(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, Closed, st)
 }
+
+// TestSharedFallbackHoldsAForcedOpenBreaker: a breaker that ForceOpen
+// holds open stays open under Fallback while Redis is down, past its
+// open time: the local breaker never probes it, as Redis would not.
+func TestSharedFallbackHoldsAForcedOpenBreaker(t *testing.T) {
+	m := newMini(t)
+	b := m.shared(t, fastSettings, WithStoreBreaker(Settings{Failures: 1, Cooldown: time.Hour}))
+	require.NoError(t, b.ForceOpen(ctx, "k"))
+	m.mr.SetError("LOADING Redis is loading the dataset in memory")
+	granted := 0
+	for range 5 {
+		m.advance(fastSettings.OpenFor)
+		if tk, err := b.Acquire(ctx, "k"); err == nil {
+			granted++
+			require.NoError(t, tk.Done(ctx, Success))
+		} else {
+			require.ErrorIs(t, err, ErrOpen)
+		}
+	}
+	assert.Equal(t, 0, granted, "calls granted while forced open")
+	st, err := b.State(ctx, "k")
+	require.NoError(t, err)
+	assert.Equal(t, Open, st)
+}

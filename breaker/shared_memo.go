@@ -14,6 +14,7 @@ type memo struct {
 	closedUntil atomic.Int64 // with CacheClosedFor: grant without Redis until then; 0 none
 	gen         atomic.Int64 // the generation Redis last reported
 	state       atomic.Int64 // the state Redis last reported
+	held        atomic.Bool  // Redis last reported it forced open
 
 	mu      sync.Mutex
 	pending batch // outcomes of locally granted calls, for the next round trip
@@ -26,6 +27,7 @@ func (b *Shared) learn(key string, m *memo, r reply, in input, start int64) {
 	if m != nil {
 		m.gen.Store(r.gen)
 		m.state.Store(r.state)
+		m.held.Store(r.held == 1)
 		// Deadlines count from when the call was sent, which is before
 		// Redis read its clock: the instance never refuses longer than
 		// Redis would.

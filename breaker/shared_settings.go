@@ -203,7 +203,7 @@ const (
 	// Fallback decides locally. A Shared breaker decides with a local
 	// breaker per key, seeded from the last state this instance read from
 	// Redis: an open breaker stays open until its open time ends, then
-	// probes locally; on recovery Redis's state wins and the local ones
+	// probes locally, and a forced one (ForceOpen) stays open; on recovery Redis's state wins and the local ones
 	// are dropped. A Limiter has its fallback store decide (Source
 	// SourceFallback): each instance then enforces the plans on its own,
 	// or its share of them (tollgate.WithFleet). It is the default.
