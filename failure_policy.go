@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"time"
 
 	"github.com/tollgate-go/tollgate/breaker"
@@ -218,12 +219,15 @@ func (l *Limiter) degrade(ctx context.Context, r *Result, o *op, cause error) er
 // and those trips are counted for the line that ends the outage.
 func (l *Limiter) tripped(err error) {
 	l.outage.order.Lock()
-	defer l.outage.order.Unlock()
-	if !l.outage.begin(time.Now().UnixNano()) {
-		return
+	began := l.outage.begin(time.Now().UnixNano())
+	if began {
+		l.outage.queue(slog.LevelWarn, "tollgate: store failing; deciding by failure policy until it recovers",
+			"policy", l.policy.String(), "error", err)
 	}
-	l.log.Warn("tollgate: store failing; deciding by failure policy until it recovers",
-		"policy", l.policy.String(), "error", err)
+	l.outage.order.Unlock()
+	if began {
+		l.outage.flush(l.log)
+	}
 }
 
 // recovered logs the end of an outage, once: at a success when the breaker
@@ -235,10 +239,13 @@ func (l *Limiter) recovered(now int64) {
 		return
 	}
 	l.outage.order.Lock()
-	defer l.outage.order.Unlock()
 	start, failed, trips, ok := l.outage.end(now, quiet)
 	if ok {
-		l.log.Info("tollgate: store recovered", "outage", time.Duration(time.Now().UnixNano()-start),
+		l.outage.queue(slog.LevelInfo, "tollgate: store recovered", "outage", time.Duration(time.Now().UnixNano()-start),
 			"failed_calls", failed, "trips", trips)
+	}
+	l.outage.order.Unlock()
+	if ok {
+		l.outage.flush(l.log)
 	}
 }

@@ -1,6 +1,8 @@
 package tollgate
 
 import (
+	"context"
+	"log/slog"
 	"sync"
 	"sync/atomic"
 )
@@ -15,9 +17,52 @@ type outage struct {
 	failures    atomic.Uint64 // failed store calls since it began
 	trips       atomic.Uint64 // trips of the breaker since it began
 
-	// order is held from an outage's beginning or end to its line in the
-	// log, so that an end is logged before the next beginning.
-	order sync.Mutex
+	// order is held from an outage's beginning or end to queueing its
+	// line, so that an end is logged before the next beginning. The lines
+	// are logged outside it, by one caller at a time (draining): a log
+	// handler may call back into the Limiter, and its call may begin or
+	// end an outage.
+	order    sync.Mutex
+	lines    []outageLine
+	draining bool
+}
+
+// outageLine is a line of the log that an outage's beginning or end
+// queued.
+type outageLine struct {
+	level slog.Level
+	msg   string
+	args  []any
+}
+
+// queue queues a line for flush to log; o.order must be held.
+func (o *outage) queue(level slog.Level, msg string, args ...any) {
+	o.lines = append(o.lines, outageLine{level, msg, args})
+}
+
+// flush logs the lines queued, in order, to log, outside o.order, unless
+// another caller is logging them already: that one logs these too, after
+// its own. A line queued by a handler that calls back is logged after
+// the line it handles.
+func (o *outage) flush(log *slog.Logger) {
+	o.order.Lock()
+	if o.draining {
+		o.order.Unlock()
+		return
+	}
+	o.draining = true
+	defer func() { // also when a handler panics: the next flush logs the rest
+		o.draining = false
+		o.order.Unlock()
+	}()
+	for len(o.lines) > 0 {
+		ln := o.lines[0]
+		o.lines = o.lines[1:]
+		o.order.Unlock()
+		log.Log(context.Background(), ln.level, ln.msg, ln.args...)
+		o.order.Lock()
+	}
+	o.lines = nil
 }
 
 // failed counts a failed store call at now, on the Limiter's clock.
