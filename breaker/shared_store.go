@@ -10,10 +10,15 @@ import (
 )
 
 // callerError marks an error of the caller's own doing (its context), which
-// must reach the caller as it is and never count against Redis.
-type callerError struct{ err error }
+// must reach the caller as it is and never count against Redis. answer is
+// the error Redis answered meanwhile, if it did: that one counted against
+// Redis.
+type callerError struct{ err, answer error }
 
 func (e callerError) Error() string { return e.err.Error() }
+
+// Unwrap returns the error Redis answered, if it did, or nil.
+func (e callerError) Unwrap() error { return e.answer }
 
 // run runs the script for key with in, behind the store breaker, and
 // updates the key's memo from the reply. It returns the reply and the memo
@@ -23,7 +28,7 @@ func (e callerError) Error() string { return e.err.Error() }
 // the caller's error and asks nothing, of Redis or of the store breaker.
 func (b *Shared) run(ctx context.Context, key string, m *memo, in input, start int64) (reply, *memo, error) {
 	if err := ctx.Err(); err != nil {
-		return reply{}, m, callerError{err}
+		return reply{}, m, callerError{err: err}
 	}
 	gen, ok, probe := b.health.Admit()
 	if !ok {
@@ -67,7 +72,9 @@ var errStoreBreakerOpen = errors.New("store breaker open")
 // nothing, so that impatient callers cannot open it on a healthy Redis.
 // Unless Redis has been asked for a cooldown without an answer (silent):
 // then it is hung or too slow for every caller, and the store breaker
-// hears a failure too. Any other failure is Redis's.
+// hears a failure too. Any other failure is Redis's; an error Redis
+// answered to a caller whose context ended meanwhile is Redis's failure
+// and the caller's error, which the caller gets.
 func (b *Shared) failed(ctx context.Context, err error, probe bool, gen uint64, start int64) error {
 	cerr, answered := redisscript.CutShort(ctx, err)
 	cut := cerr != nil && !answered
@@ -75,15 +82,18 @@ func (b *Shared) failed(ctx context.Context, err error, probe bool, gen uint64, 
 		if probe {
 			b.health.AbandonIn(gen)
 		}
-		return callerError{cerr}
+		return callerError{err: cerr}
 	}
 	b.stats.storeErrors.Add(1)
 	if b.health.FailureIn(gen) && b.outage.CompareAndSwap(0, time.Now().UnixNano()) {
 		b.log.Warn("tollgate/breaker: Redis failing; deciding by failure policy until it recovers",
 			"policy", b.policy.String(), "error", err)
 	}
-	if cut {
-		return callerError{cerr}
+	switch {
+	case cut:
+		return callerError{err: cerr}
+	case cerr != nil:
+		return callerError{err: cerr, answer: err}
 	}
 	return err
 }

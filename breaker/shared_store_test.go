@@ -133,3 +133,44 @@ func TestSharedDoneWithAnEndedContextIsNoOutage(t *testing.T) {
 	assert.Equal(t, Closed, s.Store, "the store breaker heard nothing")
 	assert.False(t, s.Outage)
 }
+
+// cancelAfterHook cancels the context of a script call once Redis has
+// answered it.
+type cancelAfterHook struct{ cancelHook }
+
+func (cancelAfterHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		err := next(ctx, cmd)
+		if cancel, ok := ctx.Value(cancelKey{}).(context.CancelFunc); ok {
+			cancel()
+		}
+		return err
+	}
+}
+
+// TestSharedCallerContextEndedAsRedisRefused: a caller whose context ended
+// while Redis answered an error gets its context's error, as a Limiter's
+// does, and no grant of the failure policy; Redis's answer still counts
+// against Redis.
+func TestSharedCallerContextEndedAsRedisRefused(t *testing.T) {
+	m := newMini(t)
+	hooked := redis.NewClient(&redis.Options{Addr: m.mr.Addr(), MaxRetries: -1})
+	t.Cleanup(func() { _ = hooked.Close() })
+	hooked.AddHook(cancelAfterHook{})
+	b, err := NewShared(hooked, fastSettings, WithLogger(nil))
+	require.NoError(t, err)
+	m.mr.SetError("OOM command not allowed when used memory > 'maxmemory'")
+	granted := 0
+	for range 3 {
+		cctx, cancel := context.WithCancel(ctx)
+		tk, err := b.Acquire(context.WithValue(cctx, cancelKey{}, cancel), "k")
+		if err == nil {
+			granted++
+			require.NoError(t, tk.Done(ctx, Success))
+		} else {
+			require.ErrorIs(t, err, context.Canceled)
+		}
+	}
+	assert.Equal(t, 0, granted, "grants to callers whose context ended")
+	assert.Equal(t, uint64(3), b.Stats().StoreErrors, "Redis's answers count against it")
+}
