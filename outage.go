@@ -51,18 +51,26 @@ func (o *outage) flush(log *slog.Logger) {
 		return
 	}
 	o.draining = true
-	defer func() { // also when a handler panics: the next flush logs the rest
-		o.draining = false
-		o.order.Unlock()
+	logging := false
+	defer func() { // a handler that panics, unlocked: the next flush logs the rest
+		if logging {
+			o.order.Lock()
+			o.draining = false
+			o.order.Unlock()
+		}
 	}()
 	for len(o.lines) > 0 {
 		ln := o.lines[0]
 		o.lines = o.lines[1:]
 		o.order.Unlock()
+		logging = true
 		log.Log(context.Background(), ln.level, ln.msg, ln.args...)
+		logging = false
 		o.order.Lock()
 	}
 	o.lines = nil
+	o.draining = false
+	o.order.Unlock()
 }
 
 // failed counts a failed store call at now, on the Limiter's clock.

@@ -60,3 +60,34 @@ func TestOutageLogHandlerMayCallTheLimiter(t *testing.T) {
 	}
 	assert.Equal(t, []slog.Level{slog.LevelWarn, slog.LevelInfo, slog.LevelWarn}, h.levels)
 }
+
+// panickyLog is a log handler that panics on its first record.
+type panickyLog struct {
+	logCounter
+	panicked bool
+}
+
+func (h *panickyLog) Handle(ctx context.Context, r slog.Record) error {
+	if !h.panicked {
+		h.panicked = true
+		panic("handler broke")
+	}
+	return h.logCounter.Handle(ctx, r)
+}
+
+// TestOutageLinesSurviveAPanickingHandler: a log handler that panics takes
+// its line with it, and the panic goes on up; the next flush logs the
+// lines queued after it, and the lock is left as it should be.
+func TestOutageLinesSurviveAPanickingHandler(t *testing.T) {
+	var o outage
+	h := &panickyLog{}
+	o.order.Lock()
+	o.queue(slog.LevelWarn, "first")
+	o.queue(slog.LevelInfo, "second")
+	o.order.Unlock()
+	assert.PanicsWithValue(t, "handler broke", func() { o.flush(slog.New(h)) })
+	o.flush(slog.New(h))
+	assert.Equal(t, []slog.Level{slog.LevelInfo}, h.levels)
+	require.True(t, o.order.TryLock(), "the lock is free")
+	o.order.Unlock()
+}
