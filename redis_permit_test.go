@@ -1,11 +1,14 @@
 package tollgate
 
 import (
+	"bytes"
 	"cmp"
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"math/rand/v2"
+	"net"
 	"os"
 	"runtime"
 	"slices"
@@ -517,5 +520,105 @@ func TestAcquireWithdrawnFromASentBatchStrandsNoPermit(t *testing.T) {
 			require.NoError(t, err)
 			assert.True(t, p.OK(), "the permit of the caller who gave up is free")
 		})
+	}
+}
+
+// replyDropper is a go-redis hook whose connections, once armed, lose the
+// reply to the next script call they carry: Redis runs it, and the read
+// of its reply fails with io.EOF, as when a connection drops between the
+// two, which go-redis retries on another connection.
+type replyDropper struct{ armed atomic.Bool }
+
+func (d *replyDropper) DialHook(next redis.DialHook) redis.DialHook {
+	return func(ctx context.Context, network, addr string) (net.Conn, error) {
+		c, err := next(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		return &droppingConn{Conn: c, d: d}, nil
+	}
+}
+
+func (d *replyDropper) ProcessHook(next redis.ProcessHook) redis.ProcessHook { return next }
+
+func (d *replyDropper) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+
+// droppingConn is a connection of a replyDropper.
+type droppingConn struct {
+	net.Conn
+	d    *replyDropper
+	drop bool // the reply to what was written is to be lost
+}
+
+func (c *droppingConn) Write(b []byte) (int, error) {
+	s := bytes.ToLower(b)
+	if (bytes.Contains(s, []byte("evalsha")) || bytes.Contains(s, []byte("fcall"))) && c.d.armed.CompareAndSwap(true, false) {
+		c.drop = true
+	}
+	return c.Conn.Write(b)
+}
+
+func (c *droppingConn) Read(b []byte) (int, error) {
+	if !c.drop {
+		return c.Conn.Read(b)
+	}
+	_, err := c.Conn.Read(b) // the reply: Redis ran the call
+	_ = c.Conn.Close()
+	if err != nil {
+		return 0, err
+	}
+	return 0, io.EOF
+}
+
+// TestAcquireRetriedByTheClientStrandsNoPermit: the connection drops
+// after Redis ran an Acquire, and go-redis, as it does on io.EOF, runs the
+// call again on another connection. The call that ran holds the permit
+// under the holder's id; the retry must see the holder's own permit, not
+// a rival's, and take nothing more. Else, of the only permit, it is
+// refused, no error comes back to release it by its id, and the permit is
+// held by nobody for its whole lease, every Acquire refused; and with a
+// permit to spare, a bucket chained with it gives its token twice.
+func TestAcquireRetriedByTheClientStrandsNoPermit(t *testing.T) {
+	addrs := map[string]string{"miniredis": miniredis.RunT(t).Addr()}
+	if redistest.Available() {
+		addrs["redis"] = redistest.Addr(t)
+	}
+	rate := Plan{Name: "rate", Capacity: 10, Rate: 0.001}
+	for name, addr := range addrs {
+		for _, capacity := range []int64{1, 2} {
+			t.Run(fmt.Sprintf("%s/capacity-%d", name, capacity), func(t *testing.T) {
+				ctx := context.Background()
+				c := redistest.NewClient(t, &redis.Options{Addr: addr})
+				drop := &replyDropper{}
+				c.AddHook(drop)
+				s := NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix()))
+				inflight := Plan{Name: "inflight", Capacity: capacity, Concurrency: true}
+				l, err := New(s, []Plan{inflight, rate}, WithLogger(nil), WithFailurePolicy(breaker.FailClosed),
+					WithPermitLease(time.Hour))
+				require.NoError(t, err)
+				t.Cleanup(func() { _ = l.Close() })
+				p, err := l.Acquire(ctx, "warm", 1, inflight.Name) // loads the scripts
+				require.NoError(t, err)
+				require.NoError(t, p.Release(ctx))
+
+				drop.armed.Store(true)
+				p, err = l.Acquire(ctx, "k", 1, inflight.Name, rate.Name)
+				require.NoError(t, err)
+				assert.False(t, drop.armed.Load(), "a reply was lost")
+				assert.True(t, p.OK(), "a permit was free, and the retry found its holder's own")
+				assert.Equal(t, capacity-1, p.Result().Remaining)
+				if p.OK() {
+					require.NoError(t, p.Release(ctx))
+				}
+				n, err := c.ZCard(ctx, s.Key("k", inflight.Name)).Result()
+				require.NoError(t, err)
+				assert.Zero(t, n, "permits held with no holder")
+				r, err := l.Peek(ctx, "k", rate.Name)
+				require.NoError(t, err)
+				assert.Equal(t, int64(9), r.Remaining, "the bucket's token taken once")
+			})
+		}
 	}
 }

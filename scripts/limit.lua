@@ -87,7 +87,10 @@
 -- the plan, allowed or not, removes the permits whose lease ended (score
 -- <= now); an allowed one adds n members and sets the key to expire just
 -- after its latest score, so that an abandoned or empty set leaves
--- nothing. permit.lua releases and renews them.
+-- nothing. permit.lua releases and renews them. An acquire whose holder
+-- already holds its permits, alive, on every concurrency plan is its own
+-- call run again (a client's retry after a lost reply): it is allowed
+-- and takes nothing, as a hold whose key holds its cost is.
 --
 -- Data of another schema or type is replaced, never misread. A window of
 -- another shape (the plan's width, k or suppression changed) is replaced
@@ -120,6 +123,26 @@ if held then
 end
 local wide = #ARGV ~= 1 + 2 * plans + (held and 1 or 0) -- the layout with windows
 local u = wide and tonumber(ARGV[2]) or 0
+-- An acquire run again, as a client retries a call whose reply it lost:
+-- its holder holds its permits, alive, on every concurrency plan, which
+-- only its own call, allowed, gives (holder ids are never reused). It is
+-- allowed again and takes nothing more: decided as a read, its free
+-- permits told as if its own were not held yet. rerun is its cost.
+local rerun
+if wide and cost > 0 and not held then
+  for i = 1, plans do
+    if tonumber(ARGV[4 * i + 1]) < 0 then
+      local id = ARGV[4 * i + 2]
+      local s = redisPcall('ZSCORE', KEYS[i], id .. '.1')
+      if type(s) ~= 'string' or s + 0 <= now or not holds(KEYS[i], id, cost, now) then
+        rerun = nil
+        break
+      end
+      rerun = cost
+    end
+  end
+  if rerun then cost, need = 0, 0 end
+end
 local reply = {1, now} -- bucket plans: the state as read, until allowed
 local wd, sd = 0, nil -- shadowed plans that would deny: bits, and by plan
 -- Plan i refuses the request: an enforced plan denies it, a shadowed one
@@ -191,7 +214,7 @@ for i = 1, plans do
     end
     inuse = inuse or {}
     inuse[2 * i - 1], inuse[2 * i] = c, r
-    if c + cost > cap then refuse(i, false) end
+    if c + cost > cap and not rerun then refuse(i, false) end
   else
     -- A window: read it and count it, as window.go does.
     if b == nil then
@@ -322,7 +345,7 @@ for i = 1, plans do
     local c = inuse[2 * i - 1]
     -- An adopted permit (permit.lua), or a capacity lowered while its
     -- holders held them, may hold a set above its capacity.
-    out[n + 1], out[n + 2] = math.max(ARGV[a] - c, 0), inuse[2 * i]
+    out[n + 1], out[n + 2] = math.max(ARGV[a] - c, 0) + (rerun or 0), inuse[2 * i]
     if allowed and cost > 0 then
       if foreign and foreign[i] then redisCall('DEL', KEYS[i]) end
       addPermits(KEYS[i], ARGV[a + 3], cost, now + ARGV[a + 1])
