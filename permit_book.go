@@ -193,7 +193,15 @@ func (b *permitBook) adopt(ctx context.Context, ps []*Permit, lease time.Duratio
 		return // a copy the call may have added ends with its lease
 	}
 	// Released or lost meanwhile: the copy added is released in the store.
+	// Moved meanwhile, by an Acquire or a pass: left as it is.
 	moved, gone := stillHeld(held, true)
+	moved = slices.DeleteFunc(moved, func(p *Permit) bool {
+		if p.grant.store == l.fallback {
+			return false
+		}
+		p.mu.Unlock()
+		return true
+	})
 	if len(moved) > 0 {
 		b.move(ctx, moved)
 	}

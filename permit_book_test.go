@@ -527,3 +527,39 @@ func TestRenewalsOfAKeyHoldingManyPlans(t *testing.T) {
 		})
 	}
 }
+
+// TestStoreCountsTheFallbacksPermitsAtOnce: the fallback grants the 3
+// permits of a key while Redis fails; Redis answers again and the key's
+// breaker closes, and the next Acquire, before any renewal pass, goes to
+// Redis. This Limiter knows it holds the 3: Redis must count them before
+// it decides, not only once a renewal moves them (before: 3 more granted
+// beside them, 6 held of 3 until the next pass, a third of a lease).
+func TestStoreCountsTheFallbacksPermitsAtOnce(t *testing.T) {
+	ctx := context.Background()
+	rs, mr, _ := newMiniredisStore(t)
+	l, err := New(rs, permitPlans, WithLogger(nil), WithPermitLease(time.Hour),
+		WithBreaker(breaker.Settings{Failures: 1, Cooldown: 10 * time.Millisecond}))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = l.Close() })
+	mr.SetError("LOADING Redis is loading the dataset in memory")
+	p, err := l.Acquire(ctx, "k", 3, "inflight")
+	require.NoError(t, err)
+	require.True(t, p.OK())
+	require.Equal(t, SourceFallback, p.Result().Source)
+	mr.SetError("")
+	require.Eventually(t, func() bool {
+		r, err := l.Peek(ctx, "k", "daily") // the probe that closes the breaker
+		return err == nil && r.Source == SourceStore
+	}, 5*time.Second, 5*time.Millisecond)
+
+	q, err := l.Acquire(ctx, "k", 3, "inflight")
+	require.NoError(t, err)
+	require.Equal(t, SourceStore, q.Result().Source)
+	assert.False(t, q.OK(), "Redis counts the 3 permits the fallback granted: %d held of 3",
+		3+3*btoi(q.OK()))
+	assert.Equal(t, uint64(1), l.Stats().Permits.Adopted)
+	require.NoError(t, p.Release(ctx))
+	q, err = l.Acquire(ctx, "k", 3, "inflight")
+	require.NoError(t, err)
+	assert.True(t, q.OK(), "released in Redis, where they moved")
+}
