@@ -215,10 +215,15 @@ func fromBucket(b TokenBucket, p *Plan, now int64) *window {
 // fromWindow returns the bucket of plan p that window w, kept for a plan
 // of the name and of capacity c that was a sliding window, reads as at
 // now: holding what w has left, c less what it counts, at most p's
-// capacity, never below 0, stamped now. Such a bucket inherits no
-// version: the change of kind carries it over instead.
+// capacity, never below 0, stamped now; or full, if nothing w holds
+// counts any more, as a store that forgot w reads it (Redis expires its
+// key a millisecond or two later). Such a bucket inherits no version:
+// the change of kind carries it over instead.
 // scripts/bucket.lua reads a window alike.
 func fromWindow(w *window, c int64, p *Plan, now int64) TokenBucket {
+	if w.emptyAt() <= now {
+		return fullBucket(*p, now)
+	}
 	admitted, _ := w.counts(now)
 	return TokenBucket{Tokens: min(p.Capacity, max(0, c-admitted)) * microTokens, Stamp: now}
 }

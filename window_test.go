@@ -1063,3 +1063,55 @@ func TestWindowFarAheadOnRealRedis(t *testing.T) {
 	assert.Greater(t, ttl, 9*time.Second, "the key expires after the sub-window leaves, some 10 s on")
 	assert.LessOrEqual(t, ttl, 12500*time.Millisecond+2*time.Millisecond)
 }
+
+// TestBucketAfterAWindowThatCountsNothing has a bucket of 10 read a
+// window of 5 of its name whose counts have all left, on both stores:
+// at the instant its last sub-window leaves, and after Redis expired the
+// window's key (miniredis's TTLs moved on with FastForward). A window
+// that counts nothing is what a missing one is, a full bucket, on both
+// stores, whether the MemoryStore, which keeps keys resident, still holds
+// it, or Redis did not yet expire it.
+func TestBucketAfterAWindowThatCountsNothing(t *testing.T) {
+	win := Plan{Name: "p", Capacity: 5, Window: time.Second} // 20 sub-windows of 50 ms
+	bucket := Plan{Name: "p", Capacity: 10, Rate: 0.001}
+	for _, after := range []int64{0, 3_000} { // µs after the last sub-window leaves
+		t.Run(fmt.Sprint(after), func(t *testing.T) {
+			b := newBothStores(t)
+			require.True(t, b.take(t, 5, win).Allowed)
+			leaves := (t0/win.width() + 1 + win.slots()) * win.width()
+			b.mr.FastForward(time.Duration(leaves+after-b.now) * time.Microsecond)
+			b.now = leaves + after
+			r := b.take(t, 10, bucket)
+			assert.True(t, r.Allowed, "the window counts nothing: the bucket is full")
+		})
+	}
+}
+
+// TestSuppressedOfferedCountPast2To53 offers a suppressed window of the
+// largest capacity a million requests of its capacity in one
+// sub-window, after it admitted one: the offered count passes 2^53,
+// where a Lua number no longer holds it exactly. The window must still
+// count what it admitted, on both stores alike, and admit no second
+// capacity within its Window.
+func TestSuppressedOfferedCountPast2To53(t *testing.T) {
+	p := Plan{Name: "s", Capacity: maxCapacity, Window: time.Hour, Slots: 1, Suppress: 1}
+	require.NoError(t, p.validate())
+	b := newBothStores(t)
+	b.rs.random, b.ms.random = sameDraws(), sameDraws()
+	require.True(t, b.take(t, maxCapacity, p).Allowed)
+	// What 999,998 refusals of the capacity offer, planted in the
+	// MemoryStore through its own arithmetic, and in Redis as the
+	// MemoryStore then holds it.
+	e, unlock := lockedEntry(b.ms, "k")
+	w := e.storeWindow(&p, b.now)
+	w.add(&p, b.now, 0, maxCapacity*999_998)
+	_, offered := w.counts(b.now)
+	unlock()
+	sub := strconv.FormatInt(b.now/p.width(), 10)
+	require.NoError(t, b.rs.client.HSet(context.Background(), b.rs.Key("k", p.Name), "o"+sub, offered).Err())
+	for i := range 3 {
+		b.now += time.Second.Microseconds()
+		r := b.take(t, maxCapacity, p)
+		assert.False(t, r.Allowed, "request %d: a second capacity within the hour", i)
+	}
+}

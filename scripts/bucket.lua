@@ -92,9 +92,11 @@ end
 -- admitted ones if it was not suppressed), its capacity in tokens, or
 -- nil if it has none, whether it is ahead: its newest sub-window more
 -- than k ahead of now's, when it counts all it holds (ADR 29), and its
--- sub-window width g in µs and k; or nothing if h is not a window. It is window.counts for a window that limit.lua
--- carries into another shape (ADR 16), another kind (ADR 31), or now's
--- sub-window.
+-- sub-window width g in µs and k, and whether nothing it holds counts
+-- any more, offered counts included: its newest sub-window has left, as
+-- it has when its key expires; or nothing if h is not a window. It is
+-- window.counts for a window that limit.lua carries into another shape
+-- (ADR 16), another kind (ADR 31), or now's sub-window.
 local function windowCounts(h, now)
   local v, c
   for j = 1, #h, 2 do
@@ -116,7 +118,8 @@ local function windowCounts(h, now)
     end
   end
   if string.byte(v) == 119 then offered = admitted end -- 'w': no offered counts
-  return admitted, offered, c and tonumber(c), newest ~= nil and newest > b + k, g, k
+  return admitted, offered, c and tonumber(c), newest ~= nil and newest > b + k, g, k,
+    newest == nil or (newest + 1 + k) * g <= now
 end
 
 -- readBucket returns the bucket at key as stored, full at now if it is
@@ -125,7 +128,9 @@ end
 -- plan with a version (nil if none). A window of the name (its plan
 -- changed kind) reads as a bucket at now holding what the window has
 -- left, its capacity (full's, if it has none) less what it counts, at
--- most full, with pv -1: such a bucket inherits nothing (ADR 31). Last,
+-- most full, with pv -1: such a bucket inherits nothing (ADR 31); but a
+-- window of which nothing counts any more reads as full, as it does once
+-- its key has expired, a millisecond or two later. Last,
 -- it returns the bytes it read if they hold the bucket it returns, a
 -- bucket's bytes (nil if it returns a full bucket or one made from a
 -- window), and whether it read a window ahead of now (windowCounts),
@@ -145,8 +150,8 @@ local function readBucket(key, full, now)
   end
   if type(s) == 'table' then
     local h = redis.pcall('HGETALL', key)
-    local admitted, _, c, ahead = windowCounts(h.err and {} or h, now)
-    if not admitted then return full, now, 0 end
+    local admitted, _, c, ahead, _, _, gone = windowCounts(h.err and {} or h, now)
+    if not admitted or gone then return full, now, 0 end
     return math.min(full, math.max(0, (c or full / 1000000) - admitted) * 1000000), now, -1, nil, nil, ahead
   end
   return full, now, 0
