@@ -25,7 +25,8 @@ type window struct {
 	// window never written, which counts nothing.
 	admitted []int64
 	// offered is admitted for every request that asked a suppressed
-	// plan, admitted or not; nil for other plans.
+	// plan, admitted or not, each count at most maxOffered; nil for other
+	// plans.
 	offered []int64
 	// sumAdmitted and sumOffered are the sums of the two rings, so that a
 	// decision in the newest sub-window need not add them up.
@@ -55,10 +56,11 @@ func (w *window) span(now int64) (first, last int64) {
 }
 
 // counts returns the tokens admitted and offered in the sub-windows that
-// count at now: all it holds if it is ahead. A nil window counts nothing.
+// count at now: all it holds if it is ahead, in now's sub-window, where
+// offered counts stop at maxOffered. A nil window counts nothing.
 func (w *window) counts(now int64) (admitted, offered int64) {
 	if w.ahead(now) {
-		return w.sumAdmitted, w.sumOffered
+		return w.sumAdmitted, min(w.sumOffered, maxOffered)
 	}
 	first, last := w.span(now)
 	if first > last {
@@ -140,7 +142,8 @@ func (w *window) emptyAt() int64 {
 // add records admitted and offered tokens in the sub-window of now,
 // allocating the ring on the first write, clearing sub-windows that no
 // longer count, and moving the counts of a window ahead of now into
-// now's sub-window, where they count for one more window.
+// now's sub-window, where they count for one more window. An offered
+// count stops at maxOffered.
 func (w *window) add(p *Plan, now, admitted, offered int64) {
 	if w.admitted == nil {
 		w.width, w.slots = p.width(), p.slots()
@@ -159,6 +162,7 @@ func (w *window) add(p *Plan, now, admitted, offered int64) {
 		clear(w.offered)
 		w.admitted[b%n] = w.sumAdmitted
 		if w.offered != nil {
+			w.sumOffered = min(w.sumOffered, maxOffered)
 			w.offered[b%n] = w.sumOffered
 		}
 		w.newest = b
@@ -176,10 +180,18 @@ func (w *window) add(p *Plan, now, admitted, offered int64) {
 	w.admitted[b%n] += admitted
 	w.sumAdmitted += admitted
 	if w.offered != nil {
-		w.offered[b%n] += offered
-		w.sumOffered += offered
+		o := min(w.offered[b%n]+offered, maxOffered)
+		w.sumOffered += o - w.offered[b%n]
+		w.offered[b%n] = o
 	}
 }
+
+// maxOffered is the most a suppressed window counts as offered in one
+// sub-window, 2^46 tokens: the sum over its at most 65 sub-windows then
+// stays below 2^53, which a Lua number holds exactly, where a million
+// refusals of the largest Capacity pass it. Past it a request's chance
+// to pass is below Capacity ÷ 2^46, less than 1.3 in 10,000.
+const maxOffered = 1 << 46
 
 // carry returns a window of plan p holding, in the sub-window of now, what
 // old, a window of another shape, still counts at now: a plan changed

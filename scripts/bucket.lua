@@ -18,6 +18,7 @@
 local floor, tonumber, format = math.floor, tonumber, string.format
 local redisCall, redisPcall = redis.call, redis.pcall
 local max53 = 9007199254740992
+local maxOffered = 70368744177664 -- window.go's maxOffered, 2^46
 local maxRefill = 3153600000000000 -- plan.go's maxRefillPeriod, in µs
 
 -- readClock returns Redis TIME in µs, read at each call. TIME's fields

@@ -51,7 +51,8 @@
 --              drained if allowed, as read if not, before a stamp too
 --              far ahead is written back (a missing or foreign bucket
 --              reads as full at now);
---   a window:  admitted, offered: the counts at now before the decision;
+--   a window:  admitted, offered: the counts at now before the decision
+--              (offered: what a suppressed one leaves, less its cost);
 --              ready: when max(cost, 1) tokens fit, if not taken now;
 --              reset: when nothing admitted counts any more, after the
 --              decision (now if nothing does);
@@ -72,7 +73,7 @@
 -- Window: a hash {v = 'w' or 's' (suppressed) .. g .. '/' .. k,
 -- c = the capacity in tokens of the last plan that wrote it,
 -- <i> = tokens admitted in sub-window i = floor(µs / g),
--- o<i> = tokens offered (suppressed plans)}. At now, sub-windows from
+-- o<i> = tokens offered (suppressed plans), at most 2^46}. At now, sub-windows from
 -- floor(now / g) - k on count, and those after it: the oldest counts in
 -- full until it lies wholly outside the window. A plain window is written
 -- only when tokens are taken; a suppressed one whenever tokens are asked.
@@ -162,9 +163,10 @@ local pvs -- bucket plans with a version: the version and capacity to write
 -- were read from a window ahead, and windows ahead; written, allowed or not.
 local back
 -- Window plans, by plan: the current sub-window (b), the counts (adm,
--- off), the newest sub-window (newest), the newest with an admitted count
--- (last), stale fields to delete (stale), and the fields read (xs).
-local b, adm, off, newest, last, stale, xs
+-- off), the offered count of the current sub-window (ob), the newest
+-- sub-window (newest), the newest with an admitted count (last), stale
+-- fields to delete (stale), and the fields read (xs).
+local b, adm, off, ob, newest, last, stale, xs
 local carry -- window plans whose key held a window of another shape, or a bucket: its counts
 -- Window plans whose key held a window of another shape, not ahead: its
 -- fields, sub-window width and k, from which a refusal or a read not
@@ -218,7 +220,7 @@ for i = 1, plans do
   else
     -- A window: read it and count it, as window.go does.
     if b == nil then
-      b, adm, off, newest, last, stale, xs = {}, {}, {}, {}, {}, {}, {}
+      b, adm, off, ob, newest, last, stale, xs = {}, {}, {}, {}, {}, {}, {}, {}
     end
     local g, hard = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 3])
     local id = (hard > 0 and 's' or 'w') .. ARGV[a + 1] .. '/' .. ARGV[a + 2]
@@ -226,7 +228,7 @@ for i = 1, plans do
     local from = bi - k
     local h = redis.pcall('HGETALL', KEYS[i])
     local ok, version = h.err == nil, nil
-    local na, no, nw, nl, sx = 0, 0, nil, nil, nil
+    local na, no, nb, nw, nl, sx = 0, 0, 0, nil, nil, nil
     if ok then
       for j = 1, #h, 2 do
         local f = h[j]
@@ -252,6 +254,7 @@ for i = 1, plans do
             sx[#sx + 1] = f
           elseif offered then
             no = no + c
+            if x == bi then nb = c end
           else
             na = na + c
             if c > 0 and (nl == nil or x > nl) then nl = x end
@@ -288,6 +291,7 @@ for i = 1, plans do
         -- shape says: a refusal or a read waits on its fields, g and k.
         local _, ahead, og, ok
         ca, co, _, ahead, og, ok = windowCounts(h, now)
+        if co then co = math.min(co, maxOffered) end -- as window.add keeps it
         if ahead and cost > 0 then
           back = back or {}
           back[i] = true
@@ -299,14 +303,14 @@ for i = 1, plans do
       if ca then
         carry = carry or {}
         carry[i] = {ca, co}
-        na, no, nw, nl, sx, h = ca, co, nil, nil, nil, {string.format('%d', bi), ca}
+        na, no, nb, nw, nl, sx, h = ca, co, co, nil, nil, nil, {string.format('%d', bi), ca}
         if ca > 0 then nl = bi end
       else
-        na, no, nw, nl, sx, h = 0, 0, nil, nil, nil, {}
+        na, no, nb, nw, nl, sx, h = 0, 0, 0, nil, nil, nil, {}
       end
     end
     -- The fields read are kept: a refusal or a read walks them again.
-    b[i], adm[i], off[i], newest[i], last[i], stale[i], xs[i] = bi, na, no, nw, nl, sx, h
+    b[i], adm[i], off[i], ob[i], newest[i], last[i], stale[i], xs[i] = bi, na, no, nb, nw, nl, sx, h
     if cost > 0 then
       local f -- the probability of refusal, as suppression() computes it
       if na + cost <= cap then
@@ -383,6 +387,14 @@ for i = 1, plans do
         end
       end
     end
+    -- A suppressed decision that asks for tokens adds them to the offered
+    -- count of now's sub-window, up to maxOffered, as window.add does; it
+    -- reports what it leaves less its cost, as window.go does.
+    local o = off[i]
+    if hard > 0 and cost > 0 then
+      o = math.min(ob[i] + cost, maxOffered)
+      off[i] = off[i] - ob[i] + o - cost
+    end
     out[n + 1], out[n + 2], out[n + 3] = adm[i], off[i], ready
     local l = last[i]
     if take or cost > 0 and (hard > 0 or back and back[i]) then
@@ -395,15 +407,14 @@ for i = 1, plans do
       elseif not (wc and wc[i] == cap) then
         redis.call('HSET', KEYS[i], 'c', whole(cap)) -- the capacity changed
       end
-      if carry and carry[i] then
-        if carry[i][1] > 0 then redis.call('HINCRBY', KEYS[i], field, whole(carry[i][1])) end
-        if hard > 0 and carry[i][2] > 0 then redis.call('HINCRBY', KEYS[i], 'o' .. field, whole(carry[i][2])) end
+      if carry and carry[i] and carry[i][1] > 0 then
+        redis.call('HINCRBY', KEYS[i], field, whole(carry[i][1]))
       end
       if take then
         redis.call('HINCRBY', KEYS[i], field, whole(cost))
         if l == nil or bi > l then l = bi end
       end
-      if hard > 0 then redis.call('HINCRBY', KEYS[i], 'o' .. field, whole(cost)) end
+      if hard > 0 then redis.call('HSET', KEYS[i], 'o' .. field, whole(o)) end
       if stale[i] then redis.call('HDEL', KEYS[i], unpack(stale[i])) end
       -- The key expires once its newest sub-window stops counting, plus a
       -- millisecond for the expiry clock; until then it keeps its expiry.
