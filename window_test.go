@@ -1115,3 +1115,65 @@ func TestSuppressedOfferedCountPast2To53(t *testing.T) {
 		assert.False(t, r.Allowed, "request %d: a second capacity within the hour", i)
 	}
 }
+
+// FuzzWindowStoresAgree drives one plan name on one key through fuzzed
+// plans (a window, one of another shape, a suppressed one, and with
+// buckets a token bucket), costs (0 reads) and clock moves on both
+// stores, and demands the same Result of each at every step. The clock
+// lands on sub-window boundaries, a µs before them, past the expiry of
+// Redis's keys (miniredis's TTLs move with the clock through
+// FastForward, as real Redis's do, also back) and steps back, a little
+// and by more than a window, until it has moved forward 400 ms in all.
+// Later, a key may have expired in Redis, which a step back does not bring
+// back, where the MemoryStore, which forgets nothing below its bound,
+// counts it again: the stores then disagree, the MemoryStore on the side
+// of refusing (a window of the name counts again an admission that left
+// it, or a window reads a bucket long full as the tokens it last stored).
+// That is a known gap, not checked here; with a bucket, which a window
+// reads as the tokens it stored, not refilled, a run ends there.
+func FuzzWindowStoresAgree(f *testing.F) {
+	f.Add(uint8(5), uint8(10), false, []byte{0, 0, 5, 3, 4, 0, 3, 5, 7})
+	f.Add(uint8(3), uint8(3), false, []byte{2, 0, 3, 2, 1, 1, 0, 7, 2, 1, 3, 1, 2, 5, 3, 0, 4, 1})
+	f.Add(uint8(10), uint8(4), false, []byte{0, 1, 4, 1, 6, 4, 2, 7, 3, 0, 3, 6, 2, 2, 2, 1, 0, 0})
+	f.Fuzz(func(t *testing.T, capW, capB uint8, buckets bool, ops []byte) {
+		plans := []Plan{
+			{Name: "p", Capacity: int64(capW), Window: time.Second, Slots: 4},
+			{Name: "p", Capacity: int64(capW), Window: 2 * time.Second, Slots: 5},
+			{Name: "p", Capacity: int64(capW), Window: time.Second, Slots: 4, Suppress: 1.5},
+		}
+		if buckets {
+			plans = append(plans, Plan{Name: "p", Capacity: int64(capB), Rate: 2})
+		}
+		for _, p := range plans {
+			if p.validateNumbers() != nil {
+				return
+			}
+		}
+		b := newBothStores(t)
+		b.rs.random, b.ms.random = sameDraws(), sameDraws()
+		const g = 250_000   // the first plan's sub-window, µs
+		forward := int64(0) // µs the clock moved forward, in all
+		for step := 0; len(ops) >= 3; step++ {
+			op := ops[:3]
+			ops = ops[3:]
+			p := plans[int(op[0])%len(plans)]
+			at := []int64{b.now, b.now + 1, b.now + 1000, (b.now/g + 1) * g, (b.now/g+1)*g - 1,
+				b.now + 1_250_000 + 3_000, b.now - 1000, b.now - 2_000_000}[op[1]%8]
+			if at < b.now && forward >= 400_000 {
+				at = b.now // see the doc comment
+			}
+			forward += max(at-b.now, 0)
+			if buckets && forward >= 400_000 {
+				break // see the doc comment: a bucket's key expires in 0.5 s at least
+			}
+			// Redis keeps a key's expiry as a time on its clock, so a step
+			// back lengthens what is left of it, as a negative FastForward
+			// does.
+			b.mr.FastForward(time.Duration(at-b.now) * time.Microsecond)
+			b.now = at
+			cost := min(int64(op[2]%8), p.Capacity)
+			t.Logf("step %d: plan %d at %d, cost %d", step, int(op[0])%len(plans), at-t0, cost)
+			b.take(t, cost, p)
+		}
+	})
+}
