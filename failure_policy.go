@@ -29,8 +29,14 @@ func (l *Limiter) ask(ctx context.Context, r *Result, o *op, start int64) error 
 	if !ok {
 		return l.degrade(ctx, r, o, errBreakerOpen)
 	}
+	asked := *o
+	if o.mode == modeAcquire && l.fallback != nil {
+		// The permits the fallback granted while the store failed count
+		// until a renewal moves them into the store.
+		asked.plans = l.lessHeld(o.plans, o.key, l.fallback)
+	}
 	callerErr, storeErr := l.call(ctx, r, pass{n, gen, probe, start}, func() (err error) {
-		*r, err = l.decider.decide(ctx, *o)
+		*r, err = l.decider.decide(ctx, asked)
 		return err
 	})
 	switch {
@@ -197,7 +203,7 @@ func (l *Limiter) degrade(ctx context.Context, r *Result, o *op, cause error) er
 		// Counted and decided while no permit moves into the store.
 		l.book.fallback.Lock()
 		defer l.book.fallback.Unlock()
-		share.plans = l.lessHeld(share.plans, o.key)
+		share.plans = l.lessHeld(share.plans, o.key, l.store)
 		// Under an id of its own: a release of the store's call, whose
 		// reply was lost, may still come, and must not free these.
 		o.grant.id = newPermitID()

@@ -127,9 +127,6 @@ func (l *Limiter) Acquire(ctx context.Context, key string, n int64, plans ...str
 	if !l.permitsHeld {
 		return nil, errUnsupported(modeAcquire)
 	}
-	if l.fallback != nil {
-		l.book.moveFallbacks(ctx, key)
-	}
 	p := &Permit{l: l, key: key, n: n, grant: permit{id: newPermitID(), lease: l.permitLease, backs: &l.backs}}
 	q := &request{op: op{key: key, n: n, mode: modeAcquire, grant: &p.grant}}
 	if err := l.named(ctx, &p.result, q, plans); err != nil {
@@ -141,30 +138,6 @@ func (l *Limiter) Acquire(ctx context.Context, key string, n int64, plans ...str
 		l.book.add(p)
 	}
 	return p, nil
-}
-
-// moveFallbacks moves into the store the permits of key that the
-// fallback granted while the store failed, before an Acquire that the
-// store may decide: the store must count them before it grants more, and
-// the renewals move them only at their next pass, up to a third of a
-// lease later. While the key's breaker is not closed it moves none: the
-// Acquire then goes to the fallback, which counts them. A move that fails
-// is left to the renewals.
-func (b *permitBook) moveFallbacks(ctx context.Context, key string) {
-	b.mu.Lock() // a move writes a permit's store under the book's lock
-	var ps []*Permit
-	for _, p := range b.byKey[key] {
-		if p.grant.store == b.l.fallback {
-			ps = append(ps, p)
-		}
-	}
-	b.mu.Unlock()
-	if len(ps) == 0 || !b.movable(ctx, ps) {
-		return
-	}
-	for _, g := range byStore(ps) {
-		b.adopt(ctx, g, b.lease)
-	}
 }
 
 // concurrencyOf returns the concurrency plans of plans.

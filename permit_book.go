@@ -193,15 +193,7 @@ func (b *permitBook) adopt(ctx context.Context, ps []*Permit, lease time.Duratio
 		return // a copy the call may have added ends with its lease
 	}
 	// Released or lost meanwhile: the copy added is released in the store.
-	// Moved meanwhile, by an Acquire or a pass: left as it is.
 	moved, gone := stillHeld(held, true)
-	moved = slices.DeleteFunc(moved, func(p *Permit) bool {
-		if p.grant.store == l.fallback {
-			return false
-		}
-		p.mu.Unlock()
-		return true
-	})
 	if len(moved) > 0 {
 		b.move(ctx, moved)
 	}
@@ -374,16 +366,26 @@ func (b *permitBook) close() {
 	b.pass(keys, nil, detachTimeout, 0)
 }
 
-// lessHeld returns plans, the fallback's share of an Acquire's plans on
-// key, with the capacity of each concurrency plan lowered by the permits
-// of it that this Limiter still holds from its store: their holders still
-// work, and the fallback must not grant their slots again.
-func (l *Limiter) lessHeld(plans []Plan, key string) []Plan {
-	out := slices.Clone(plans)
-	for i := range out {
-		if out[i].Concurrency {
-			out[i].Capacity = max(out[i].Capacity-l.book.heldFrom(key, out[i].Name, l.store), 0)
+// lessHeld returns plans, an Acquire's plans on key, with the capacity of
+// each concurrency plan lowered by the permits of it that this Limiter
+// holds from store from, which the store deciding does not count: their
+// holders still work, and it must not grant their slots again. It
+// returns plans itself if from holds none of them.
+func (l *Limiter) lessHeld(plans []Plan, key string, from Store) []Plan {
+	var out []Plan
+	for i := range plans {
+		if !plans[i].Concurrency {
+			continue
 		}
+		if n := l.book.heldFrom(key, plans[i].Name, from); n > 0 {
+			if out == nil {
+				out = slices.Clone(plans)
+			}
+			out[i].Capacity = max(out[i].Capacity-n, 0)
+		}
+	}
+	if out == nil {
+		return plans
 	}
 	return out
 }
