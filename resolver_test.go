@@ -406,3 +406,78 @@ func BenchmarkResolver(b *testing.B) {
 		}
 	})
 }
+
+// lateStore answers a Take on its inner store at once, but holds the
+// reply of the first Take after hold is set until the channel is closed:
+// a reply in flight.
+type lateStore struct {
+	Store
+	hold atomic.Pointer[chan struct{}]
+}
+
+func (s *lateStore) Take(ctx context.Context, key string, cost int64, plans []Plan) (Result, error) {
+	r, err := s.Store.Take(ctx, key, cost, plans)
+	if late := s.hold.Swap(nil); late != nil {
+		<-*late
+	}
+	return r, err
+}
+
+// A denial under the free tier whose reply arrives after the key moved to
+// gold and back is stale: gold refilled the bucket meanwhile. The cache
+// refuses it, as it refuses one asked before SetPlans or Reset, and the
+// store admits what Peek says remains.
+func TestTierRoundTripRefusesADenialInFlight(t *testing.T) {
+	free := Plan{Name: "api", Capacity: 2, Rate: Per(1, time.Hour)}
+	gold := Plan{Name: "api", Capacity: 10, Rate: 1000}
+	for name, newStore := range clockedStores() {
+		t.Run(name, func(t *testing.T) {
+			ctx := context.Background()
+			inner, advance := newStore(t)
+			s := &lateStore{Store: inner}
+			var isGold atomic.Bool
+			l, err := New(s, []Plan{free}, WithLogger(nil), WithDenialCache(100),
+				WithPlanResolver(func(_ context.Context, _ string, p Plan) (Plan, error) {
+					if isGold.Load() {
+						return gold, nil
+					}
+					return p, nil
+				}))
+			require.NoError(t, err)
+			time.Sleep(time.Millisecond) // off the instant of New: see testDenialCacheSparesTheStore
+			_, err = l.AllowN(ctx, "k", 2)
+			require.NoError(t, err)
+			late := make(chan struct{})
+			s.hold.Store(&late)
+			denied := make(chan Result)
+			go func() {
+				r, _ := l.Allow(ctx, "k")
+				denied <- r
+			}()
+			for s.hold.Load() != nil { // until the store decided the denial
+				time.Sleep(time.Millisecond)
+			}
+			isGold.Store(true)
+			advance(time.Second)
+			r, err := l.Allow(ctx, "k")
+			require.NoError(t, err)
+			require.True(t, r.Allowed, "gold refilled the bucket")
+			isGold.Store(false)
+			close(late)
+			require.False(t, (<-denied).Allowed, "the free tier's denial, in flight until now")
+
+			p, err := l.Peek(ctx, "k")
+			require.NoError(t, err)
+			require.Equal(t, int64(2), p.Remaining, "clamped to the free tier's capacity")
+			admitted := 0
+			for range 6 {
+				r, err := l.Allow(ctx, "k")
+				require.NoError(t, err)
+				if r.Allowed {
+					admitted++
+				}
+			}
+			assert.Equal(t, 2, admitted, "of 6, where Peek said 2 remain")
+		})
+	}
+}

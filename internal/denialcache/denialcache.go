@@ -8,11 +8,14 @@
 // name alone). Two requests of a key conflict when they name a plan of one
 // name with other parameters: the plan changed, and the bucket may have
 // filled under the other parameters, so a request under one forgets the
-// key's denials under the other.
+// key's denials under the other, and refuses the other's denials still in
+// flight.
 package denialcache
 
 import (
+	"hash/maphash"
 	"math"
+	"math/bits"
 	"strings"
 	"sync"
 	"time"
@@ -24,10 +27,32 @@ type Cache[V any] struct {
 	max   int
 	epoch time.Time // the cache's monotonic clock starts here
 
+	seed maphash.Seed
+
 	mu       sync.Mutex
 	keys     map[string][]denial[V] // by caller's key
 	forgotAt int64                  // when Forget last ran, on the cache's clock
+	asks     []ask                  // by hash of key and plan name; a power of two
 }
+
+// ask is the last request the cache saw of the keys and plan names that
+// hash to it: which plan item it named, and when it last saw a request
+// name another item than the one before (changed), so that a denial asked
+// before then, which may predate a request under another plan of its
+// name, is refused. Keys and names that share a slot only make the cache
+// refuse more: a denial not remembered costs one store call.
+type ask struct {
+	item    uint64 // hash of the key and the plan item
+	changed int64  // on the cache's clock, after every last before it
+	last    int64  // the latest time a request of the slot was sent, or changed
+}
+
+// Slots of asks: enough that few requests of other keys and names share
+// one while a request is in flight, at 24 bytes each.
+const (
+	minAsks = 64
+	maxAsks = 4096
+)
 
 type denial[V any] struct {
 	plans string // the plan names asked
@@ -51,7 +76,15 @@ const MaxPerKey = 4
 func New[V any](max int, epoch time.Time) *Cache[V] {
 	// forgotAt starts before any reading of the clock, so that a denial
 	// asked at the cache's first instant is kept.
-	return &Cache[V]{max: max, epoch: epoch, keys: make(map[string][]denial[V]), forgotAt: -1}
+	return &Cache[V]{max: max, epoch: epoch, keys: make(map[string][]denial[V]), forgotAt: -1,
+		seed: maphash.MakeSeed(), asks: make([]ask, askSlots(max))}
+}
+
+// askSlots returns the number of slots of asks for a cache of keys keys:
+// the power of two at or above keys, within minAsks and maxAsks.
+func askSlots(keys int) int {
+	n := 1 << bits.Len(uint(max(keys-1, 0)))
+	return min(max(n, minAsks), maxAsks)
 }
 
 // Now reads the cache's clock: monotonic nanoseconds since its epoch.
@@ -63,10 +96,13 @@ func (c *Cache[V]) Now() int64 { return int64(time.Since(c.epoch)) }
 // Only the same plans and cost match: a costlier request would wait
 // longer, and a cheaper one may pass. A miss copies nothing: the value
 // may be large, and misses are the common case. It forgets the key's
-// denials under plans that conflict with plans, as Supersede does.
+// denials under plans that conflict with plans, as Supersede does, and
+// notes that a request under plans was sent at now: a Put of a conflicting
+// denial asked before it is refused.
 func (c *Cache[V]) Get(key, plans string, cost, now int64, into *V) (asked, until int64, ok bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	c.note(key, plans, now)
 	list := c.supersede(key, plans)
 	for i := range list {
 		d := &list[i]
@@ -81,14 +117,16 @@ func (c *Cache[V]) Get(key, plans string, cost, now int64, into *V) (asked, unti
 // Put remembers a denial that holds until until, of a request sent at
 // asked (both readings of Now), and forgets the key's denials under plans
 // that conflict with plans. A denial asked before the last Forget or
-// ForgetAll may predate a Reset or a change of plans, and is not
-// remembered.
+// ForgetAll may predate a Reset or a change of plans, and one asked before
+// a request of its key under a conflicting plan (Get, Supersede) may
+// predate a fill under that plan: neither is remembered. The request
+// denied must have been looked up (Get) at asked.
 func (c *Cache[V]) Put(key, plans string, cost int64, val V, asked, until int64) {
 	now := c.Now()
 	d := denial[V]{plans: plans, cost: cost, until: until, at: asked, val: val}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if asked <= c.forgotAt {
+	if asked <= c.forgotAt || c.changedAfter(key, plans, asked) {
 		return
 	}
 	list, ok := c.keys[key]
@@ -166,12 +204,57 @@ func (c *Cache[V]) ForgetAll() {
 	c.mu.Unlock()
 }
 
-// Supersede forgets key's denials under plans that conflict with plans:
-// a request under plans went to the store, whose answer is newer.
+// Supersede forgets key's denials under plans that conflict with plans,
+// and refuses those still in flight: a request under plans went to the
+// store, whose answer is newer.
 func (c *Cache[V]) Supersede(key, plans string) {
+	now := c.Now()
 	c.mu.Lock()
+	c.note(key, plans, now)
 	c.supersede(key, plans)
 	c.mu.Unlock()
+}
+
+// note records that a request of key under plans was sent at now. A slot
+// whose last request named another item changes after every time it saw,
+// so that a denial asked before this request, or a request it saw before,
+// is refused; its own denial is kept unless a request of the slot was
+// sent at now or later. Requires c.mu.
+func (c *Cache[V]) note(key, plans string, now int64) {
+	k := maphash.String(c.seed, key)
+	for plans != "" {
+		var item string
+		item, plans, _ = strings.Cut(plans, ",")
+		a, id := c.askOf(k, item)
+		if a.item != id {
+			a.item, a.changed = id, max(now, a.last+1)
+			a.last = a.changed
+		}
+		a.last = max(a.last, now)
+	}
+}
+
+// changedAfter reports whether a slot of key's plans changed after asked:
+// a request under another item of one of its plans may have been sent
+// since. Requires c.mu.
+func (c *Cache[V]) changedAfter(key, plans string, asked int64) bool {
+	k := maphash.String(c.seed, key)
+	for plans != "" {
+		var item string
+		item, plans, _ = strings.Cut(plans, ",")
+		if a, _ := c.askOf(k, item); a.changed > asked {
+			return true
+		}
+	}
+	return false
+}
+
+// askOf returns the slot of the key whose hash is k and the plan named by
+// item, and item's id in it. Requires c.mu.
+func (c *Cache[V]) askOf(k uint64, item string) (*ask, uint64) {
+	name := maphash.String(c.seed, nameOf(item))
+	id := k ^ maphash.String(c.seed, item)
+	return &c.asks[(k^name)&uint64(len(c.asks)-1)], id
 }
 
 // ended is the until of a forgotten denial: it holds at no reading of Now.

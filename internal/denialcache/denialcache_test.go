@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 )
 
 const hour = int64(time.Hour)
@@ -118,4 +119,54 @@ func TestGetAllocatesNothing(t *testing.T) {
 	assert.Zero(t, testing.AllocsPerRun(100, func() { c.Get("k", "api#2/1,daily#100/1", 1, now, &v) }), "a hit")
 	assert.Zero(t, testing.AllocsPerRun(100, func() { c.Get("k", "api#2/1", 2, now, &v) }), "a miss")
 	assert.Zero(t, testing.AllocsPerRun(100, func() { c.Get("k", "api#2/2", 1, now, &v) }), "a conflict")
+}
+
+// A denial in flight while the key was asked under other parameters of a
+// plan, and then under the denial's own again, is stale when it lands:
+// the bucket may have filled under the others, and no entry was there for
+// the request under them to forget.
+func TestRefusesADenialAskedBeforeAConflictingRequest(t *testing.T) {
+	c := New[int](10, time.Now())
+	asked := c.Now()
+	_, _, ok := c.Get("k", "api#2/1", 1, asked, new(int))
+	require.False(t, ok)
+	_, _, ok = c.Get("k", "api#10/5", 1, c.Now(), new(int)) // the gold tier
+	require.False(t, ok)
+	_, _, ok = c.Get("k", "api#2/1", 1, c.Now(), new(int)) // back to free
+	require.False(t, ok)
+	c.Put("k", "api#2/1", 1, 0, asked, asked+hour)
+	_, _, ok = c.Get("k", "api#2/1", 1, c.Now(), new(int))
+	assert.False(t, ok, "refused: asked before the gold tier's request")
+
+	now := c.Now()
+	_, _, ok = c.Get("k", "api#2/1", 1, now, new(int))
+	require.False(t, ok)
+	c.Supersede("k", "api#10/5,daily#100/1") // a read of a chain under gold
+	c.Put("k", "api#2/1", 1, 0, now, now+hour)
+	_, _, ok = c.Get("k", "api#2/1", 1, c.Now(), new(int))
+	assert.False(t, ok, "refused: asked before a read under gold")
+
+	// The gold request read the clock first but reached the cache last:
+	// its store call may come after the free tier's.
+	gold, free := c.Now(), c.Now()+1
+	c.Get("k", "api#2/1", 1, free, new(int))
+	c.Get("k", "api#10/5", 1, gold, new(int))
+	c.Put("k", "api#2/1", 1, 0, free, free+hour)
+	_, _, ok = c.Get("k", "api#2/1", 1, c.Now(), new(int))
+	assert.False(t, ok, "refused: the gold request reached the cache after it")
+}
+
+// Requests under the same parameters, or of other keys, or under plans
+// of other names, leave a denial in flight alone.
+func TestKeepsADenialInFlightBesideRequestsThatDoNotConflict(t *testing.T) {
+	c := New[int](10, time.Now())
+	asked := c.Now()
+	c.Get("k", "api#2/1", 1, asked, new(int))
+	c.Get("k", "api#2/1", 3, c.Now(), new(int))
+	c.Get("k", "api#2/1,daily#100/1", 1, c.Now(), new(int))
+	c.Put("k", "api#2/1", 1, 7, asked, asked+hour)
+	var v int
+	_, _, ok := c.Get("k", "api#2/1", 1, c.Now(), &v)
+	assert.True(t, ok)
+	assert.Equal(t, 7, v)
 }
