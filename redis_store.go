@@ -321,7 +321,8 @@ var maxWait = 2 * maxRefillPeriod.Microseconds()
 // the bucket of bucket plan i in buckets[i], as stored, and the state of
 // window plan i in windows[i]. A stamp after now (Redis TIME stepped back)
 // or tokens above a capacity that shrank are for Refill to judge, as the
-// next decision will.
+// next decision will; but a bucket that an allowed take took from was
+// refilled, so a stamp more than the longest refill after now is an error.
 func parseReply(buckets []TokenBucket, windows []planState, reply any, plans []Plan, cost int64) (allowed bool, now int64, wd uint64, err error) {
 	var stack [2 + 4*4]int64
 	vals, err := replyInts(stack[:0], reply, replyLen(plans))
@@ -346,6 +347,12 @@ func parseReply(buckets []TokenBucket, windows []planState, reply any, plans []P
 			continue
 		}
 		if !p.isWindow() {
+			// A bucket taken from was refilled first: its stamp is at
+			// most a full refill after now, and the waits told from it
+			// fit a time.Duration.
+			if taken := allowed && cost > 0 && wd&(1<<i) == 0; taken && vals[1]-now > maxRefillPeriod.Microseconds() {
+				return false, 0, 0, fmt.Errorf("%w: a bucket's stamp is out of range", redisscript.ErrBadReply)
+			}
 			buckets[i] = TokenBucket{Tokens: vals[0], Stamp: vals[1]}
 			vals = vals[2:]
 			continue

@@ -357,8 +357,9 @@ type replyReader struct{ b []byte }
 
 // wellFormed is parseReply's contract, written independently: an array of
 // 2+2n integers, a flag of 0 or 1, each bucket's tokens within 0 and its
-// plan's capacity.
-func wellFormed(reply any, plans []Plan) bool {
+// plan's capacity, and, after a take allowed, each bucket's stamp at most
+// the longest refill after now.
+func wellFormed(reply any, plans []Plan, cost int64) bool {
 	arr, ok := reply.([]any)
 	if !ok || len(arr) != replyLen(plans) {
 		return false
@@ -376,6 +377,9 @@ func wellFormed(reply any, plans []Plan) bool {
 	now, vals := arr[1].(int64), arr[2:]
 	for _, p := range plans {
 		if !p.isWindow() {
+			if arr[0] == int64(1) && cost > 0 && vals[1].(int64)-now > maxRefillPeriod.Microseconds() {
+				return false
+			}
 			vals = vals[2:]
 			continue
 		}
@@ -420,7 +424,7 @@ func FuzzParseReply(f *testing.F) {
 		reply := r.value(plans, 0)
 		buckets, windows := make([]TokenBucket, len(plans)), make([]planState, len(plans))
 		allowed, now, _, err := parseReply(buckets, windows, reply, plans, cost)
-		if !wellFormed(reply, plans) {
+		if !wellFormed(reply, plans, cost) {
 			if !errors.Is(err, redisscript.ErrBadReply) {
 				t.Fatalf("reply %#v for %d plans: err %v, want redisscript.ErrBadReply", reply, len(plans), err)
 			}
@@ -1757,5 +1761,25 @@ func TestRedisStoreRefusesATypedNilClient(t *testing.T) {
 			_, err = New(s, testPlans)
 			assert.ErrorIs(t, err, ErrInvalidOption, "given to New")
 		})
+	}
+}
+
+// TestAllowedReplyWithAStampFarAheadIsBadReply: a take the script allowed
+// refilled its bucket first, so the bucket it replies has a stamp at most
+// a full refill after now. A reply that says otherwise is not a decision
+// the script made: it must be ErrBadReply, not a Result whose waits wrap
+// around an int64 of nanoseconds.
+func TestAllowedReplyWithAStampFarAheadIsBadReply(t *testing.T) {
+	slow := Plan{Name: "slow", Capacity: 1, Rate: 1 / maxRefillPeriod.Seconds()} // a token a century
+	for _, stamp := range []int64{t0 + maxRefillPeriod.Microseconds() + 1, 1 << 53} {
+		buckets := make([]TokenBucket, 1)
+		reply := []any{int64(1), t0, int64(0), stamp}
+		allowed, now, wd, err := parseReply(buckets, make([]planState, 1), reply, []Plan{slow}, 1)
+		if err == nil {
+			r := newResult(&outcome{plans: []Plan{slow}, buckets: buckets, now: now, cost: 1, allowed: allowed, wd: wd})
+			t.Errorf("stamp %d µs ahead: accepted, ResetAfter %v", stamp-t0, r.ResetAfter)
+			continue
+		}
+		assert.ErrorIs(t, err, redisscript.ErrBadReply)
 	}
 }
