@@ -112,7 +112,7 @@ func (f *Function) Run(ctx context.Context, c Client, keys []string, args ...any
 	case refusedBeforeRunning(err):
 		return f.script.Run(ctx, c, keys, args...)
 	}
-	return nil, Sanitize(err)
+	return nil, failed(err)
 }
 
 // reload loads the library on c, for a call that found it missing, and
@@ -132,7 +132,7 @@ func (f *Function) reload(ctx context.Context, c Client, keys []string, args []a
 		return f.script.Run(ctx, c, keys, args...)
 	}
 	if err != nil {
-		return nil, Sanitize(err)
+		return nil, failed(err)
 	}
 	return reply, nil
 }

@@ -277,3 +277,24 @@ func TestErrorKinds(t *testing.T) {
 	assert.False(t, notLoaded(context.Canceled))
 	assert.False(t, noFunctions(fmt.Errorf("dial: unknown command")))
 }
+
+// TestFunctionNilReplyIsBadReply: a function or its script that replies
+// nil is ErrBadReply, as a script's nil reply is.
+func TestFunctionNilReplyIsBadReply(t *testing.T) {
+	mr := miniredis.RunT(t) // no functions: its script runs
+	c := redis.NewClient(&redis.Options{Addr: mr.Addr(), MaxRetries: -1})
+	t.Cleanup(func() { _ = c.Close() })
+	f := NewLibrary("test_nil", "", Entry{Name: "nil", Body: "return nil"})[0]
+	for range 2 {
+		_, err := f.Run(context.Background(), c, []string{"k"})
+		assert.ErrorIs(t, err, ErrBadReply, "got %v", err)
+	}
+	if redistest.Available() {
+		rc := redistest.NewClient(t, &redis.Options{Addr: redistest.StartServer(t).Addr(), MaxRetries: -1})
+		f := NewLibrary("test_nil", "", Entry{Name: "nil", Body: "return nil"})[0]
+		for range 2 {
+			_, err := f.Run(context.Background(), rc, []string{"k"})
+			assert.ErrorIs(t, err, ErrBadReply, "FCALL: got %v", err)
+		}
+	}
+}

@@ -52,9 +52,19 @@ func (s *Script) Run(ctx context.Context, c redis.Scripter, keys []string, args 
 		reply, err = c.Eval(ctx, s.src, keys, args...).Result()
 	}
 	if err != nil {
-		return nil, Sanitize(err)
+		return nil, failed(err)
 	}
 	return reply, nil
+}
+
+// failed returns the error of a script or function call that failed with
+// err: ErrBadReply for a nil reply (the Lua code returned nil or false),
+// which go-redis hands over as redis.Nil, else Sanitize's.
+func failed(err error) error {
+	if errors.Is(err, redis.Nil) {
+		return fmt.Errorf("%w: nil", ErrBadReply)
+	}
+	return Sanitize(err)
 }
 
 // Error is an error Redis answered, reduced to its class: the first word of
@@ -71,15 +81,15 @@ func (e *Error) Error() string { return "redis answered " + e.Class }
 
 // Sanitize replaces an error Redis answered with its class, for any
 // command. Errors that did not come from Redis's reply (the network, the
-// context, go-redis's own such as a closed client) hold no argument and
-// are kept, so that callers can still tell a timeout or a cancellation.
-// nil stays nil.
+// context, go-redis's own such as a closed client), and redis.Nil, a nil
+// reply rather than an error, hold no argument and are kept, so that
+// callers can still tell a timeout or a cancellation. nil stays nil.
 func Sanitize(err error) error {
 	if err == nil {
 		return nil
 	}
 	var rerr redis.Error
-	if !errors.As(err, &rerr) {
+	if !errors.As(err, &rerr) || errors.Is(err, redis.Nil) {
 		return err
 	}
 	var nerr net.Error

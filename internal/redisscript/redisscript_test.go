@@ -69,6 +69,7 @@ func TestSanitize(t *testing.T) {
 		{fakeRedisError("ALICE is no class Redis answers"), "redis answered ERR"},
 		{timeout, timeout.Error()},
 		{context.Canceled, "context canceled"},
+		{redis.Nil, "redis: nil"},
 	} {
 		got := Sanitize(tc.in)
 		assert.Equal(t, tc.want, got.Error(), "%v", tc.in)
@@ -88,5 +89,20 @@ func TestInts(t *testing.T) {
 	} {
 		_, err := Ints(nil, bad, 2)
 		assert.ErrorIs(t, err, ErrBadReply, "%v", bad)
+	}
+}
+
+// TestRunNilReplyIsBadReply: a script that replies nil (Lua's nil or
+// false) gave no reply of the expected shape: go-redis hands that over as
+// redis.Nil, which is ErrBadReply, not an error Redis answered.
+func TestRunNilReplyIsBadReply(t *testing.T) {
+	mr := miniredis.RunT(t)
+	c := redis.NewClient(&redis.Options{Addr: mr.Addr(), MaxRetries: -1})
+	t.Cleanup(func() { _ = c.Close() })
+	for _, src := range []string{"return nil", "return false"} {
+		_, err := New(src).Run(context.Background(), c, []string{"k"})
+		assert.ErrorIs(t, err, ErrBadReply, "%s: got %v", src, err)
+		var rerr *Error
+		assert.False(t, errors.As(err, &rerr), "%s: %v is no error Redis answered", src, err)
 	}
 }
