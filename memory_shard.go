@@ -67,12 +67,12 @@ func (s *memShard) drop(e *memEntry, i int) {
 // nothing back, or else the one that would get back the fewest tokens,
 // per µs it has been away, if it returned after as long again. A key that
 // a decision holds at that moment is in use and stays, unless every key
-// sampled is held: then it waits for each and chooses among them by the
-// same rule. A key holding live permits is never dropped, since its
-// permits would read as free while their holders work: while every key
-// sampled holds some, it samples on, and if every key it finds does, it
-// drops none and the shard holds one key more than its bound. Requires
-// s.mu.
+// sampled that it may drop is held: then it waits for each and chooses
+// among them by the same rule. A key holding live permits is never
+// dropped, since its permits would read as free while their holders
+// work: while every key sampled holds some, it samples on, and if every
+// key it finds does, it drops none and the shard holds one key more than
+// its bound. Requires s.mu.
 func (s *memShard) evict(now int64) *memEntry {
 	t := s.table.Load()
 	v := victim{harm: math.Inf(1)}
@@ -90,7 +90,7 @@ func (s *memShard) evict(now int64) *memEntry {
 			}
 		}
 	}
-	if v.e == nil { // every key sampled is held: wait for them
+	if v.e == nil || v.harm == holdsPermits { // every key it may drop is held: wait for them
 		// A decision that holds an entry waits for nothing, and none can
 		// come to hold a second one: waiting for each in turn is safe.
 		for _, b := range v.busy[:v.nbusy] {
