@@ -32,11 +32,18 @@ func (s *memShard) init() {
 // insert adds an entry for key, of hash h, with room for n plans, and
 // returns it, locked. A shard at its bound of perCap keys evicts one
 // first and reuses its entry, so that the copy of key is the only
-// allocation. Requires s.mu, and key absent.
+// allocation. A shard above its bound, which keys holding permits kept
+// it past, evicts one more, so that it comes back to its bound once their
+// permits end. Requires s.mu, and key absent.
 func (s *memShard) insert(key string, h uint64, n, perCap int, now int64) *memEntry {
 	var e *memEntry
 	if s.n >= perCap {
 		e = s.evict(now)
+	}
+	if e != nil && s.n >= perCap {
+		if extra := s.evict(now); extra != nil {
+			extra.mu.Unlock() // dropped: a decision that finds it looks again
+		}
 	}
 	if e == nil {
 		e = newMemEntry(n)

@@ -188,3 +188,30 @@ func TestMemoryStoreInsertWaitsForAHeldKeyBesidePermits(t *testing.T) {
 	<-done
 	assert.Equal(t, 2, m.Len(), "keys held by a store of 2, one of them holding permits")
 }
+
+// TestMemoryStoreReturnsToItsBoundOncePermitsEnd fills a store of one
+// shard of 64 keys with 128 keys holding permits, which it keeps past its
+// bound, releases them all, and lets new keys arrive: the store must
+// come back to its bound, as it holds no permits any more, rather than
+// trade each newcomer for one released key and stay 64 keys above it.
+func TestMemoryStoreReturnsToItsBoundOncePermitsEnd(t *testing.T) {
+	ctx := context.Background()
+	m := NewMemoryStore(WithMaxKeys(minShardKeys))
+	one := []Plan{{Name: "c", Capacity: 1, Concurrency: true}}
+	for i := range 2 * minShardKeys {
+		r, err := m.decide(ctx, op{key: fmt.Sprint("k", i), n: 1, mode: modeAcquire, plans: one, grant: &permit{id: "a", lease: time.Hour}})
+		require.NoError(t, err)
+		require.True(t, r.Allowed)
+	}
+	require.Equal(t, 2*minShardKeys, m.Len(), "keys holding permits stay")
+	for i := range 2 * minShardKeys {
+		_, err := m.permits(ctx, permitOp{key: fmt.Sprint("k", i), plans: one, holders: []permitHolder{{id: "a", n: 1, mask: 1}}})
+		require.NoError(t, err)
+	}
+	bucket := []Plan{{Name: "p", Capacity: 3, Rate: 1}}
+	for i := range 2 * minShardKeys {
+		_, err := m.Take(ctx, fmt.Sprint("new", i), 1, bucket)
+		require.NoError(t, err)
+	}
+	assert.Equal(t, minShardKeys, m.Len(), "keys held by a store of 64 that holds no permits")
+}
