@@ -95,7 +95,7 @@ func TestMemoryStoreStressStaysExact(t *testing.T) {
 		for g := range 8 {
 			wg.Go(func() {
 				rng := rand.New(rand.NewPCG(uint64(g), uint64(maxKeys)))
-				for range 3000 {
+				for range 2000 {
 					k := rng.IntN(3)
 					if n := stressStep(t, m, rng, fmt.Sprint("hot", k), hot, flood, &floods); n > 0 {
 						admitted[k].Add(n)
