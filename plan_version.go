@@ -154,3 +154,39 @@ func resetsByVersion(was, now []Plan, skip uint64, h *planHistory) bool {
 	}
 	return false
 }
+
+// refundScale returns the share of a refund to a hold decided on was that
+// the buckets may take back: at most what the proportional versions of
+// their names, since then (history then) and up to the settlement (now),
+// made of the tokens the hold took, so that a refund gives back no more
+// than the bucket would hold had the hold never taken them. One refund
+// serves every plan of a chain: the least share of the plans, unless bit
+// i of skip leaves plan i alone, so that the other plans may get back
+// less than they lent. 1 if no proportional version came since; 0 if the
+// history cannot tell (the name was forgotten since, or unknown then, or
+// was's plan had no Version, whose bucket kept an older capacity).
+func refundScale(was []Plan, skip uint64, then, now *planHistory) float64 {
+	share := 1.0
+	for i := range was {
+		if skip&(1<<i) != 0 {
+			continue
+		}
+		a, b := then.byName[was[i].Name], now.byName[was[i].Name]
+		switch {
+		case a.born == b.born && a.props == b.props:
+			continue // no proportional version since
+		case a.born == 0 || a.born != b.born || was[i].Version == 0:
+			return 0
+		}
+		share = min(share, b.scale/a.scale)
+	}
+	return share
+}
+
+// scaleRefund returns refund tokens × share, rounded down to a token.
+func scaleRefund(refund int64, share float64) int64 {
+	if share >= 1 {
+		return refund
+	}
+	return int64(math.Floor(float64(refund) * share))
+}

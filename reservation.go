@@ -23,8 +23,9 @@ type Reservation struct {
 	n      int64
 	result Result
 	hold   hold
-	as     string // the key a plan resolver was given for it (ResolveAs); "" for key
-	resets uint64 // the Limiter's count of Resets before the hold was taken (resetMarks.taken)
+	as     string     // the key a plan resolver was given for it (ResolveAs); "" for key
+	resets uint64     // the Limiter's count of Resets before the hold was taken (resetMarks.taken)
+	table  *planTable // the Limiter's plans before the hold was taken: their history (refundScale)
 
 	mu      sync.Mutex
 	settled bool
@@ -125,7 +126,7 @@ func (r *Reservation) request() *request {
 // newReservation returns a reservation of n tokens of key, for decide to
 // fill in.
 func (l *Limiter) newReservation(key string, n int64) *Reservation {
-	return &Reservation{l: l, key: key, n: n, resets: l.resets.taken(), hold: hold{ttl: l.holdTTL, backs: &l.backs}}
+	return &Reservation{l: l, key: key, n: n, resets: l.resets.taken(), table: l.table.Load(), hold: hold{ttl: l.holdTTL, backs: &l.backs}}
 }
 
 // held counts r, decided, if it was granted, and notes the plans it took
@@ -210,7 +211,14 @@ func (r *Reservation) Result() Result {
 // the bucket as Reset does, that is in force at Settle or that the
 // Limiter's plans (New, SetPlans) held at any time, even one replaced
 // before it wrote the bucket: plans taken back to a lower version refund
-// nothing to the reservations taken under it.
+// nothing to the reservations taken under it. Across a plan of its name
+// with InheritProportional and a higher Version, the refund is scaled
+// as the bucket's tokens were, rounded down to a token and never up, so
+// that it gives back no more than the bucket would hold had the
+// reservation never taken it; for a chain, by the least scale of its
+// plans, so the others may get back less. It is refunded nothing where
+// the Limiter's plans cannot tell the scale: a plan name forgotten past
+// 4,096 others, or a plan without a Version.
 func (r *Reservation) Settle(ctx context.Context, actual int64) (Settlement, error) {
 	return r.settle(ctx, actual, false)
 }

@@ -28,9 +28,14 @@ func (l *Limiter) settle(ctx context.Context, r *Reservation, actual int64, give
 	order := l.resets.order(r.key)
 	order.RLock()
 	defer order.RUnlock()
-	// Reset, or a new version's reset, filled the buckets without the rest.
-	if l.resets.since(r.key, r.resets) || resetsByVersion(r.hold.plans, o.plans, h.skip, &l.table.Load().history) {
+	// Reset, or a new version's reset, filled the buckets without the rest;
+	// a proportional version scaled what they held, and the refund with it.
+	now := &l.table.Load().history
+	switch {
+	case l.resets.since(r.key, r.resets) || resetsByVersion(r.hold.plans, o.plans, h.skip, now):
 		o.used = max(actual, r.n)
+	case actual < r.n && !h.given:
+		o.used = r.n - scaleRefund(r.n-actual, refundScale(r.hold.plans, h.skip, &r.table.history, now))
 	}
 	if o.used < r.n && l.denials != nil {
 		// A refund may land though its reply is lost (the call failed, the

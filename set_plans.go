@@ -18,20 +18,38 @@ type planTable struct {
 
 // planHistory is what a Limiter's tables held of each plan name, a
 // table's own and every one before it: whether the name is a concurrency
-// plan, which it stays for the Limiter's life, and the highest Version
-// with InheritReset it had, never lowered. Past maxHistoryNames names
-// beyond a table's own, names it no longer holds are forgotten: their
-// kind may change again, and their reset versions fold into floor, which
-// counts for every name. The zero value holds none.
+// plan, which it stays for the Limiter's life, the highest Version with
+// InheritReset it had, never lowered, and how far its proportional
+// versions scaled a bucket's tokens at most (nameHistory). Past
+// maxHistoryNames names beyond a table's own, names it no longer holds
+// are forgotten: their kind may change again, their reset versions fold
+// into floor, which counts for every name, and their scale starts anew,
+// under a new birth. The zero value holds none.
 type planHistory struct {
 	byName map[string]nameHistory
 	floor  uint32
+	births uint64 // the names first seen, or seen again once forgotten
 }
 
 // nameHistory is what a Limiter's tables held of one plan name.
 type nameHistory struct {
 	concurrency bool
 	reset       uint32 // the highest Version with InheritReset; 0 if none
+
+	// born numbers the name's history, anew once it was forgotten: a
+	// scale of another birth tells nothing of this one's.
+	born uint64
+	// version is the highest Version the name had; top the largest
+	// Capacity of its versioned plans since its last proportional version
+	// (that one's included), 0 if none: the most a bucket's last
+	// versioned capacity may be; props counts its proportional versions.
+	version, props uint32
+	top            int64
+	// scale is the product, over the name's proportional versions, of
+	// the new Capacity over top, each at most 1: at most what those
+	// versions made of a token held since the first, though a key's
+	// bucket met only some of them. 1 at birth.
+	scale float64
 }
 
 // maxHistoryNames bounds the plan names whose history a table carries
@@ -43,28 +61,56 @@ func (h *planHistory) resetOf(name string) uint32 {
 	return max(h.byName[name].reset, h.floor)
 }
 
+// under returns e after a table held plan p of its name, as a bucket
+// takes a plan of a higher Version: a proportional one scales it.
+func (e nameHistory) under(p *Plan) nameHistory {
+	e.concurrency = p.Concurrency
+	if p.Inherit == InheritReset {
+		e.reset = max(e.reset, p.Version)
+	}
+	if p.Version == 0 {
+		return e
+	}
+	switch {
+	case p.Version > e.version && p.Inherit == InheritProportional:
+		if e.top > 0 { // else the bucket scales by its own capacity: 1
+			e.scale *= min(1, float64(p.Capacity)/float64(e.top))
+		}
+		e.top = p.Capacity
+		e.props++
+	default:
+		e.top = max(e.top, p.Capacity)
+	}
+	e.version = max(e.version, p.Version)
+	return e
+}
+
 // historyAfter returns the history of a table of plans that replaces old
 // (nil at New).
 func historyAfter(old *planTable, plans []Plan) planHistory {
 	next := planHistory{byName: make(map[string]nameHistory, len(plans))}
+	if old != nil {
+		next.floor, next.births = old.history.floor, old.history.births
+	}
 	for i := range plans {
-		p, e := &plans[i], next.byName[plans[i].Name]
-		e.concurrency = p.Concurrency
-		if p.Inherit == InheritReset {
-			e.reset = max(e.reset, p.Version)
+		p := &plans[i]
+		e, ok := nameHistory{}, false
+		if old != nil {
+			e, ok = old.history.byName[p.Name]
 		}
-		next.byName[p.Name] = e
+		if !ok {
+			next.births++
+			e = nameHistory{born: next.births, scale: 1}
+		}
+		next.byName[p.Name] = e.under(p)
 	}
 	if old == nil {
 		return next
 	}
-	next.floor = old.history.floor
 	own := len(next.byName)
 	for name, e := range old.history.byName {
-		switch n, kept := next.byName[name]; {
+		switch _, kept := next.byName[name]; {
 		case kept:
-			n.reset = max(n.reset, e.reset)
-			next.byName[name] = n
 		case len(next.byName) < own+maxHistoryNames:
 			next.byName[name] = e
 		default:

@@ -320,3 +320,38 @@ func TestAPlanKeepsItsKindAcrossATableWithoutIt(t *testing.T) {
 	require.NoError(t, l.SetPlans([]Plan{testPlans[0]}))
 	assert.ErrorIs(t, l.SetPlans([]Plan{testPlans[0], inflight}), ErrInvalidPlan, "given back as a concurrency plan")
 }
+
+// TestProportionalScaleForgottenVoidsTheRefund: a name pushed out of the
+// history by maxHistoryNames others, and back, starts its scale anew,
+// which tells nothing of the reservations taken before: their refunds are
+// void. So are those of a plan without a Version across a proportional
+// version, whose bucket kept the capacity of a version before it; one
+// across no proportional version is whole.
+func TestProportionalScaleForgottenVoidsTheRefund(t *testing.T) {
+	p := Plan{Name: "p", Capacity: 100, Rate: 1, Version: 1}
+	half := Plan{Name: "p", Capacity: 50, Rate: 1, Version: 2, Inherit: InheritProportional}
+	then := &planTable{plans: []Plan{p}, history: historyAfter(nil, []Plan{p})}
+	away := then
+	for round := 0; round < 64; round++ { // each round keeps some of the names before it, at random
+		if _, kept := away.history.byName["p"]; !kept {
+			break
+		}
+		others := make([]Plan, maxHistoryNames)
+		for i := range others {
+			others[i] = Plan{Name: fmt.Sprint(round, "/", i), Capacity: 1, Rate: 1}
+		}
+		away = &planTable{plans: others, history: historyAfter(away, others)}
+	}
+	_, kept := away.history.byName["p"]
+	require.False(t, kept, "forgotten")
+	back := historyAfter(away, []Plan{half})
+	assert.Zero(t, refundScale([]Plan{p}, 0, &then.history, &back), "forgotten, then proportional")
+	again := historyAfter(then, []Plan{half})
+	assert.Equal(t, 0.5, refundScale([]Plan{p}, 0, &then.history, &again))
+	assert.Equal(t, 1.0, refundScale([]Plan{p}, 1, &then.history, &again), "plan 0 left alone")
+	unversioned := p
+	unversioned.Version = 0
+	assert.Zero(t, refundScale([]Plan{unversioned}, 0, &then.history, &again))
+	same := historyAfter(then, []Plan{p})
+	assert.Equal(t, 1.0, refundScale([]Plan{unversioned}, 0, &then.history, &same))
+}
