@@ -2,6 +2,8 @@ package tollgate
 
 import (
 	"context"
+	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -712,4 +714,200 @@ func TestBatchLeaderThatGivesUpIsNotHeld(t *testing.T) {
 	r, err := s.Take(context.Background(), "a", 0, []Plan{gold})
 	require.NoError(t, err)
 	assert.Equal(t, gold.Capacity-1, r.Remaining, "the leader's sent decision took once")
+}
+
+// twinStep is one decision of TestBatchedLimiterAnswersAsUnbatched: it
+// decides on l and returns what its caller sees, every field of it.
+type twinStep func(ctx context.Context, l *Limiter) (any, error)
+
+// twinSeen is what a caller sees of a decision: its Result, its plans'
+// results, and for a Reserve or an Acquire whether it holds.
+type twinSeen struct {
+	OK     bool
+	Result Result
+	Plans  []PlanResult
+}
+
+func twinTake(key string, cost int64, plans ...string) twinStep {
+	return func(ctx context.Context, l *Limiter) (any, error) {
+		r, err := l.AllowN(ctx, key, cost, plans...)
+		return twinSeen{OK: r.Allowed, Result: r, Plans: r.PlanResults()}, err
+	}
+}
+
+func twinPeek(key string, n int64, plans ...string) twinStep {
+	return func(ctx context.Context, l *Limiter) (any, error) {
+		r, err := l.PeekN(ctx, key, n, plans...)
+		return twinSeen{OK: r.Allowed, Result: r, Plans: r.PlanResults()}, err
+	}
+}
+
+func twinReserve(key string, n int64, plans ...string) twinStep {
+	return func(ctx context.Context, l *Limiter) (any, error) {
+		res, err := l.Reserve(ctx, key, n, plans...)
+		if err != nil {
+			return nil, err
+		}
+		return twinSeen{OK: res.OK(), Result: res.Result(), Plans: res.Result().PlanResults()}, nil
+	}
+}
+
+func twinAcquire(key string, n int64, plans ...string) twinStep {
+	return func(ctx context.Context, l *Limiter) (any, error) {
+		p, err := l.Acquire(ctx, key, n, plans...)
+		if err != nil {
+			return nil, err
+		}
+		return twinSeen{OK: p.OK(), Result: p.Result(), Plans: p.Result().PlanResults()}, nil
+	}
+}
+
+// twinLimiters returns two Limiters on plans, each on a Redis of its
+// own, miniredis or, with real, a redis-server: the first on a batching
+// store, the second on one that sends each decision alone; and a function
+// that sets both Redis clocks to now, in µs, at t0 at first. Suppressed
+// plans draw alike on both.
+func twinLimiters(t *testing.T, plans []Plan, real bool) (batched, alone *Limiter, bs *RedisStore, setNow func(now int64)) {
+	t.Helper()
+	var ls [2]*Limiter
+	var clocks [2]func(now int64)
+	for i, opts := range [][]Option{nil, {WithoutBatching()}} {
+		var c *redis.Client
+		if real {
+			c = redistest.StartServer(t).Client(t)
+		} else {
+			mr := miniredis.RunT(t)
+			c = redistest.NewClient(t, &redis.Options{Addr: mr.Addr(), MaxRetries: -1})
+			clocks[i] = func(now int64) { mr.SetTime(time.UnixMicro(now)) }
+		}
+		s := NewRedisStore(c, opts...)
+		s.random = sameDraws()
+		if real {
+			clocks[i] = func(now int64) { s.scripts = fixedClockScripts(t, now); resetBatchScripts(s) }
+		}
+		if i == 0 {
+			bs = s
+		}
+		l, err := New(s, plans, WithLogger(nil), WithDenialCache(0))
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = l.Close() })
+		ls[i] = l
+	}
+	setNow = func(now int64) { clocks[0](now); clocks[1](now) }
+	setNow(t0)
+	return ls[0], ls[1], bs, setNow
+}
+
+// fixedClockScripts returns a store's decision scripts with Redis TIME
+// replaced by now, in µs, so that a real Redis decides as at that instant.
+func fixedClockScripts(t *testing.T, now int64) *decisionScripts {
+	t.Helper()
+	const line = "  local time = redis.call('TIME')\n"
+	require.Equal(t, 1, strings.Count(luaBucket, line), "bucket.lua reads TIME in readClock")
+	return decisionScriptsOn(strings.Replace(luaBucket, line,
+		fmt.Sprintf("  local time = {'%d', '%d'}\n", now/1_000_000, now%1_000_000), 1))
+}
+
+// resetBatchScripts has s's batcher, if any, run s's scripts.
+func resetBatchScripts(s *RedisStore) {
+	if s.batch != nil {
+		s.batch.scripts = s.scripts
+	}
+}
+
+// twinRound sends steps as one batch on batched, and one after the other
+// on alone, and demands that each caller sees the same.
+func twinRound(t *testing.T, round string, batched, alone *Limiter, bs *RedisStore, steps []twinStep) {
+	t.Helper()
+	ctx := context.Background()
+	seen := make([]any, len(steps))
+	_, errs := batchOf(t, bs, len(steps), func(i int) (Result, error) {
+		var err error
+		seen[i], err = steps[i](ctx, batched)
+		return Result{}, err
+	})()
+	for i, step := range steps {
+		want, err := step(ctx, alone)
+		assert.Equal(t, err, errs[i], "%s, step %d: error", round, i)
+		assert.Equal(t, want, seen[i], "%s, step %d", round, i)
+	}
+}
+
+// TestBatchedLimiterAnswersAsUnbatched runs one sequence of mixed
+// decisions (takes, reads, chains, windows, a suppressed window, shadowed
+// plans, holds, permits, and versions after SetPlans) on two Limiters on
+// fresh stores at the same Redis time: batched on one, each decision
+// alone on the other. Every caller sees the same on both, every field.
+func TestBatchedLimiterAnswersAsUnbatched(t *testing.T) {
+	plans := []Plan{
+		{Name: "gold", Capacity: 4, Rate: 2},
+		{Name: "minute", Capacity: 3, Window: time.Minute},
+		{Name: "sup", Capacity: 2, Window: time.Minute, Suppress: 2},
+		{Name: "conc", Capacity: 2, Concurrency: true},
+		{Name: "shadow", Capacity: 2, Rate: 1, Shadow: true},
+		{Name: "v", Capacity: 4, Rate: 0.5, Version: 1},
+	}
+	for _, env := range []string{"miniredis", "redis"} {
+		t.Run(env, func(t *testing.T) {
+			if env == "redis" {
+				redistest.SkipIfUnavailable(t)
+			}
+			batched, alone, bs, setNow := twinLimiters(t, plans, env == "redis")
+			twinSequence(t, plans, batched, alone, bs, setNow)
+		})
+	}
+}
+
+// twinSequence is TestBatchedLimiterAnswersAsUnbatched on one pair of
+// Limiters.
+func twinSequence(t *testing.T, plans []Plan, batched, alone *Limiter, bs *RedisStore, setNow func(int64)) {
+	twinRound(t, "mixed", batched, alone, bs, []twinStep{
+		twinTake("a", 3, "gold"),
+		twinTake("a", 2, "gold"), // denied: 1 left
+		twinPeek("a", 1, "gold"),
+		twinTake("b", 1, "gold", "minute"),
+		twinTake("b", 3, "gold", "minute"), // the window denies
+		twinPeek("b", 2, "gold", "minute"),
+		twinReserve("c", 2, "gold"),
+		twinReserve("c", 3, "gold"), // denied
+		twinAcquire("p", 1, "conc"),
+		twinAcquire("p", 2, "conc"), // one permit free
+		twinAcquire("p", 1, "conc", "gold"),
+		twinTake("s", 2, "shadow", "gold"),
+		twinTake("s", 2, "shadow", "gold"), // the shadow would deny
+		twinTake("v", 3, "v"),
+		twinTake("w", 1, "sup"),
+		twinTake("w", 1, "sup"),
+		twinTake("w", 1, "sup"),
+		twinTake("w", 1, "sup"),
+	})
+	next := slices.Clone(plans)
+	next[5] = Plan{Name: "v", Capacity: 8, Rate: 0.5, Version: 2, Inherit: InheritProportional}
+	next[0].Capacity = 6
+	for _, l := range []*Limiter{batched, alone} {
+		require.NoError(t, l.SetPlans(next))
+	}
+	setNow(t0 + 700_000)
+	twinRound(t, "after SetPlans", batched, alone, bs, []twinStep{
+		twinPeek("v", 1, "v"),
+		twinTake("v", 1, "v"), // version 2 inherits, once
+		twinTake("v", 1, "v"),
+		twinTake("a", 1, "gold"),
+		twinReserve("c", 1, "gold"),
+		twinAcquire("p", 1, "conc"),
+		twinTake("b", 1, "minute", "gold"),
+		twinTake("s", 1, "gold", "shadow"),
+	})
+	setNow(t0 + 1_300_000)
+	twinRound(t, "lean", batched, alone, bs, []twinStep{ // every one lean: the grouped batch
+		twinTake("a", 1, "gold"),
+		twinTake("a", 2, "gold"),
+		twinTake("a", 2, "gold"),
+		twinPeek("a", 1, "gold"),
+		twinTake("b", 1, "gold"),
+		twinTake("b", 1, "gold"),
+		twinTake("new", 6, "gold"),
+		twinPeek("new", 1, "gold"),
+	})
+	assert.Equal(t, int64(1), bs.scripts.takeMany.Loads(), "the lean round went in one call")
 }
