@@ -911,3 +911,55 @@ func twinSequence(t *testing.T, plans []Plan, batched, alone *Limiter, bs *Redis
 	})
 	assert.Equal(t, int64(1), bs.scripts.takeMany.Loads(), "the lean round went in one call")
 }
+
+// TestBatchedErrorIsItsOwn plants keys of the wrong type and foreign
+// values by hand, the same on both Redis servers of twinLimiters, and
+// decides on them amid good decisions, batched on one and alone on the
+// other: each caller sees the same, so a decision that fails fails no
+// other in its batch, nor changes its answer.
+func TestBatchedErrorIsItsOwn(t *testing.T) {
+	plans := []Plan{
+		{Name: "gold", Capacity: 4, Rate: 2},
+		{Name: "minute", Capacity: 3, Window: time.Minute},
+		{Name: "conc", Capacity: 2, Concurrency: true},
+		{Name: "v", Capacity: 4, Rate: 0.5, Version: 1},
+	}
+	for _, env := range []string{"miniredis", "redis"} {
+		t.Run(env, func(t *testing.T) {
+			if env == "redis" {
+				redistest.SkipIfUnavailable(t)
+			}
+			batched, alone, bs, _ := twinLimiters(t, plans, env == "redis")
+			ctx := context.Background()
+			for _, l := range []*Limiter{batched, alone} {
+				s := l.store.(*RedisStore)
+				require.NoError(t, s.client.RPush(ctx, s.Key("list", "gold"), "x").Err())
+				require.NoError(t, s.client.RPush(ctx, s.Key("list", "minute"), "x").Err())
+				require.NoError(t, s.client.RPush(ctx, s.Key("list", "conc"), "x").Err())
+				require.NoError(t, s.client.RPush(ctx, s.Key("list", "v"), "x").Err())
+				require.NoError(t, s.client.Set(ctx, s.Key("str", "minute"), "foreign", 0).Err())
+				require.NoError(t, s.client.Set(ctx, s.Key("str", "conc"), "foreign", 0).Err())
+				require.NoError(t, s.client.Set(ctx, s.Key("str", "gold"), strings.Repeat("\xff", 14), 0).Err())
+				require.NoError(t, s.client.HSet(ctx, s.Key("hash", "gold"), "v", "w9/9", "1", "x").Err())
+				require.NoError(t, s.client.HSet(ctx, s.Key("hash", "minute"), "v", "junk").Err())
+			}
+			steps := []twinStep{twinTake("a", 1, "gold")}
+			for _, key := range []string{"list", "str", "hash"} {
+				steps = append(steps,
+					twinTake(key, 1, "gold"),
+					twinTake("a", 1, "gold", "minute"),
+					twinTake(key, 1, "minute"),
+					twinTake(key, 1, "gold", "minute"),
+					twinPeek(key, 1, "gold", "minute"),
+					twinReserve(key, 1, "gold"),
+					twinAcquire(key, 1, "conc"),
+					twinTake(key, 1, "v"),
+					twinTake("b", 1, "minute"),
+				)
+			}
+			twinRound(t, "foreign", batched, alone, bs, steps)
+			assert.Equal(t, alone.Stats().StoreErrors, batched.Stats().StoreErrors)
+			t.Logf("store errors: %v", alone.Stats().StoreErrors)
+		})
+	}
+}
