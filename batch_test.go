@@ -19,6 +19,7 @@ import (
 	"github.com/tollgate-go/tollgate/breaker"
 	"github.com/tollgate-go/tollgate/internal/redisscript"
 	"github.com/tollgate-go/tollgate/internal/redistest"
+	"go.uber.org/goleak"
 )
 
 // batchReq is one Take of a batching test.
@@ -962,4 +963,93 @@ func TestBatchedErrorIsItsOwn(t *testing.T) {
 			t.Logf("store errors: %v", alone.Stats().StoreErrors)
 		})
 	}
+}
+
+// TestBatchCallersThatLeaveStrandNothing has 48 callers take, reserve and
+// acquire through a batching Limiter on 2 call slots, most of them with a
+// context that ends within a few ms, while their decisions wait for a
+// slot, ride in a batch or lead one. After: no call slot is held, no
+// decision waits, a decision alone is answered, every token reserved and
+// every permit acquired is back (a hold or an acquire whose caller left
+// was given back), and Close leaves no goroutine of the batcher.
+func TestBatchCallersThatLeaveStrandNothing(t *testing.T) {
+	for _, env := range []string{"miniredis", "redis"} {
+		t.Run(env, func(t *testing.T) {
+			addr := ""
+			if env == "redis" {
+				redistest.SkipIfUnavailable(t)
+				addr = redistest.StartServer(t).Addr()
+			} else {
+				addr = miniredis.RunT(t).Addr()
+			}
+			ignore := goleak.IgnoreCurrent()
+			c := redistest.NewClient(t, &redis.Options{Addr: addr, PoolSize: 2, MaxRetries: -1, ContextTimeoutEnabled: true})
+			s := NewRedisStore(c)
+			plans := []Plan{{Name: "p", Capacity: 1_000_000, Rate: 0.001}, {Name: "conc", Capacity: 10_000, Concurrency: true}}
+			l, err := New(s, plans, WithLogger(nil), WithDenialCache(0), WithFailurePolicy(breaker.FailClosed))
+			require.NoError(t, err)
+			leaveWhileBatched(t, l, 48, 400*time.Millisecond)
+			b := s.batch
+			began := time.Now()
+			defer func() { t.Logf("settled in %v", time.Since(began)) }()
+			assert.Eventually(t, func() bool {
+				b.mu.Lock()
+				defer b.mu.Unlock()
+				return b.inFlight == 0 && len(b.pending) == 0
+			}, 15*time.Second, time.Millisecond, "a call slot is held, or a decision waits")
+			ctx := context.Background()
+			assert.Eventually(t, func() bool {
+				r, err := l.PeekN(ctx, "held", 1, "p")
+				return err == nil && r.Remaining == plans[0].Capacity
+			}, 15*time.Second, 5*time.Millisecond, "every token reserved is back")
+			t.Logf("tokens back after %v", time.Since(began))
+			assert.Eventually(t, func() bool {
+				p, err := l.Acquire(ctx, "held", plans[1].Capacity, "conc")
+				if err != nil || !p.OK() {
+					return false
+				}
+				return p.Release(ctx) == nil
+			}, 15*time.Second, 5*time.Millisecond, "every permit acquired is back")
+			require.NoError(t, l.Close())
+			require.NoError(t, c.Close())
+			goleak.VerifyNone(t, ignore,
+				goleak.IgnoreAnyFunction("github.com/tollgate-go/tollgate/internal/redistest.(*Server).launchLocked.func1"),
+				goleak.IgnoreTopFunction("github.com/redis/go-redis/v9/internal/pool.(*ConnPool).reaper"))
+		})
+	}
+}
+
+// leaveWhileBatched has callers goroutines decide on l for d: takes,
+// reservations and acquisitions of key "held", most with a context that
+// ends within 0 to 3 ms, some cancelled at once. A reservation or an
+// acquisition granted is given back at once.
+func leaveWhileBatched(t *testing.T, l *Limiter, callers int, d time.Duration) {
+	t.Helper()
+	var wg sync.WaitGroup
+	end := time.Now().Add(d)
+	for g := range callers {
+		wg.Go(func() {
+			for i := 0; time.Now().Before(end); i++ {
+				ctx, cancel := context.WithTimeout(context.Background(), time.Duration((g+i)%4)*time.Millisecond)
+				if (g+i)%7 == 0 {
+					cancel()
+				}
+				switch i % 3 {
+				case 0:
+					_, _ = l.AllowN(ctx, "k"+strconv.Itoa(g), 1, "p")
+				case 1:
+					if r, err := l.Reserve(ctx, "held", 3, "p"); err == nil && r.OK() {
+						_, err := r.Cancel(context.Background())
+						assert.NoError(t, err)
+					}
+				case 2:
+					if p, err := l.Acquire(ctx, "held", 2, "conc"); err == nil && p.OK() {
+						assert.NoError(t, p.Release(context.Background()))
+					}
+				}
+				cancel()
+			}
+		})
+	}
+	wg.Wait()
 }
