@@ -3,6 +3,8 @@ package tollgate
 import (
 	"context"
 	"fmt"
+	"net"
+	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -1052,4 +1054,77 @@ func leaveWhileBatched(t *testing.T, l *Limiter, callers int, d time.Duration) {
 		})
 	}
 	wg.Wait()
+}
+
+// lostBatchHook is a go-redis hook that, once armed, lets the next
+// EVALSHA run in Redis and then fails it with a read timeout, as a reply
+// lost on the way back would.
+type lostBatchHook struct{ armed atomic.Bool }
+
+func (*lostBatchHook) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (*lostBatchHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+func (h *lostBatchHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if cmd.Name() != "evalsha" || !h.armed.CompareAndSwap(true, false) {
+			return next(ctx, cmd)
+		}
+		_ = next(ctx, cmd)
+		return &net.OpError{Op: "read", Net: "tcp", Err: os.ErrDeadlineExceeded}
+	}
+}
+
+// TestBatchWhoseReplyIsLost runs a batch of takes, a reservation and an
+// acquisition in Redis and loses its reply: each caller gets the failure
+// policy's answer; the takes were taken once, and the hold and the
+// permits whose callers never learnt of them are given back.
+func TestBatchWhoseReplyIsLost(t *testing.T) {
+	for name, addr := range lostReplyServers() {
+		t.Run(name, func(t *testing.T) {
+			ctx := context.Background()
+			c := redistest.NewClient(t, &redis.Options{Addr: addr(t), MaxRetries: -1})
+			s := NewRedisStore(c, WithKeyPrefix(redistest.KeyPrefix()))
+			plans := []Plan{{Name: "p", Capacity: 100, Rate: 0.0001}, {Name: "conc", Capacity: 3, Concurrency: true}}
+			l, err := New(s, plans, WithLogger(nil), WithDenialCache(0), WithFailurePolicy(breaker.FailClosed),
+				WithBreaker(breaker.Settings{Failures: 100, MinCalls: 100})) // the four failures open no breaker
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = l.Close() })
+			_, errs := batchOf(t, s, 2, func(i int) (Result, error) { // loads the batch script: the next batch is one EVALSHA
+				if i == 0 {
+					return l.AllowN(ctx, "warm", 1, "p")
+				}
+				_, err := l.Reserve(ctx, "warm", 1, "p")
+				return Result{}, err
+			})()
+			require.NoError(t, errs[0])
+			require.NoError(t, errs[1])
+			hook := &lostBatchHook{}
+			c.AddHook(hook)
+			steps := []func() error{
+				func() error { _, err := l.AllowN(ctx, "a", 10, "p"); return err },
+				func() error { _, err := l.Reserve(ctx, "h", 20, "p"); return err },
+				func() error { _, err := l.Acquire(ctx, "q", 2, "conc"); return err },
+				func() error { _, err := l.AllowN(ctx, "a", 5, "p"); return err },
+			}
+			flush := batchOf(t, s, len(steps), func(i int) (Result, error) { return Result{}, steps[i]() })
+			hook.armed.Store(true)
+			_, errs = flush()
+			for i, err := range errs {
+				assert.ErrorIs(t, err, ErrStoreUnavailable, "step %d", i)
+			}
+			require.False(t, hook.armed.Load(), "the batch ran, and its reply was lost")
+			left := func(key string) int64 {
+				r, err := l.PeekN(ctx, key, 1, "p")
+				require.NoError(t, err)
+				return r.Remaining
+			}
+			assert.Equal(t, int64(85), left("a"), "the takes were taken once")
+			assert.Eventually(t, func() bool { return left("h") == 100 }, 10*time.Second, time.Millisecond, "the hold is given back")
+			assert.Eventually(t, func() bool {
+				p, err := l.Acquire(ctx, "q", 3, "conc")
+				return err == nil && p.OK() && p.Release(ctx) == nil
+			}, 10*time.Second, time.Millisecond, "the permits are released")
+		})
+	}
 }
