@@ -2,6 +2,7 @@ package tollgate
 
 import (
 	"context"
+	"errors"
 	"fmt"
 
 	"github.com/tollgate-go/tollgate/internal/bucketvalue"
@@ -81,6 +82,31 @@ func (d *decisionScripts) runMany(ctx context.Context, client redisscript.Client
 	} else {
 		d.limitMany.Run(ctx, client, many)
 	}
+	if refusedForKeys(calls) {
+		for _, c := range calls {
+			c.Reply, c.Err = d.runOne(ctx, client, c)
+		}
+	}
+}
+
+// refusedForKeys reports whether the batch calls was refused as a whole
+// for what may be one decision's alone: NOPERM, which Redis answers
+// before a script call runs when an ACL forbids one of its keys, so that
+// none of it ran. Each decision is then sent alone, so that only those
+// with a forbidden key fail. A NOPERM of one decision inside a batch that
+// ran is its own error, not the batch's, and sends nothing again.
+func refusedForKeys(calls []*scriptCall) bool {
+	err := calls[0].Err
+	var rerr *redisscript.Error
+	if !errors.As(err, &rerr) || rerr.Class != "NOPERM" {
+		return false
+	}
+	for _, c := range calls[1:] {
+		if c.Err != err { // the batch's error is one value, given to each
+			return false
+		}
+	}
+	return true
 }
 
 // loads returns how many times the scripts' and functions' source was

@@ -460,3 +460,28 @@ func FuzzLeanInts(f *testing.F) {
 		assert.Len(t, vals, 4)
 	})
 }
+
+// TestBatchForbiddenKeyFailsNoOther runs a batch, general and lean, in
+// which an ACL forbids one decision's key: Redis refuses the whole script
+// call (NOPERM) before it runs, so the batch is sent again one decision
+// at a time, and only the forbidden one fails, as it would alone.
+func TestBatchForbiddenKeyFailsNoOther(t *testing.T) {
+	srv := redistest.StartServer(t)
+	ctx := context.Background()
+	require.NoError(t, srv.Client(t).Do(ctx, "ACL", "SETUSER", "lim", "on", ">pw",
+		"~tollgate:{a}*", "~tollgate:{b}*", "+@all").Err())
+	c := redistest.NewClient(t, &redis.Options{Addr: srv.Addr(), Username: "lim", Password: "pw", MaxRetries: -1})
+	s := NewRedisStore(c)
+	window := Plan{Name: "w", Capacity: 5, Window: time.Minute}
+	for name, plans := range map[string][]Plan{"general": {gold, window}, "lean": {gold}} {
+		reqs := []batchReq{{"a", 1, plans}, {"forbidden", 1, plans}, {"b", 1, plans}}
+		got, errs := gather(t, s, background(len(reqs)), reqs)()
+		for _, i := range []int{0, 2} {
+			require.NoError(t, errs[i], "%s: request %d", name, i)
+			assert.True(t, got[i].Allowed, "%s: request %d", name, i)
+		}
+		var rerr *redisscript.Error
+		require.ErrorAs(t, errs[1], &rerr, name)
+		assert.Equal(t, "NOPERM", rerr.Class, name)
+	}
+}
