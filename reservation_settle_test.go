@@ -56,16 +56,7 @@ func testRefundWhoseReplyIsLost(t *testing.T, addr string, policy breaker.Failur
 	_, err = warm.Cancel(ctx)
 	require.NoError(t, err)
 
-	r, err := l.Reserve(ctx, "k", 1000)
-	require.NoError(t, err)
-	for range 2 {
-		d, err := l.AllowN(ctx, "k", 10)
-		require.NoError(t, err)
-		require.False(t, d.Allowed)
-	}
-	d, err := l.AllowN(ctx, "k", 10)
-	require.NoError(t, err)
-	require.Equal(t, SourceCache, d.Source, "the denial is remembered")
+	r := reserveAllAndRemember(t, l, "k")
 
 	lost := &lostReplyHook{sha: rs.settleScript.SHA(), ranFirst: true}
 	lost.armed.Store(true)

@@ -409,16 +409,7 @@ func TestRefundForgetsRememberedDenials(t *testing.T) {
 	rs, _, _ := newMiniredisStore(t)
 	l, err := New(rs, []Plan{llm}, WithLogger(nil))
 	require.NoError(t, err)
-	r, err := l.Reserve(ctx, "k", 1000)
-	require.NoError(t, err)
-	for range 2 {
-		d, err := l.AllowN(ctx, "k", 10)
-		require.NoError(t, err)
-		require.False(t, d.Allowed)
-	}
-	d, err := l.AllowN(ctx, "k", 10)
-	require.NoError(t, err)
-	require.Equal(t, SourceCache, d.Source, "the denial is remembered")
+	r := reserveAllAndRemember(t, l, "k")
 	_, err = r.Settle(ctx, 500)
 	require.NoError(t, err)
 	a, err := l.AllowN(ctx, "k", 10)
@@ -1208,4 +1199,22 @@ func TestSettleDuringAnOutageOnARedisFallback(t *testing.T) {
 		assert.Equal(t, int64(200), st.Charged)
 		assert.Equal(t, int64(1000-200*int64(i+1)), st.Remaining, "settlement %d: each excess charged to the fallback", i+1)
 	}
+}
+
+// reserveAllAndRemember reserves the 1,000 tokens of llm on key, and asks
+// for 10 more until the Limiter answers the denial from its cache.
+func reserveAllAndRemember(t *testing.T, l *Limiter, key string) *Reservation {
+	t.Helper()
+	ctx := context.Background()
+	r, err := l.Reserve(ctx, key, 1000)
+	require.NoError(t, err)
+	for range 2 {
+		d, err := l.AllowN(ctx, key, 10)
+		require.NoError(t, err)
+		require.False(t, d.Allowed)
+	}
+	d, err := l.AllowN(ctx, key, 10)
+	require.NoError(t, err)
+	require.Equal(t, SourceCache, d.Source, "the denial is remembered")
+	return r
 }

@@ -145,18 +145,7 @@ func TestTierRoundTripForgetsRememberedDenials(t *testing.T) {
 			require.True(t, r.Allowed, "the upgrade admits at once")
 			isGold.Store(false)
 
-			p, err := l.Peek(ctx, "k")
-			require.NoError(t, err)
-			require.Equal(t, int64(2), p.Remaining, "clamped to the free tier's capacity")
-			admitted := 0
-			for range 6 {
-				r, err := l.Allow(ctx, "k")
-				require.NoError(t, err)
-				if r.Allowed {
-					admitted++
-				}
-			}
-			assert.Equal(t, 2, admitted, "of 6, where Peek said 2 remain")
+			admitsWhatPeekSays(t, l, "k", 2)
 		})
 	}
 }
@@ -466,18 +455,27 @@ func TestTierRoundTripRefusesADenialInFlight(t *testing.T) {
 			close(late)
 			require.False(t, (<-denied).Allowed, "the free tier's denial, in flight until now")
 
-			p, err := l.Peek(ctx, "k")
-			require.NoError(t, err)
-			require.Equal(t, int64(2), p.Remaining, "clamped to the free tier's capacity")
-			admitted := 0
-			for range 6 {
-				r, err := l.Allow(ctx, "k")
-				require.NoError(t, err)
-				if r.Allowed {
-					admitted++
-				}
-			}
-			assert.Equal(t, 2, admitted, "of 6, where Peek said 2 remain")
+			admitsWhatPeekSays(t, l, "k", 2)
 		})
 	}
+}
+
+// admitsWhatPeekSays demands that Peek finds want tokens of key left,
+// clamped to the free tier's capacity, and that 6 Allows then admit
+// exactly want: no denial remembered from another tier refuses them.
+func admitsWhatPeekSays(t *testing.T, l *Limiter, key string, want int64) {
+	t.Helper()
+	ctx := context.Background()
+	p, err := l.Peek(ctx, key)
+	require.NoError(t, err)
+	require.Equal(t, want, p.Remaining, "clamped to the free tier's capacity")
+	var admitted int64
+	for range 6 {
+		r, err := l.Allow(ctx, key)
+		require.NoError(t, err)
+		if r.Allowed {
+			admitted++
+		}
+	}
+	assert.Equal(t, want, admitted, "of 6, where Peek said %d remain", want)
 }
