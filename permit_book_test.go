@@ -466,17 +466,7 @@ func TestPermitsOfARedisFallbackMoveIntoTheStore(t *testing.T) {
 // permits' move into the store.
 func acquireInOutageThenRecover(t *testing.T, l *Limiter, mr *miniredis.Miniredis, n int64) *Permit {
 	t.Helper()
-	ctx := context.Background()
-	mr.SetError("LOADING Redis is loading the dataset in memory")
-	p, err := l.Acquire(ctx, "k", n, "inflight")
-	require.NoError(t, err)
-	require.True(t, p.OK())
-	require.Equal(t, SourceFallback, p.Result().Source)
-	mr.SetError("")
-	require.Eventually(t, func() bool {
-		r, err := l.Peek(ctx, "k", "daily") // the probe that closes the breaker
-		return err == nil && r.Source == SourceStore
-	}, 5*time.Second, 5*time.Millisecond)
+	p := acquireInOutage(t, l, mr, n)
 	require.Eventually(t, func() bool { return l.Stats().Permits.Adopted == 1 }, 5*time.Second, 5*time.Millisecond,
 		"the fallback's permits move into the store")
 	return p
@@ -542,16 +532,7 @@ func TestStoreCountsTheFallbacksPermitsAtOnce(t *testing.T) {
 		WithBreaker(breaker.Settings{Failures: 1, Cooldown: 10 * time.Millisecond}))
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = l.Close() })
-	mr.SetError("LOADING Redis is loading the dataset in memory")
-	p, err := l.Acquire(ctx, "k", 3, "inflight")
-	require.NoError(t, err)
-	require.True(t, p.OK())
-	require.Equal(t, SourceFallback, p.Result().Source)
-	mr.SetError("")
-	require.Eventually(t, func() bool {
-		r, err := l.Peek(ctx, "k", "daily") // the probe that closes the breaker
-		return err == nil && r.Source == SourceStore
-	}, 5*time.Second, 5*time.Millisecond)
+	p := acquireInOutage(t, l, mr, 3)
 
 	q, err := l.Acquire(ctx, "k", 3, "inflight")
 	require.NoError(t, err)
@@ -564,4 +545,23 @@ func TestStoreCountsTheFallbacksPermitsAtOnce(t *testing.T) {
 	require.NoError(t, err)
 	assert.True(t, q.OK(), "released in the fallback, and counted no more")
 	assert.Equal(t, SourceStore, q.Result().Source)
+}
+
+// acquireInOutage acquires n permits of "inflight" on key "k" from l's
+// fallback while mr fails, then heals mr and waits for the probe that
+// closes the breaker.
+func acquireInOutage(t *testing.T, l *Limiter, mr *miniredis.Miniredis, n int64) *Permit {
+	t.Helper()
+	ctx := context.Background()
+	mr.SetError("LOADING Redis is loading the dataset in memory")
+	p, err := l.Acquire(ctx, "k", n, "inflight")
+	require.NoError(t, err)
+	require.True(t, p.OK())
+	require.Equal(t, SourceFallback, p.Result().Source)
+	mr.SetError("")
+	require.Eventually(t, func() bool {
+		r, err := l.Peek(ctx, "k", "daily") // the probe that closes the breaker
+		return err == nil && r.Source == SourceStore
+	}, 5*time.Second, 5*time.Millisecond)
+	return p
 }

@@ -128,15 +128,7 @@ func TestTierRoundTripForgetsRememberedDenials(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			ctx := context.Background()
 			s, advance := newStore(t)
-			var isGold atomic.Bool
-			l, err := New(s, []Plan{free}, WithLogger(nil), WithDenialCache(100),
-				WithPlanResolver(func(_ context.Context, _ string, p Plan) (Plan, error) {
-					if isGold.Load() {
-						return gold, nil
-					}
-					return p, nil
-				}))
-			require.NoError(t, err)
+			l, isGold := tierLimiter(t, s, free, gold)
 			drainAndRemember(t, l, "k")
 			isGold.Store(true)
 			advance(time.Second)
@@ -424,17 +416,9 @@ func TestTierRoundTripRefusesADenialInFlight(t *testing.T) {
 			ctx := context.Background()
 			inner, advance := newStore(t)
 			s := &lateStore{Store: inner}
-			var isGold atomic.Bool
-			l, err := New(s, []Plan{free}, WithLogger(nil), WithDenialCache(100),
-				WithPlanResolver(func(_ context.Context, _ string, p Plan) (Plan, error) {
-					if isGold.Load() {
-						return gold, nil
-					}
-					return p, nil
-				}))
-			require.NoError(t, err)
+			l, isGold := tierLimiter(t, s, free, gold)
 			time.Sleep(time.Millisecond) // off the instant of New: see testDenialCacheSparesTheStore
-			_, err = l.AllowN(ctx, "k", 2)
+			_, err := l.AllowN(ctx, "k", 2)
 			require.NoError(t, err)
 			late := make(chan struct{})
 			s.hold.Store(&late)
@@ -478,4 +462,21 @@ func admitsWhatPeekSays(t *testing.T, l *Limiter, key string, want int64) {
 		}
 	}
 	assert.Equal(t, want, admitted, "of 6, where Peek said %d remain", want)
+}
+
+// tierLimiter returns a Limiter of plan free on s, with a denial cache,
+// whose resolver answers gold for every key while the flag it returns is
+// set.
+func tierLimiter(t *testing.T, s Store, free, gold Plan) (*Limiter, *atomic.Bool) {
+	t.Helper()
+	isGold := new(atomic.Bool)
+	l, err := New(s, []Plan{free}, WithLogger(nil), WithDenialCache(100),
+		WithPlanResolver(func(_ context.Context, _ string, p Plan) (Plan, error) {
+			if isGold.Load() {
+				return gold, nil
+			}
+			return p, nil
+		}))
+	require.NoError(t, err)
+	return l, isGold
 }
